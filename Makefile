@@ -1,0 +1,33 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Each creates the virtual environment and installs what it needs the first time.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.asyncckpt-installed
+
+.PHONY: demo test lint bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[tf,jax,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m asyncckpt.demo
+
+test: $(STAMP)
+	$(BIN)/ruff check asyncckpt tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check asyncckpt tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/asyncckpt bench
+
+bench-quick: $(STAMP)
+	$(BIN)/asyncckpt bench --quick
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,148 @@
+"""Snapshot stage: the pool of host staging slots.
+
+A slot is a set of host buffers large enough for one copy of the training
+state. A save takes a free slot, copies the state into it on the caller's
+thread, and hands it to the background writer, which gives it back once the
+bytes are in files. The pool is the writer/reader semaphore pair of the
+classic design: ``acquire`` waits for a free slot (the writer semaphore), the
+writer's queue plays the reader side.
+
+Buffers are kept from save to save, keyed by a name the framework adapter
+chooses, so the steady state allocates nothing and touches only warm pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_ALIGNMENT = 64  # bytes; cache-line aligned, and what XLA/Eigen expect for zero-copy use.
+
+
+def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
+    """Returns a 1-D uint8 array of ``nbytes`` whose data is 64-byte aligned.
+
+    Args:
+        nbytes: Size of the buffer.
+        prefault: Touch every page now, so the first copy into the buffer does
+            not pay for page faults on the training thread's clock.
+    """
+    raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % _ALIGNMENT
+    buf = raw[offset : offset + nbytes]
+    if prefault and nbytes:
+        buf.fill(0)
+    return buf
+
+
+class Slot:
+    """One set of reusable host buffers, holding at most one staged save."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self._buffers: dict[str, np.ndarray] = {}
+        self._used: set[str] = set()
+
+    def begin(self) -> None:
+        """Starts filling the slot for a new save."""
+        self._used.clear()
+
+    def buffer(self, key: str, shape: Iterable[int], dtype: np.dtype | type) -> np.ndarray:
+        """Returns a writable C-contiguous host buffer for one array.
+
+        The same key with the same byte size gets the same memory back on the
+        next save; a new key or size allocates (and pre-faults) a new buffer.
+
+        Args:
+            key: Stable name of the array within the state.
+            shape: Shape of the array.
+            dtype: NumPy dtype (extension dtypes such as bfloat16 work).
+        """
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = self._buffers.get(key)
+        if raw is None or raw.nbytes != nbytes:
+            raw = aligned_empty(nbytes)
+            self._buffers[key] = raw
+        self._used.add(key)
+        return raw.view(dtype).reshape(shape)
+
+    def trim(self) -> None:
+        """Frees buffers that the save being staged did not use."""
+        for key in [k for k in self._buffers if k not in self._used]:
+            del self._buffers[key]
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by this slot."""
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def clear(self) -> None:
+        """Drops every buffer (used when the pool is closed)."""
+        self._buffers.clear()
+        self._used.clear()
+
+
+class StagingPool:
+    """A fixed number of slots; ``acquire`` blocks while all are in use."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self._slots = [Slot(i) for i in range(num_slots)]
+        self._free = list(self._slots)
+        self._cond = threading.Condition()
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return len(self._slots) - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by all slots."""
+        return sum(s.nbytes for s in self._slots)
+
+    def acquire(self, timeout: float | None = None) -> tuple[Slot, float]:
+        """Takes a free slot, waiting for the writer to release one if needed.
+
+        Returns:
+            The slot and the seconds spent waiting for it.
+
+        Raises:
+            TimeoutError: No slot became free within ``timeout`` seconds.
+        """
+        start = time.perf_counter()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout=timeout):
+                raise TimeoutError(f"no staging slot became free within {timeout} s")
+            # Prefer the most recently released slot: its pages are the warmest.
+            slot = self._free.pop()
+        slot.begin()
+        return slot, time.perf_counter() - start
+
+    def release(self, slot: Slot) -> None:
+        """Returns a slot to the pool once its bytes are safely in files."""
+        with self._cond:
+            if slot in self._free:
+                raise RuntimeError(f"staging slot {slot.index} released twice")
+            self._free.append(slot)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Frees all host buffers."""
+        with self._cond:
+            for slot in self._slots:
+                slot.clear()

@@ -1,0 +1,42 @@
+"""Exceptions raised by asyncckpt.
+
+Each one subclasses the built-in exception a caller would already catch for the
+same situation (a missing file, a bad value), so code written against the
+framework's own checkpoint API keeps working.
+"""
+
+from __future__ import annotations
+
+
+class AsyncCkptError(Exception):
+    """Base class of every error asyncckpt raises on its own account."""
+
+
+class CheckpointNotFoundError(AsyncCkptError, FileNotFoundError):
+    """The checkpoint (or step) asked for does not exist."""
+
+
+class CorruptCheckpointError(AsyncCkptError, ValueError):
+    """A checkpoint's files do not match its manifest.
+
+    Attributes:
+        checkpoint: Path of the checkpoint that failed verification.
+        file: The file that is missing, truncated or corrupt, when known.
+    """
+
+    def __init__(self, message: str, *, checkpoint: str, file: str | None = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.file = file
+
+
+class UnsupportedObjectError(AsyncCkptError, TypeError):
+    """The state holds an object asyncckpt cannot stage to host memory."""
+
+
+class DirectoryLockedError(AsyncCkptError, RuntimeError):
+    """Another live process already writes checkpoints into this directory."""
+
+
+class EngineClosedError(AsyncCkptError, RuntimeError):
+    """A save was requested after the engine was closed."""

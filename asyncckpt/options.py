@@ -1,0 +1,54 @@
+"""Options shared by every asyncckpt front end.
+
+Options are keyword-only frozen dataclasses: they can be shared between
+objects and threads without surprises, and a typo fails at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncOptions:
+    """How saves are staged and written in the background.
+
+    Attributes:
+        num_slots: Host staging slots. A save blocks only for the copy into a
+            free slot; with ``num_slots=2`` a second save can be staged while
+            the first is still being written. Each slot holds one full copy of
+            the state in host memory, so memory use is ``num_slots`` times the
+            state size.
+        fsync: Flush file data and directory entries to stable storage before a
+            checkpoint is made visible. Turning it off trades durability after
+            a power loss for speed; a crashed *process* still never leaves a
+            partial checkpoint.
+        checksums: Compute a CRC32 of every file (in the background writer) and
+            record it in the checkpoint's manifest, so restores can detect
+            corruption.
+        exit_timeout_s: At interpreter exit, how long to wait for in-flight
+            saves to become durable before giving up (with a log line).
+    """
+
+    num_slots: int = 2
+    fsync: bool = True
+    checksums: bool = True
+    exit_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_slots, int) or self.num_slots < 1:
+            raise ValueError(f"num_slots must be a positive int, got {self.num_slots!r}")
+        if self.exit_timeout_s < 0:
+            raise ValueError(f"exit_timeout_s must be >= 0, got {self.exit_timeout_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreOptions:
+    """How a checkpoint is checked before it is restored.
+
+    Attributes:
+        verify_checksums: Recompute every file's CRC32 and compare it with the
+            manifest. File sizes are always checked; this adds one read pass.
+    """
+
+    verify_checksums: bool = True

@@ -1,0 +1,9 @@
+"""TensorFlow front end: drop-ins for ``tf.train.Checkpoint`` and ``CheckpointManager``.
+
+Importing this subpackage imports TensorFlow; ``import asyncckpt`` alone does not.
+"""
+
+from asyncckpt.tf.checkpoint import Checkpoint, verify_checkpoint
+from asyncckpt.tf.manager import CheckpointManager
+
+__all__ = ["Checkpoint", "CheckpointManager", "verify_checkpoint"]

@@ -1,0 +1,122 @@
+"""The background half of a TensorFlow save: write, verify-able commit, callback."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+from collections.abc import Callable
+
+from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine.files import DurableWriter
+from asyncckpt.engine.manifest import Manifest
+from asyncckpt.engine.metrics import SaveStats
+from asyncckpt.options import AsyncOptions
+from asyncckpt.tf._staging import StagedState, write_bundle
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_SUFFIX = ".asyncckpt-manifest.json"
+
+# Called on the writer thread once the checkpoint at `path` is durable.
+CommitCallback = Callable[[str, SaveStats], None]
+
+
+def manifest_path(prefix: str) -> str:
+    """Where the manifest of the TensorFlow checkpoint at ``prefix`` lives."""
+    return prefix + MANIFEST_SUFFIX
+
+
+def checkpoint_files(prefix: str) -> list[str]:
+    """Every file that belongs to the checkpoint at ``prefix``."""
+    files = glob.glob(glob.escape(prefix) + ".data-?????-of-?????")
+    files += [p for p in (prefix + ".index", manifest_path(prefix)) if os.path.lexists(p)]
+    return files
+
+
+def delete_checkpoint(prefix: str) -> None:
+    """Removes a TensorFlow checkpoint, commit marker (the index) first."""
+    for path in [prefix + ".index", *checkpoint_files(prefix)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class TFSaveJob:
+    """Writes one staged TensorFlow state as ``<prefix>.index`` + data + manifest.
+
+    Args:
+        prefix: Final checkpoint prefix (``dir/ckpt-3``).
+        state: The staged values.
+        step: Step recorded in the manifest.
+        options: Engine options (fsync, checksums).
+        on_committed: Called once the checkpoint is durable and visible.
+        extra: Extra manifest data.
+    """
+
+    def __init__(
+        self,
+        *,
+        prefix: str,
+        state: StagedState,
+        step: int | None,
+        options: AsyncOptions,
+        on_committed: CommitCallback | None = None,
+        extra: dict | None = None,
+    ):
+        self.prefix = prefix
+        self.label = os.path.basename(prefix)
+        self.step = step
+        self.nbytes = state.nbytes
+        self._state: StagedState | None = state
+        self._options = options
+        self._on_committed = on_committed
+        self._extra = extra or {}
+        self._dir = os.path.dirname(os.path.abspath(prefix))
+        self._tmp: str | None = None
+
+    def write(self) -> None:
+        self._tmp = commit_lib.make_temp_dir(self._dir, self.label)
+        try:
+            write_bundle(os.path.join(self._tmp, self.label), self._state)
+        finally:
+            self._state = None  # the slot is reused once this returns
+
+    def commit(self, stats: SaveStats) -> None:
+        assert self._tmp is not None
+        writer = DurableWriter(
+            self._tmp, fsync=self._options.fsync, checksums=self._options.checksums
+        )
+        names = sorted(os.listdir(self._tmp))
+        for name in names:
+            writer.add_existing(name)
+        records = writer.finish()
+        manifest = Manifest(
+            framework="tensorflow",
+            label=self.label,
+            step=self.step,
+            files=tuple(records),
+            stats=stats.to_dict(),
+            extra=self._extra,
+        )
+        mname = os.path.basename(manifest_path(self.prefix))
+        commit_lib.write_text_atomic(
+            os.path.join(self._tmp, mname), manifest.to_json(), fsync=self._options.fsync
+        )
+        index = self.label + ".index"
+        data = [n for n in names if n != index]
+        # Writing again under an existing prefix: retire the old checkpoint
+        # (marker first) so no reader ever pairs an old index with new data.
+        delete_checkpoint(os.path.join(self._dir, self.label))
+        commit_lib.publish_files(
+            self._tmp, self._dir, [*data, mname, index], fsync=self._options.fsync
+        )
+        self._tmp = None
+        if self._on_committed is not None:
+            self._on_committed(self.prefix, stats)
+
+    def abort(self) -> None:
+        self._state = None
+        if self._tmp is not None:
+            commit_lib.remove_tree(self._tmp)
+            self._tmp = None

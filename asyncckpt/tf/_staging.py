@@ -1,0 +1,183 @@
+"""Snapshot of TensorFlow state into host staging buffers, and its write.
+
+Staging asks TensorFlow for exactly what ``tf.train.Checkpoint`` would save
+(every variable, ShardedVariable slice, optimizer slot, Python state, in the
+same object graph and under the same keys), and copies each value into a
+reused host buffer of the slot. Writing turns those buffers back into tensors
+without copying (DLPack) and hands them to TensorFlow's own bundle writer, so
+the files are TensorFlow-native.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from asyncckpt.engine.slots import Slot
+from asyncckpt.errors import UnsupportedObjectError
+from asyncckpt.tf import _compat
+from asyncckpt.tf._compat import tf
+
+logger = logging.getLogger(__name__)
+
+_UNSUPPORTED_DTYPES = (tf.variant, tf.resource)
+
+
+@dataclass(frozen=True)
+class StagedTensor:
+    """One tensor of the checkpoint, held in host memory.
+
+    Attributes:
+        key: Checkpoint key (``path/.ATTRIBUTES/VARIABLE_VALUE``).
+        slice_spec: TensorFlow slice spec for a ShardedVariable part, else "".
+        dtype: TensorFlow dtype.
+        host: The host copy: a slot buffer, or a private array for strings.
+    """
+
+    key: str
+    slice_spec: str
+    dtype: tf.DType
+    host: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype == tf.string:
+            return int(sum(len(b) for b in self.host.reshape(-1)))
+        return int(self.host.nbytes)
+
+
+@dataclass(frozen=True)
+class StagedState:
+    """Everything one TensorFlow checkpoint file holds, in host memory."""
+
+    tensors: tuple[StagedTensor, ...]
+    object_graph: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors) + len(self.object_graph)
+
+
+def _describe(trackable: object) -> str:
+    return f"{type(trackable).__module__}.{type(trackable).__qualname__}"
+
+
+def _retrieve_embeddings(checkpoint: tf.train.Checkpoint) -> None:
+    """Pulls TPU embedding tables from device memory into their host variables.
+
+    TPU embedding tables live in TPU memory and are mirrored into host
+    variables only on request; TensorFlow's own save does this through each
+    embedding's ``_retrieve_variables`` hook, and so does asyncckpt, before
+    reading any variable.
+    """
+    for obj in _compat.list_trackables(checkpoint):
+        hook = getattr(type(obj), "_retrieve_variables", None)
+        if hook is not None and callable(hook):
+            hook(obj)
+
+
+def _to_host(value: object, key: str, owner: object) -> tf.Tensor | None:
+    """Evaluates one serialized value to a tensor readable from the host."""
+    if isinstance(value, _compat.SaveSpec):
+        value = value.tensor
+    if value is None:  # an uninitialized variable: TensorFlow skips it too.
+        return None
+    if isinstance(value, tf.Variable):
+        value = value.read_value()
+    if not tf.is_tensor(value):
+        try:
+            value = tf.convert_to_tensor(value)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedObjectError(
+                f"asyncckpt cannot stage checkpoint value {key!r} of {_describe(owner)}: "
+                f"{type(value).__name__} is not a tensor"
+            ) from e
+    if value.dtype in _UNSUPPORTED_DTYPES:
+        raise UnsupportedObjectError(
+            f"asyncckpt cannot stage checkpoint value {key!r} of {_describe(owner)}: "
+            f"its dtype is {value.dtype.name}, an opaque handle that has no host copy "
+            "(for example a tf.data iterator). Leave this object out of the asyncckpt "
+            "checkpoint and save it with tf.train.Checkpoint."
+        )
+    return value
+
+
+def stage(checkpoint: tf.train.Checkpoint, slot: Slot) -> StagedState:
+    """Copies the checkpoint's current values into ``slot``.
+
+    Runs on the training thread; returns once every value is in host memory,
+    so the caller may mutate the state again.
+
+    Raises:
+        UnsupportedObjectError: The object graph holds something that cannot
+            be copied to host memory.
+    """
+    _retrieve_embeddings(checkpoint)
+    serialized, registered, proto = _compat.serialize_graph(checkpoint)
+    if any(registered.values()):
+        names = sorted(name for name, objs in registered.items() if objs)
+        raise UnsupportedObjectError(
+            "asyncckpt cannot stage objects that use a registered TensorFlow saver "
+            f"({', '.join(names)}); save them with tf.train.Checkpoint"
+        )
+    staged = []
+    for owner, tensor_dict in serialized.items():
+        for key, value in tensor_dict.items():
+            parts = value.items() if isinstance(value, dict) else (("", value),)
+            for slice_spec, part in parts:
+                tensor = _to_host(part, key, owner)
+                if tensor is None:
+                    continue
+                staged.append(_copy(slot, key, slice_spec, tensor))
+    return StagedState(tuple(staged), proto.SerializeToString())
+
+
+def _copy(slot: Slot, key: str, slice_spec: str, tensor: tf.Tensor) -> StagedTensor:
+    if tensor.dtype == tf.string:
+        # Strings (Python state) are small; keep a private copy by value.
+        return StagedTensor(key, slice_spec, tensor.dtype, np.array(tensor.numpy(), dtype=object))
+    if "CPU" not in tensor.device.upper():
+        # Device-to-host copy; TensorFlow picks the DMA path for the device.
+        with tf.device("CPU:0"):
+            tensor = tf.identity(tensor)
+    host_view = tensor._numpy()
+    buf = slot.buffer(f"{key}|{slice_spec}", host_view.shape, host_view.dtype)
+    np.copyto(buf, host_view, casting="no")
+    return StagedTensor(key, slice_spec, tensor.dtype, buf)
+
+
+def _as_tensor(t: StagedTensor) -> tf.Tensor:
+    """Wraps a staged buffer as a tensor without copying it, where possible."""
+    if t.dtype == tf.string:
+        return tf.constant(t.host, dtype=tf.string)
+    host = t.host
+    try:
+        return tf.experimental.dlpack.from_dlpack(host.__dlpack__())
+    except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
+        pass
+    # DLPack has no code for bfloat16 and friends: share the bytes as unsigned
+    # integers of the same width and reinterpret them (also without a copy).
+    if host.dtype.itemsize in (1, 2, 4, 8) and t.dtype != tf.bool:
+        as_uint = host.view(np.dtype(f"u{host.dtype.itemsize}"))
+        try:
+            return tf.bitcast(tf.experimental.dlpack.from_dlpack(as_uint.__dlpack__()), t.dtype)
+        except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
+            pass
+    return tf.constant(host, dtype=t.dtype)  # copies; correct for any dtype
+
+
+def write_bundle(prefix: str, state: StagedState) -> None:
+    """Writes ``state`` as a TensorFlow checkpoint at ``prefix``.
+
+    Produces ``prefix.index`` and ``prefix.data-00000-of-00001``; the object
+    graph goes under the same key ``tf.train.Checkpoint`` uses, so the result
+    restores with plain TensorFlow.
+    """
+    names = [t.key for t in state.tensors] + [_compat.OBJECT_GRAPH_KEY]
+    slices = [t.slice_spec for t in state.tensors] + [""]
+    with _compat.sync_executor_scope():
+        tensors = [_as_tensor(t) for t in state.tensors]
+        tensors.append(tf.constant(state.object_graph, dtype=tf.string))
+        _compat.save_v2(prefix, names, slices, tensors)
