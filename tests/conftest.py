@@ -1,0 +1,41 @@
+"""Shared fixtures. Runs before any test imports a framework.
+
+Sets up several CPU devices for both frameworks the way the real multi-device
+paths need them: XLA's host-platform device count for JAX (an environment
+variable read when JAX starts), and logical CPU devices for TensorFlow (which
+must be configured before TensorFlow creates its runtime).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+TF_LOGICAL_CPUS = 4
+
+
+def _configure_tensorflow() -> None:
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(TF_LOGICAL_CPUS)]
+    )
+
+
+_configure_tensorflow()
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    """A fresh directory for checkpoints."""
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    return d
