@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -40,6 +42,55 @@ def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
     if prefault and nbytes:
         buf.fill(0)
     return buf
+
+
+_PIECE = 8 << 20  # bytes per parallel copy task
+_INLINE = 2 << 20  # arrays smaller than this are copied on the calling thread
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            workers = max(1, min(4, os.cpu_count() or 1))
+            _copy_pool = ThreadPoolExecutor(workers, thread_name_prefix="asyncckpt-copy")
+        return _copy_pool
+
+
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(np.uint8)
+
+
+def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Copies each source array into its destination, large ones in parallel.
+
+    The training thread waits for this copy anyway, so the cores it leaves
+    idle do the copy with it: large arrays are cut into 8 MiB pieces copied by
+    a small thread pool (NumPy releases the GIL while copying). Small arrays
+    are copied inline, where a thread hand-off would cost more than it saves.
+
+    Args:
+        pairs: ``(destination, source)`` arrays of equal shape and dtype.
+    """
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []
+    for dst, src in pairs:
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(
+                f"staging copy mismatch: {src.shape}/{src.dtype} into {dst.shape}/{dst.dtype}"
+            )
+        if dst.nbytes < _INLINE or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+            np.copyto(dst, src, casting="no")
+            continue
+        d, s = _flat_bytes(dst), _flat_bytes(src)
+        for start in range(0, d.nbytes, _PIECE):
+            pieces.append((d[start : start + _PIECE], s[start : start + _PIECE]))
+    if len(pieces) == 1:
+        np.copyto(*pieces[0])
+    elif pieces:
+        for _ in _pool().map(lambda p: np.copyto(p[0], p[1]), pieces):
+            pass
 
 
 class Slot:

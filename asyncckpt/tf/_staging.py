@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncckpt.engine.slots import Slot
+from asyncckpt.engine.slots import Slot, copy_arrays
 from asyncckpt.errors import UnsupportedObjectError
 from asyncckpt.tf import _compat
 from asyncckpt.tf._compat import tf
@@ -123,6 +123,7 @@ def stage(checkpoint: tf.train.Checkpoint, slot: Slot) -> StagedState:
             f"({', '.join(names)}); save them with tf.train.Checkpoint"
         )
     staged = []
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
     for owner, tensor_dict in serialized.items():
         for key, value in tensor_dict.items():
             parts = value.items() if isinstance(value, dict) else (("", value),)
@@ -130,11 +131,19 @@ def stage(checkpoint: tf.train.Checkpoint, slot: Slot) -> StagedState:
                 tensor = _to_host(part, key, owner)
                 if tensor is None:
                     continue
-                staged.append(_copy(slot, key, slice_spec, tensor))
+                staged.append(_plan_copy(slot, key, slice_spec, tensor, copies))
+    # The views in `copies` alias TensorFlow tensors, which they keep alive.
+    copy_arrays(copies)
     return StagedState(tuple(staged), proto.SerializeToString())
 
 
-def _copy(slot: Slot, key: str, slice_spec: str, tensor: tf.Tensor) -> StagedTensor:
+def _plan_copy(
+    slot: Slot,
+    key: str,
+    slice_spec: str,
+    tensor: tf.Tensor,
+    copies: list[tuple[np.ndarray, np.ndarray]],
+) -> StagedTensor:
     if tensor.dtype == tf.string:
         # Strings (Python state) are small; keep a private copy by value.
         return StagedTensor(key, slice_spec, tensor.dtype, np.array(tensor.numpy(), dtype=object))
@@ -142,9 +151,9 @@ def _copy(slot: Slot, key: str, slice_spec: str, tensor: tf.Tensor) -> StagedTen
         # Device-to-host copy; TensorFlow picks the DMA path for the device.
         with tf.device("CPU:0"):
             tensor = tf.identity(tensor)
-    host_view = tensor._numpy()
+    host_view = tensor._numpy()  # a view of the CPU tensor's memory, no copy
     buf = slot.buffer(f"{key}|{slice_spec}", host_view.shape, host_view.dtype)
-    np.copyto(buf, host_view, casting="no")
+    copies.append((buf, host_view))
     return StagedTensor(key, slice_spec, tensor.dtype, buf)
 
 

@@ -1,0 +1,299 @@
+"""asyncckpt.tf.Checkpoint: round trips, snapshot semantics, slots, failures, bad input."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import asyncckpt.tf as at  # noqa: E402
+from asyncckpt import AsyncOptions, CheckpointNotFoundError, UnsupportedObjectError  # noqa: E402
+from asyncckpt.tf import _job  # noqa: E402
+from tests.helpers import run_python, write_script  # noqa: E402
+
+
+def _values(variables) -> list[np.ndarray]:
+    return [np.array(v.numpy()) for v in variables]
+
+
+def _assert_equal_values(expected, variables) -> None:
+    got = _values(variables)
+    assert len(got) == len(expected)
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(e, g)
+
+
+def _temps(directory) -> list[str]:
+    return [n for n in os.listdir(directory) if n.startswith(".asyncckpt-tmp-")]
+
+
+class _GatedWriter:
+    """Wraps the real bundle writer; each write waits for the test to open its gate."""
+
+    def __init__(self, real):
+        self.real = real
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, prefix, state):
+        self.entered.set()
+        assert self.gate.wait(60), "test never opened the gate"
+        return self.real(prefix, state)
+
+
+@pytest.fixture
+def gated_writer(monkeypatch):
+    gated = _GatedWriter(_job.write_bundle)
+    monkeypatch.setattr(_job, "write_bundle", gated)
+    yield gated
+    gated.gate.set()
+
+
+def test_variables_round_trip_through_plain_tensorflow(ckpt_dir):
+    v = {
+        "f32": tf.Variable(np.arange(12, dtype=np.float32).reshape(3, 4)),
+        "bf16": tf.Variable(tf.constant([1.5, -2.25, 3.0], dtype=tf.bfloat16)),
+        "i64": tf.Variable(np.array([1, -2, 3], dtype=np.int64)),
+        "i32": tf.Variable(np.int32(7)),
+        "b": tf.Variable([True, False]),
+        "f16": tf.Variable(np.array([0.5, 2.0], dtype=np.float16)),
+    }
+    expected = _values(v.values())
+    with at.Checkpoint(**v) as ckpt:
+        path = ckpt.save(str(ckpt_dir / "ckpt"))
+        assert path == str(ckpt_dir / "ckpt-1")
+        ckpt.sync()
+    fresh = {k: tf.Variable(tf.zeros_like(x)) for k, x in v.items()}
+    status = tf.train.Checkpoint(**fresh).restore(path)
+    status.assert_consumed()
+    _assert_equal_values(expected, fresh.values())
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == path
+    assert not _temps(ckpt_dir)
+
+
+def test_write_keeps_prefix_and_does_not_touch_state_file(ckpt_dir):
+    v = tf.Variable([1.0, 2.0])
+    with at.Checkpoint(v=v) as ckpt:
+        assert ckpt.write(str(ckpt_dir / "plain")) == str(ckpt_dir / "plain")
+        ckpt.sync()
+        assert int(ckpt.save_counter.numpy()) == 0
+    assert not (ckpt_dir / "checkpoint").exists()
+    fresh = tf.Variable([0.0, 0.0])
+    tf.train.Checkpoint(v=fresh).read(str(ckpt_dir / "plain")).assert_consumed()
+    np.testing.assert_array_equal(fresh.numpy(), [1.0, 2.0])
+
+
+def test_snapshot_holds_values_at_save_call(ckpt_dir, gated_writer):
+    v = tf.Variable(np.full((256, 256), 1.0, np.float32))
+    with at.Checkpoint(v=v) as ckpt:
+        path = ckpt.save(str(ckpt_dir / "ckpt"))
+        # The write has not even started copying to disk; mutate right away.
+        v.assign(np.full((256, 256), 2.0, np.float32))
+        v.assign_add(np.ones((256, 256), np.float32))
+        gated_writer.gate.set()
+        ckpt.sync()
+    fresh = tf.Variable(tf.zeros((256, 256)))
+    tf.train.Checkpoint(v=fresh).restore(path)
+    np.testing.assert_array_equal(fresh.numpy(), np.full((256, 256), 1.0, np.float32))
+
+
+def test_second_save_with_two_slots_does_not_wait_for_first_write(ckpt_dir, gated_writer):
+    v = tf.Variable(np.zeros(1000, np.float32))
+    with at.Checkpoint(v=v, async_options=AsyncOptions(num_slots=2)) as ckpt:
+        ckpt.save(str(ckpt_dir / "ckpt"))
+        first = ckpt.last_save
+        assert gated_writer.entered.wait(30)
+        v.assign_add(np.ones(1000, np.float32))
+        ckpt.save(str(ckpt_dir / "ckpt"))  # returns although the first write is blocked
+        second = ckpt.last_save
+        assert second.staged.done()
+        assert not first.done()
+        gated_writer.gate.set()
+        assert second.result(60).slot_wait_s >= 0
+        assert first.result(60).label == "ckpt-1"
+    for n, value in ((1, 0.0), (2, 1.0)):
+        fresh = tf.Variable(np.full(1000, -1.0, np.float32))
+        tf.train.Checkpoint(v=fresh).restore(str(ckpt_dir / f"ckpt-{n}"))
+        np.testing.assert_array_equal(fresh.numpy(), np.full(1000, value, np.float32))
+
+
+def test_one_slot_makes_the_second_save_wait_for_the_first_write(ckpt_dir, gated_writer):
+    v = tf.Variable(np.zeros(10, np.float32))
+    ckpt = at.Checkpoint(v=v, async_options=AsyncOptions(num_slots=1))
+    ckpt.save(str(ckpt_dir / "ckpt"))
+    assert gated_writer.entered.wait(30)
+    returned = threading.Event()
+    t = threading.Thread(target=lambda: (ckpt.save(str(ckpt_dir / "ckpt")), returned.set()))
+    t.start()
+    assert not returned.wait(0.5)  # still blocked behind the only slot
+    gated_writer.gate.set()
+    t.join(60)
+    assert returned.is_set()
+    ckpt.close()
+    assert ckpt.engine.history[-1].slot_wait_s > 0
+
+
+def test_failed_write_raises_on_next_call_and_keeps_previous_checkpoint(ckpt_dir, monkeypatch):
+    v = tf.Variable([1.0, 2.0, 3.0])
+    ckpt = at.Checkpoint(v=v)
+    good = ckpt.save(str(ckpt_dir / "ckpt"))
+    ckpt.sync()
+
+    real = _job.write_bundle
+
+    def disk_full(prefix, state):
+        real(prefix, state)  # the bytes land, then the disk "fills up"
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_job, "write_bundle", disk_full)
+    v.assign([9.0, 9.0, 9.0])
+    ckpt.save(str(ckpt_dir / "ckpt"))  # returns; the failure happens in the background
+    with pytest.raises(OSError) as err:
+        ckpt.sync()
+    assert err.value.errno == errno.ENOSPC
+    assert any("ckpt-2" in note for note in getattr(err.value, "__notes__", []))
+    monkeypatch.setattr(_job, "write_bundle", real)
+
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == good
+    assert not (ckpt_dir / "ckpt-2.index").exists()
+    assert not _temps(ckpt_dir)
+    fresh = tf.Variable([0.0, 0.0, 0.0])
+    at.Checkpoint(v=fresh).restore(good)
+    np.testing.assert_array_equal(fresh.numpy(), [1.0, 2.0, 3.0])
+    # The engine keeps working after reporting the error.
+    ckpt.save(str(ckpt_dir / "ckpt"))
+    ckpt.close()
+
+
+def test_failed_write_raises_on_next_save_and_on_close(ckpt_dir, monkeypatch):
+    v = tf.Variable([1.0])
+    ckpt = at.Checkpoint(v=v)
+
+    def broken(prefix, state):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_job, "write_bundle", broken)
+    ckpt.save(str(ckpt_dir / "ckpt"))
+    ckpt.last_save.committed.exception(60)
+    with pytest.raises(OSError):
+        ckpt.save(str(ckpt_dir / "ckpt"))
+    assert int(ckpt.save_counter.numpy()) == 1  # the refused save did not count
+    ckpt.save(str(ckpt_dir / "ckpt"))
+    ckpt.last_save.committed.exception(60)
+    with pytest.raises(OSError):
+        ckpt.close()
+
+
+def test_subprocess_that_saves_and_exits_at_once_leaves_complete_checkpoint(tmp_path):
+    script = write_script(
+        tmp_path,
+        "save_and_exit.py",
+        """
+        import sys
+        import time
+        import numpy as np
+        import tensorflow as tf
+        import asyncckpt.tf as at
+        from asyncckpt.tf import _job
+
+        real = _job.write_bundle
+
+        def slow_write(prefix, state):  # a slow disk: the save is surely in flight at exit
+            time.sleep(1.0)
+            real(prefix, state)
+
+        _job.write_bundle = slow_write
+        v = tf.Variable(np.arange(4 << 20, dtype=np.float32))  # 16 MiB
+        ckpt = at.Checkpoint(v=v)
+        print(ckpt.save(sys.argv[1]), flush=True)
+        # no sync, no close: the interpreter exits right away
+        """,
+    )
+    proc = run_python(script, str(tmp_path / "out" / "ckpt"))
+    assert proc.returncode == 0, proc.stderr
+    path = proc.stdout.strip().splitlines()[-1]
+    assert "in-flight checkpoint" in proc.stderr  # the exit flush says what it does
+    at.verify_checkpoint(path)
+    fresh = tf.Variable(tf.zeros(4 << 20))
+    tf.train.Checkpoint(v=fresh).restore(path).assert_consumed()
+    np.testing.assert_array_equal(fresh.numpy(), np.arange(4 << 20, dtype=np.float32))
+
+
+def test_unsupported_object_gives_clear_error(ckpt_dir):
+    dataset = tf.data.Dataset.range(10)
+    ckpt = at.Checkpoint(it=iter(dataset), v=tf.Variable(1.0))
+    with pytest.raises(UnsupportedObjectError, match="variant"):
+        ckpt.save(str(ckpt_dir / "ckpt"))
+    assert int(ckpt.save_counter.numpy()) == 0
+    assert not list(ckpt_dir.iterdir())
+    ckpt.close()
+
+
+def test_non_trackable_object_is_refused_at_construction():
+    with pytest.raises(ValueError, match="trackable"):
+        at.Checkpoint(x=5)
+
+
+def test_directory_that_cannot_be_written_fails_the_save_call(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    ckpt = at.Checkpoint(v=tf.Variable(1.0))
+    with pytest.raises(OSError, match="cannot write checkpoints into"):
+        ckpt.save(str(blocker / "sub" / "ckpt"))
+    if os.geteuid() != 0:  # root ignores permission bits
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        with pytest.raises(PermissionError, match="cannot write checkpoints into"):
+            ckpt.save(str(ro / "ckpt"))
+    ckpt.close()
+
+
+def test_restoring_a_missing_path_is_a_clear_error(ckpt_dir):
+    ckpt = at.Checkpoint(v=tf.Variable(1.0))
+    with pytest.raises(CheckpointNotFoundError, match="no TensorFlow checkpoint"):
+        ckpt.restore(str(ckpt_dir / "nope-3"))
+    with pytest.raises(FileNotFoundError):
+        ckpt.read(str(ckpt_dir / "nope-3"))
+    ckpt.close()
+
+
+def test_restore_waits_for_the_save_in_flight(ckpt_dir):
+    v = tf.Variable(np.arange(1000, dtype=np.float32))
+    ckpt = at.Checkpoint(v=v)
+    path = ckpt.save(str(ckpt_dir / "ckpt"))
+    v.assign(tf.zeros(1000))
+    ckpt.restore(path)  # no sync() by the caller
+    np.testing.assert_array_equal(v.numpy(), np.arange(1000, dtype=np.float32))
+    ckpt.close()
+
+
+def test_overwriting_a_prefix_replaces_the_checkpoint(ckpt_dir):
+    v = tf.Variable([1.0])
+    with at.Checkpoint(v=v) as ckpt:
+        ckpt.write(str(ckpt_dir / "same"))
+        ckpt.sync()
+        v.assign([2.0])
+        ckpt.write(str(ckpt_dir / "same"))
+        ckpt.sync()
+    fresh = tf.Variable([0.0])
+    at.Checkpoint(v=fresh).read(str(ckpt_dir / "same"))
+    assert fresh.numpy()[0] == 2.0
+    assert not _temps(ckpt_dir)
+
+
+def test_save_stats_are_recorded(ckpt_dir):
+    v = tf.Variable(np.ones(1 << 18, np.float32))
+    with at.Checkpoint(v=v) as ckpt:
+        ckpt.save(str(ckpt_dir / "ckpt"))
+        stats = ckpt.last_save.result(60)
+        assert stats.nbytes >= v.numpy().nbytes
+        assert stats.blocking_s > 0 and stats.write_s > 0 and stats.commit_s > 0
+        assert stats.durable_s >= stats.write_s
+        assert ckpt.engine.estimated_write_seconds == pytest.approx(stats.background_s)

@@ -1,0 +1,202 @@
+"""Every kind of TensorFlow state the issue names: round trip through plain TensorFlow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+# Internal, but the only way to build a ShardedVariable without a parameter-server cluster.
+from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noqa: E402
+from tensorflow.tpu.experimental.embedding import (  # noqa: E402
+    SGD,
+    FeatureConfig,
+    TableConfig,
+    TPUEmbeddingForServing,
+)
+
+import asyncckpt.tf as at  # noqa: E402
+from tests.conftest import TF_LOGICAL_CPUS  # noqa: E402
+
+
+def _save_and_sync(ckpt_dir, **objects) -> str:
+    with at.Checkpoint(**objects) as ckpt:
+        path = ckpt.save(str(ckpt_dir / "ckpt"))
+        ckpt.sync()
+    return path
+
+
+def _mlp(width: int = 16) -> keras.Model:
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(2)]
+    )
+
+
+def _fit_one_epoch(model, optimizer) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+
+
+def test_logical_cpu_devices_are_configured():
+    assert len(tf.config.list_logical_devices("CPU")) == TF_LOGICAL_CPUS
+
+
+def test_mirrored_strategy_variables(ckpt_dir):
+    devices = [f"/cpu:{i}" for i in range(TF_LOGICAL_CPUS)]
+    strategy = tf.distribute.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _mlp()
+        optimizer = keras.optimizers.Adam(0.01)
+    _fit_one_epoch(model, optimizer)
+    assert len(model.weights[0].value.values) == TF_LOGICAL_CPUS  # really mirrored
+    weights = [w.numpy() for w in model.weights]
+    slots = [v.numpy() for v in optimizer.variables]
+    path = _save_and_sync(ckpt_dir, model=model, optimizer=optimizer)
+
+    fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.01)
+    fresh_opt.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).restore(path).assert_consumed()
+    for a, b in zip(weights, fresh.weights, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+    for a, b in zip(slots, fresh_opt.variables, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_sharded_variable_restores_into_other_shard_counts(ckpt_dir):
+    full = np.arange(24 * 3, dtype=np.float32).reshape(24, 3)
+    shards = []
+    for i, part in enumerate(np.split(full, 3)):
+        with tf.device(f"/cpu:{i}"):
+            shards.append(tf.Variable(part))
+    path = _save_and_sync(ckpt_dir, emb=ShardedVariable(shards))
+
+    two = [tf.Variable(tf.zeros((12, 3))) for _ in range(2)]
+    tf.train.Checkpoint(emb=ShardedVariable(two)).restore(path).assert_consumed()
+    np.testing.assert_array_equal(np.concatenate([v.numpy() for v in two]), full)
+    three = [tf.Variable(tf.zeros((8, 3))) for _ in range(3)]
+    tf.train.Checkpoint(emb=ShardedVariable(three)).restore(path).assert_consumed()
+    np.testing.assert_array_equal(np.concatenate([v.numpy() for v in three]), full)
+
+
+def test_keras3_optimizer_slots_round_trip(ckpt_dir):
+    model, optimizer = _mlp(), keras.optimizers.Adam(0.01)
+    _fit_one_epoch(model, optimizer)
+    assert len(optimizer.variables) > 2  # momenta and velocities exist
+    saved = [v.numpy() for v in optimizer.variables]
+    path = _save_and_sync(ckpt_dir, model=model, optimizer=optimizer)
+
+    fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.5)
+    fresh_opt.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).restore(path).assert_consumed()
+    restored = [v.numpy() for v in fresh_opt.variables]
+    assert len(restored) == len(saved)
+    for i, (a, b) in enumerate(zip(saved, restored, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"optimizer variable {i}")
+
+
+def test_keras3_optimizer_before_it_is_built(ckpt_dir):
+    # TensorFlow 2.21's own async checkpoint fails on exactly this case.
+    model, optimizer = _mlp(), keras.optimizers.Adam(0.123)
+    assert not optimizer.built
+    path = _save_and_sync(ckpt_dir, model=model, optimizer=optimizer)
+    weights = [w.numpy() for w in model.weights]
+
+    fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.5)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).restore(path)
+    assert float(fresh_opt.learning_rate.numpy()) == pytest.approx(0.123)
+    assert int(fresh_opt.iterations.numpy()) == 0
+    for a, b in zip(weights, fresh.weights, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+    # Training continues after the early save, and a later save has the slots.
+    _fit_one_epoch(model, optimizer)
+    path2 = _save_and_sync(ckpt_dir, model=model, optimizer=optimizer)
+    later_opt = keras.optimizers.Adam(0.5)
+    later_model = _mlp()
+    later_opt.build(later_model.trainable_variables)
+    tf.train.Checkpoint(model=later_model, optimizer=later_opt).restore(path2).assert_consumed()
+    assert int(later_opt.iterations.numpy()) == int(optimizer.iterations.numpy()) > 0
+
+
+def test_compat_v1_optimizer_slots(ckpt_dir):
+    v = tf.Variable(np.linspace(-1, 1, 10).astype(np.float32))
+    opt = tf.compat.v1.train.AdamOptimizer(0.1)
+    for _ in range(3):
+        opt.minimize(lambda: tf.reduce_sum(v**2), var_list=[v])
+    assert sorted(opt.get_slot_names()) == ["m", "v"]
+    saved = {name: opt.get_slot(v, name).numpy() for name in opt.get_slot_names()}
+    saved_v = v.numpy()
+    path = _save_and_sync(ckpt_dir, v=v, opt=opt)
+
+    v2 = tf.Variable(np.zeros(10, np.float32))
+    opt2 = tf.compat.v1.train.AdamOptimizer(0.1)
+    opt2.minimize(lambda: tf.reduce_sum((v2 - 5.0) ** 2), var_list=[v2])  # creates slots
+    tf.train.Checkpoint(v=v2, opt=opt2).restore(path).assert_consumed()
+    np.testing.assert_array_equal(v2.numpy(), saved_v)
+    for name, value in saved.items():
+        np.testing.assert_array_equal(opt2.get_slot(v2, name).numpy(), value)
+
+
+def _embedding(cls=TPUEmbeddingForServing, seed: int = 0):
+    tables = [
+        TableConfig(vocabulary_size=32, dim=4, name="users",
+                    initializer=tf.initializers.RandomUniform(seed=seed)),
+        TableConfig(vocabulary_size=16, dim=8, name="items",
+                    initializer=tf.initializers.RandomUniform(seed=seed + 1)),
+    ]
+    features = {t.name: FeatureConfig(table=t) for t in tables}
+    emb = cls(feature_config=features, optimizer=SGD(0.1))
+    emb.build()
+    return emb
+
+
+def _tables(emb) -> dict[str, np.ndarray]:
+    return {t.name: v.numpy() for t, v in emb.embedding_tables.items()}
+
+
+def test_tpu_embedding_tables_for_serving(ckpt_dir):
+    emb = _embedding(seed=1)
+    saved = _tables(emb)
+    path = _save_and_sync(ckpt_dir, embedding=emb)
+    fresh = _embedding(seed=7)
+    assert not np.array_equal(_tables(fresh)["users"], saved["users"])
+    tf.train.Checkpoint(embedding=fresh).restore(path).assert_consumed()
+    for name, value in saved.items():
+        np.testing.assert_array_equal(_tables(fresh)[name], value)
+
+
+class DeviceResidentEmbedding(TPUEmbeddingForServing):
+    """A serving embedding whose "device" copy is newer than its host variables.
+
+    On a TPU the tables live in TPU memory and ``_retrieve_variables`` copies
+    them into the host variables; here the "device" is a dict kept beside
+    the object, which is what the hook copies from.
+    """
+
+    def use_device_values(self, values: dict[str, np.ndarray]) -> None:
+        # Bypass attribute tracking: this is not checkpoint state.
+        self.__dict__["_device_values"] = values
+        self.__dict__["_retrievals"] = 0
+
+    def _retrieve_variables(self):
+        self.__dict__["_retrievals"] += 1
+        for table, var in self.embedding_tables.items():
+            var.assign(self.__dict__["_device_values"][table.name])
+
+
+def test_tpu_embedding_retrieve_hook_runs_before_staging(ckpt_dir):
+    emb = _embedding(DeviceResidentEmbedding, seed=3)
+    device = {
+        name: np.full_like(t, float(i + 1)) for i, (name, t) in enumerate(_tables(emb).items())
+    }
+    emb.use_device_values(device)
+    path = _save_and_sync(ckpt_dir, embedding=emb)
+    assert emb.__dict__["_retrievals"] == 1
+    fresh = _embedding(seed=9)
+    tf.train.Checkpoint(embedding=fresh).restore(path).assert_consumed()
+    for name, value in device.items():
+        np.testing.assert_array_equal(_tables(fresh)[name], value)
