@@ -1,0 +1,301 @@
+"""The framework-neutral engine: slots, writer, commit, manifest, retention."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from asyncckpt import AsyncOptions, CorruptCheckpointError, EngineClosedError
+from asyncckpt.engine import (
+    AsyncEngine,
+    Candidate,
+    DurableWriter,
+    Manifest,
+    RetentionPolicy,
+    StagingPool,
+    cleanup_stale_temps,
+    make_temp_dir,
+    publish_dir,
+    publish_files,
+    read_manifest,
+    retention,
+    verify_files,
+)
+from asyncckpt.engine.slots import copy_arrays
+
+
+def test_engine_package_imports_no_framework():
+    code = (
+        "import sys, asyncckpt, asyncckpt.engine;"
+        "bad = [m for m in ('tensorflow', 'jax') if m in sys.modules];"
+        "sys.exit(1 if bad else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_slot_buffers_are_reused_and_trimmed():
+    pool = StagingPool(1)
+    slot, _ = pool.acquire()
+    a = slot.buffer("a", (4, 4), np.float32)
+    b = slot.buffer("b", (8,), np.int64)
+    assert a.ctypes.data % 64 == 0 and b.ctypes.data % 64 == 0
+    slot.trim()
+    pool.release(slot)
+    slot, _ = pool.acquire()
+    assert slot.buffer("a", (4, 4), np.float32).ctypes.data == a.ctypes.data
+    # Same bytes, other shape/dtype: still the same memory.
+    assert slot.buffer("b", (16,), np.int32).ctypes.data == b.ctypes.data
+    slot.trim()
+    pool.release(slot)
+    slot, _ = pool.acquire()
+    slot.buffer("a", (4, 4), np.float32)
+    slot.trim()  # "b" was not used by this save: freed
+    assert slot.nbytes == 64
+
+
+def test_pool_blocks_until_a_slot_is_released():
+    pool = StagingPool(1)
+    slot, _ = pool.acquire()
+    with pytest.raises(TimeoutError):
+        pool.acquire(timeout=0.05)
+    threading.Timer(0.05, pool.release, args=(slot,)).start()
+    again, waited = pool.acquire(timeout=30)
+    assert again is slot and waited > 0
+    with pytest.raises(RuntimeError, match="twice"):
+        pool.release(again)
+        pool.release(again)
+
+
+def test_copy_arrays_copies_large_and_small_arrays():
+    rng = np.random.default_rng(0)
+    srcs = [rng.random(n).astype(np.float32) for n in (3, 1 << 20, 5 << 20)]
+    dsts = [np.zeros_like(s) for s in srcs]
+    copy_arrays(list(zip(dsts, srcs, strict=True)))
+    for d, s in zip(dsts, srcs, strict=True):
+        np.testing.assert_array_equal(d, s)
+    with pytest.raises(ValueError, match="mismatch"):
+        copy_arrays([(np.zeros(3, np.float32), np.zeros(3, np.float64))])
+
+
+class _Job:
+    """A minimal SaveJob writing one file into a directory checkpoint."""
+
+    def __init__(self, root, name, data, *, fail_in=None, gate=None):
+        self.label, self.step, self.nbytes = name, None, len(data)
+        self._root, self._data, self._fail_in, self._gate = root, data, fail_in, gate
+        self.tmp = None
+
+    def write(self):
+        if self._gate is not None:
+            assert self._gate.wait(30)
+        self.tmp = make_temp_dir(self._root, self.label)
+        self._writer = DurableWriter(self.tmp, fsync=True, checksums=True)
+        self._writer.write("data.bin", [self._data])
+        if self._fail_in == "write":
+            raise OSError(28, "No space left on device")
+
+    def commit(self, stats):
+        records = self._writer.finish()
+        if self._fail_in == "commit":
+            raise RuntimeError("commit failed")
+        manifest = Manifest(framework="test", label=self.label, step=None, files=tuple(records),
+                            stats=stats.to_dict())
+        with open(os.path.join(self.tmp, "manifest.json"), "w") as f:
+            f.write(manifest.to_json())
+        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=True)
+
+    def abort(self):
+        if self.tmp and os.path.exists(self.tmp):
+            import shutil
+
+            shutil.rmtree(self.tmp)
+
+
+def test_engine_saves_commits_and_reports_stats(tmp_path):
+    with AsyncEngine(options=AsyncOptions(num_slots=2)) as engine:
+        handles = [
+            engine.save(lambda slot, i=i: _Job(str(tmp_path), f"c{i}", bytes([i]) * 1000),
+                        label=f"c{i}")
+            for i in range(3)
+        ]
+        engine.sync()
+        assert all(h.done() for h in handles)
+        assert [s.label for s in engine.history] == ["c0", "c1", "c2"]
+        assert engine.estimated_write_seconds is not None
+    for i in range(3):
+        m = read_manifest(str(tmp_path / f"c{i}" / "manifest.json"))
+        verify_files(str(tmp_path / f"c{i}"), m.files, checksums=True, checkpoint=f"c{i}")
+        assert m.stats["nbytes"] == 1000
+    with pytest.raises(EngineClosedError):
+        engine.save(lambda slot: _Job(str(tmp_path), "late", b"x"), label="late")
+
+
+@pytest.mark.parametrize("stage", ["write", "commit"])
+def test_background_error_is_reraised_once_and_cleaned_up(tmp_path, stage):
+    engine = AsyncEngine()
+    jobs = []
+
+    def failing(slot):
+        jobs.append(_Job(str(tmp_path), "bad", b"x" * 10, fail_in=stage))
+        return jobs[-1]
+
+    handle = engine.save(failing, label="bad")
+    assert handle.committed.exception(30) is not None
+    with pytest.raises((OSError, RuntimeError)) as err:
+        engine.sync()
+    assert "bad" in "".join(getattr(err.value, "__notes__", []))
+    assert not os.path.exists(jobs[0].tmp)
+    assert not (tmp_path / "bad").exists()
+    engine.sync()  # reported once, then cleared
+    engine.save(lambda slot: _Job(str(tmp_path), "good", b"y"), label="good")
+    engine.close()
+    assert (tmp_path / "good").is_dir()
+
+
+def test_stage_failure_releases_the_slot(tmp_path):
+    engine = AsyncEngine(options=AsyncOptions(num_slots=1))
+
+    def broken(slot):
+        raise ValueError("cannot stage")
+
+    with pytest.raises(ValueError):
+        engine.save(broken, label="x")
+    engine.save(lambda slot: _Job(str(tmp_path), "ok", b"1"), label="ok", slot_timeout=5)
+    engine.close()
+
+
+def test_publish_files_commits_marker_last_and_replaces_old(tmp_path):
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "ck.index").write_text("old index")
+    (dest / "ck.data").write_text("old data")
+    tmp = make_temp_dir(str(dest), "ck")
+    for name, text in (("ck.data", "new data"), ("ck.index", "new index")):
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    publish_files(tmp, str(dest), ["ck.data", "ck.index"], fsync=True)
+    assert (dest / "ck.index").read_text() == "new index"
+    assert (dest / "ck.data").read_text() == "new data"
+    assert not os.path.exists(tmp)
+
+
+def test_publish_dir_refuses_to_overwrite(tmp_path):
+    (tmp_path / "5").mkdir()
+    tmp = make_temp_dir(str(tmp_path), "5")
+    with pytest.raises(FileExistsError):
+        publish_dir(tmp, str(tmp_path / "5"), fsync=False)
+
+
+def test_cleanup_removes_only_temporaries(tmp_path):
+    make_temp_dir(str(tmp_path), "3")
+    (tmp_path / "3").mkdir()
+    (tmp_path / "ckpt-1.index").write_text("x")
+    removed = cleanup_stale_temps(str(tmp_path))
+    assert len(removed) == 1
+    assert sorted(os.listdir(tmp_path)) == ["3", "ckpt-1.index"]
+
+
+def test_manifest_detects_flipped_byte_truncation_and_damage(tmp_path):
+    root = tmp_path / "ck"
+    root.mkdir()
+    writer = DurableWriter(str(root), fsync=False, checksums=True)
+    writer.write("a/b.bin", [np.arange(1000, dtype=np.int32)])
+    records = writer.finish()
+    m = Manifest(framework="test", label="ck", step=3, files=tuple(records))
+    (root / "manifest.json").write_text(m.to_json())
+    loaded = read_manifest(str(root / "manifest.json"))
+    assert loaded.files == m.files and loaded.step == 3
+    verify_files(str(root), loaded.files, checksums=True, checkpoint="ck")
+
+    data = root / "a" / "b.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0x01
+    data.write_bytes(bytes(raw))
+    verify_files(str(root), loaded.files, checksums=False, checkpoint="ck")  # sizes only
+    with pytest.raises(CorruptCheckpointError, match="CRC32") as err:
+        verify_files(str(root), loaded.files, checksums=True, checkpoint="ck")
+    assert err.value.file == str(data)
+    data.write_bytes(bytes(raw[:-10]))
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        verify_files(str(root), loaded.files, checksums=False, checkpoint="ck")
+    data.unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        verify_files(str(root), loaded.files, checksums=False, checkpoint="ck")
+
+    text = (root / "manifest.json").read_text().replace('"step": 3', '"step": 4')
+    (root / "manifest.json").write_text(text)
+    with pytest.raises(CorruptCheckpointError, match="manifest"):
+        read_manifest(str(root / "manifest.json"))
+
+
+def _cands(*steps, metrics=None):
+    return [
+        Candidate(str(s), s, float(s), None if metrics is None else metrics[i])
+        for i, s in enumerate(steps)
+    ]
+
+
+def test_retention_keeps_newest_n():
+    d = retention.apply(_cands(1, 2, 3, 4), RetentionPolicy(max_to_keep=2))
+    assert [c.step for c in d.keep] == [3, 4]
+    assert [c.step for c in d.delete] == [1, 2]
+    d = retention.apply(_cands(1, 2), RetentionPolicy())
+    assert not d.delete
+
+
+def test_retention_keep_period_preserves():
+    d = retention.apply(_cands(5, 10, 15, 20, 25), RetentionPolicy(max_to_keep=1, keep_period=10))
+    assert [c.step for c in d.keep] == [25]
+    assert [c.step for c in d.preserve] == [10, 20]
+    assert [c.step for c in d.delete] == [5, 15]
+
+
+def test_retention_best_n_never_deletes_newest():
+    metrics = [0.9, 0.1, 0.8, 0.2, 0.05]
+    d = retention.apply(
+        _cands(1, 2, 3, 4, 5, metrics=metrics), RetentionPolicy(max_to_keep=2, best_mode="max")
+    )
+    assert [c.step for c in d.keep] == [1, 3, 5]  # best two, plus the newest
+    d = retention.apply(
+        _cands(1, 2, 3, 4, 5, metrics=metrics), RetentionPolicy(max_to_keep=2, best_mode="min")
+    )
+    assert [c.step for c in d.keep] == [2, 5]  # 0.05 (newest) and 0.1 are the best two
+
+
+def test_retention_checkpoints_without_metrics():
+    cands = _cands(1, 2, 3, metrics=[None, 0.5, 0.7])
+    keep_them = RetentionPolicy(max_to_keep=1, best_mode="max")
+    assert [c.step for c in retention.apply(cands, keep_them).keep] == [1, 3]
+    drop_them = RetentionPolicy(max_to_keep=1, best_mode="max",
+                                keep_checkpoints_without_metrics=False)
+    assert [c.step for c in retention.apply(cands, drop_them).delete] == [1, 2]
+
+
+def test_retention_every_n_hours_matches_tensorflow_rule():
+    hour = 3600.0
+    times = [0, 0.5 * hour, 2 * hour, 2.1 * hour]
+    cands = [Candidate(f"c{i}", None, t) for i, t in enumerate(times)]
+    d = retention.apply(cands, RetentionPolicy(max_to_keep=1, keep_every_n_hours=1.0),
+                        last_preserved_timestamp=-1.0)
+    # As in TensorFlow: a checkpoint is preserved once it is at least N hours
+    # newer than the last preserved one (the manager's start, here -1 s).
+    assert [c.key for c in d.preserve] == ["c2"]
+    assert [c.key for c in d.delete] == ["c0", "c1"]
+    assert [c.key for c in d.keep] == ["c3"]
+    assert d.last_preserved_timestamp == 2 * hour
+
+
+def test_bad_policy_and_options_are_refused():
+    with pytest.raises(ValueError):
+        RetentionPolicy(max_to_keep=0)
+    with pytest.raises(ValueError):
+        RetentionPolicy(best_mode="median")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        AsyncOptions(num_slots=0)
+    with pytest.raises(TypeError):
+        AsyncOptions(2)  # type: ignore[misc]  # keyword-only

@@ -1,0 +1,193 @@
+"""asyncckpt.tf.CheckpointManager as a drop-in for tf.train.CheckpointManager."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import asyncckpt.tf as at  # noqa: E402
+from asyncckpt.tf import _job  # noqa: E402
+
+
+class _Gate:
+    """Wraps the real bundle writer so a test decides when each write may proceed."""
+
+    def __init__(self, real):
+        self.real = real
+        self.open = threading.Event()
+        self.open.set()
+        self.entered = threading.Semaphore(0)
+
+    def __call__(self, prefix, state):
+        self.entered.release()
+        assert self.open.wait(60)
+        return self.real(prefix, state)
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    g = _Gate(_job.write_bundle)
+    monkeypatch.setattr(_job, "write_bundle", g)
+    yield g
+    g.open.set()
+
+
+def _files(directory) -> set[str]:
+    return set(os.listdir(directory))
+
+
+def test_drop_in_save_and_restore(ckpt_dir):
+    v = tf.Variable(np.arange(6, dtype=np.float32))
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=3)
+    paths = []
+    for _ in range(5):
+        v.assign_add(tf.ones(6))
+        paths.append(mgr.save())
+    mgr.sync()
+    assert paths == [str(ckpt_dir / f"ckpt-{i}") for i in range(1, 6)]
+    assert mgr.checkpoints == paths[-3:]
+    assert mgr.latest_checkpoint == paths[-1]
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == paths[-1]
+    assert not (ckpt_dir / "ckpt-1.index").exists() and not (ckpt_dir / "ckpt-2.index").exists()
+    assert not any(n.startswith("ckpt-1.") or n.startswith("ckpt-2.") for n in _files(ckpt_dir))
+    # TensorFlow's own manager reads the directory the same way.
+    tf_mgr = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=3)
+    assert tf_mgr.checkpoints == paths[-3:]
+    fresh = tf.Variable(tf.zeros(6))
+    tf.train.Checkpoint(v=fresh).restore(mgr.latest_checkpoint).assert_consumed()
+    np.testing.assert_array_equal(fresh.numpy(), np.arange(6) + 5)
+    mgr.close()
+
+
+def test_state_file_never_names_a_checkpoint_in_flight(ckpt_dir, gate):
+    v = tf.Variable([1.0])
+    mgr = at.CheckpointManager(at.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
+    first = mgr.save()
+    mgr.sync()
+    gate.open.clear()
+    second = mgr.save()
+    assert gate.entered.acquire(timeout=30) and gate.entered.acquire(timeout=30)
+    # The second save is staged and being written, not durable.
+    assert not mgr.last_save.done()
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == first
+    assert mgr.latest_checkpoint == first
+    assert mgr.checkpoints == [first]
+    assert not os.path.exists(second + ".index")
+    gate.open.set()
+    mgr.sync()
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == second
+    assert mgr.checkpoints == [first, second]
+    mgr.close()
+
+
+def test_retention_deletes_only_after_the_new_checkpoint_is_durable(ckpt_dir, gate):
+    v = tf.Variable([1.0])
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=1)
+    first = mgr.save()
+    mgr.sync()
+    gate.open.clear()
+    mgr.save()
+    assert gate.entered.acquire(timeout=30) and gate.entered.acquire(timeout=30)
+    assert os.path.exists(first + ".index")  # still the only durable checkpoint
+    gate.open.set()
+    mgr.sync()
+    assert not os.path.exists(first + ".index")
+    assert not any(n.startswith("ckpt-1.") for n in _files(ckpt_dir))
+    mgr.close()
+
+
+def test_keep_checkpoint_every_n_hours_preserves(ckpt_dir):
+    v = tf.Variable([1.0])
+    # A tiny interval: every checkpoint older than the last preserved one by
+    # more than 1e-9 hours is preserved instead of deleted.
+    mgr = at.CheckpointManager(
+        tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=1, keep_checkpoint_every_n_hours=1e-9
+    )
+    paths = [mgr.save() for _ in range(3)]
+    mgr.sync()
+    assert mgr.checkpoints == [paths[-1]]
+    for p in paths:
+        assert os.path.exists(p + ".index"), p
+    mgr.close()
+
+
+def test_manager_recovers_checkpoints_from_directory(ckpt_dir):
+    v = tf.Variable([1.0])
+    with at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2) as mgr:
+        paths = [mgr.save() for _ in range(3)]
+    again = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
+    assert again.checkpoints == paths[-2:]
+    assert again.latest_checkpoint == paths[-1]
+    # A fresh tf.train.Checkpoint counts from zero again, as with TensorFlow's manager.
+    assert again.save() == str(ckpt_dir / "ckpt-1")
+    again.sync()
+    assert again.checkpoints == [paths[-1], str(ckpt_dir / "ckpt-1")]
+    assert not os.path.exists(paths[-2] + ".index")
+    again.close()
+
+
+def test_restore_or_initialize(ckpt_dir):
+    v = tf.Variable([0.0])
+    calls = []
+    mgr = at.CheckpointManager(
+        tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=None,
+        init_fn=lambda: (calls.append(1), v.assign([42.0])),
+    )
+    assert mgr.restore_or_initialize() is None
+    assert calls == [1] and v.numpy()[0] == 42.0
+    path = mgr.save()
+    v.assign([0.0])
+    assert mgr.restore_or_initialize() == path  # waits for the save in flight
+    assert v.numpy()[0] == 42.0 and calls == [1]
+    mgr.close()
+
+
+def test_checkpoint_interval_and_number(ckpt_dir):
+    step = tf.Variable(0, dtype=tf.int64)
+    v = tf.Variable([1.0])
+    mgr = at.CheckpointManager(
+        tf.train.Checkpoint(v=v, step=step), str(ckpt_dir), max_to_keep=None,
+        step_counter=step, checkpoint_interval=10,
+    )
+    saved = []
+    for s in range(25):
+        step.assign(s)
+        path = mgr.save(checkpoint_number=step)
+        if path:
+            saved.append(path)
+    assert mgr.save(checkpoint_number=step) is None  # same step again
+    step.assign(26)
+    assert mgr.save(checkpoint_number=step, check_interval=False) == str(ckpt_dir / "ckpt-26")
+    mgr.sync()
+    assert saved == [str(ckpt_dir / f"ckpt-{n}") for n in (0, 10, 20)]
+    assert mgr.checkpoints[-1] == str(ckpt_dir / "ckpt-26")
+    mgr.close()
+
+
+def test_bad_arguments_are_refused(ckpt_dir):
+    v = tf.Variable([1.0])
+    with pytest.raises(ValueError, match="max_to_keep"):
+        at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=0)
+    with pytest.raises(ValueError, match="step_counter"):
+        at.CheckpointManager(
+            tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=1, checkpoint_interval=5
+        )
+    with pytest.raises(TypeError, match=r"tf\.train\.Checkpoint"):
+        at.CheckpointManager({"v": v}, str(ckpt_dir), max_to_keep=1)
+
+
+def test_manager_with_relative_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    v = tf.Variable([3.0])
+    with at.CheckpointManager(tf.train.Checkpoint(v=v), "rel", max_to_keep=2) as mgr:
+        path = mgr.save()
+    assert path == os.path.join("rel", "ckpt-1")
+    assert tf.train.latest_checkpoint("rel") == path
+    fresh = tf.Variable([0.0])
+    tf.train.Checkpoint(v=fresh).restore(path)
+    assert fresh.numpy()[0] == 3.0
