@@ -297,3 +297,20 @@ def test_save_stats_are_recorded(ckpt_dir):
         assert stats.blocking_s > 0 and stats.write_s > 0 and stats.commit_s > 0
         assert stats.durable_s >= stats.write_s
         assert ckpt.engine.estimated_write_seconds == pytest.approx(stats.background_s)
+
+
+def test_graph_changes_between_saves_are_picked_up(ckpt_dir):
+    module = tf.Module()
+    module.layers = [tf.Variable([1.0])]
+    with at.Checkpoint(root=module) as ckpt:
+        for i in range(3):  # the later saves reuse the staging plan
+            module.layers[0].assign([float(i)])
+            ckpt.save(str(ckpt_dir / "ckpt"))
+        module.layers.append(tf.Variable([5.0, 6.0]))  # the graph grows: new plan
+        last = ckpt.save(str(ckpt_dir / "ckpt"))
+        ckpt.sync()
+    fresh = tf.Module()
+    fresh.layers = [tf.Variable([0.0]), tf.Variable([0.0, 0.0])]
+    tf.train.Checkpoint(root=fresh).restore(last).assert_consumed()
+    assert fresh.layers[0].numpy().tolist() == [2.0]
+    assert fresh.layers[1].numpy().tolist() == [5.0, 6.0]

@@ -54,9 +54,12 @@ def test_mirrored_strategy_variables(ckpt_dir):
         optimizer = keras.optimizers.Adam(0.01)
     _fit_one_epoch(model, optimizer)
     assert len(model.weights[0].value.values) == TF_LOGICAL_CPUS  # really mirrored
-    weights = [w.numpy() for w in model.weights]
-    slots = [v.numpy() for v in optimizer.variables]
-    path = _save_and_sync(ckpt_dir, model=model, optimizer=optimizer)
+    with at.Checkpoint(model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(str(ckpt_dir / "ckpt"))
+        _fit_one_epoch(model, optimizer)
+        weights = [w.numpy() for w in model.weights]
+        slots = [v.numpy() for v in optimizer.variables]
+        path = ckpt.save(str(ckpt_dir / "ckpt"))  # second save: the batched read path
 
     fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.01)
     fresh_opt.build(fresh.trainable_variables)

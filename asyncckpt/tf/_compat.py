@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - exercised only without TensorFlow
     ) from e
 
 try:
-    from tensorflow.python.checkpoint import checkpoint_management, save_util
+    from tensorflow.python.checkpoint import checkpoint_management, save_util, tensor_callable
     from tensorflow.python.eager import context
     from tensorflow.python.eager import executor as eager_executor
     from tensorflow.python.ops import gen_io_ops
@@ -31,6 +31,8 @@ except ImportError as e:  # pragma: no cover - only on an untested TensorFlow
 
 OBJECT_GRAPH_KEY: str = trackable_base.OBJECT_GRAPH_PROTO_KEY
 SaveSpec = saveable_object.SaveSpec
+# A lazy reader of a variable's value, what variables serialize to.
+TensorCallable = tensor_callable.Callable
 
 
 def graph_view_of(checkpoint: tf.train.Checkpoint):

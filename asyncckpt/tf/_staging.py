@@ -64,7 +64,7 @@ def _describe(trackable: object) -> str:
     return f"{type(trackable).__module__}.{type(trackable).__qualname__}"
 
 
-def _retrieve_embeddings(checkpoint: tf.train.Checkpoint) -> None:
+def _retrieve_embeddings(objects: list) -> None:
     """Pulls TPU embedding tables from device memory into their host variables.
 
     TPU embedding tables live in TPU memory and are mirrored into host
@@ -72,7 +72,7 @@ def _retrieve_embeddings(checkpoint: tf.train.Checkpoint) -> None:
     embedding's ``_retrieve_variables`` hook, and so does asyncckpt, before
     reading any variable.
     """
-    for obj in _compat.list_trackables(checkpoint):
+    for obj in objects:
         hook = getattr(type(obj), "_retrieve_variables", None)
         if hook is not None and callable(hook):
             hook(obj)
@@ -94,47 +94,119 @@ def _to_host(value: object, key: str, owner: object) -> tf.Tensor | None:
                 f"asyncckpt cannot stage checkpoint value {key!r} of {_describe(owner)}: "
                 f"{type(value).__name__} is not a tensor"
             ) from e
-    if value.dtype in _UNSUPPORTED_DTYPES:
-        raise UnsupportedObjectError(
-            f"asyncckpt cannot stage checkpoint value {key!r} of {_describe(owner)}: "
-            f"its dtype is {value.dtype.name}, an opaque handle that has no host copy "
-            "(for example a tf.data iterator). Leave this object out of the asyncckpt "
-            "checkpoint and save it with tf.train.Checkpoint."
-        )
+    _check_dtype(value.dtype, key, owner)
     return value
 
 
-def stage(checkpoint: tf.train.Checkpoint, slot: Slot) -> StagedState:
-    """Copies the checkpoint's current values into ``slot``.
-
-    Runs on the training thread; returns once every value is in host memory,
-    so the caller may mutate the state again.
-
-    Raises:
-        UnsupportedObjectError: The object graph holds something that cannot
-            be copied to host memory.
-    """
-    _retrieve_embeddings(checkpoint)
-    serialized, registered, proto = _compat.serialize_graph(checkpoint)
-    if any(registered.values()):
-        names = sorted(name for name, objs in registered.items() if objs)
+def _check_dtype(dtype: tf.DType, key: str, owner: object) -> None:
+    if dtype in _UNSUPPORTED_DTYPES:
         raise UnsupportedObjectError(
-            "asyncckpt cannot stage objects that use a registered TensorFlow saver "
-            f"({', '.join(names)}); save them with tf.train.Checkpoint"
+            f"asyncckpt cannot stage checkpoint value {key!r} of {_describe(owner)}: "
+            f"its dtype is {dtype.name}, an opaque handle that has no host copy "
+            "(for example a tf.data iterator). Leave this object out of the asyncckpt "
+            "checkpoint and save it with tf.train.Checkpoint."
         )
-    staged = []
-    copies: list[tuple[np.ndarray, np.ndarray]] = []
-    for owner, tensor_dict in serialized.items():
-        for key, value in tensor_dict.items():
-            parts = value.items() if isinstance(value, dict) else (("", value),)
-            for slice_spec, part in parts:
-                tensor = _to_host(part, key, owner)
-                if tensor is None:
-                    continue
-                staged.append(_plan_copy(slot, key, slice_spec, tensor, copies))
-    # The views in `copies` alias TensorFlow tensors, which they keep alive.
-    copy_arrays(copies)
-    return StagedState(tuple(staged), proto.SerializeToString())
+
+
+@dataclass
+class _Entry:
+    key: str
+    slice_spec: str
+    owner: object
+    value: object  # a tensor, or a SaveSpec/Callable that reads one
+
+
+class _Plan:
+    """What one save reads: checkpoint keys, their readers, the object graph.
+
+    Building it (TensorFlow's own serialization of the object graph) costs
+    milliseconds per hundred variables, so a plan is reused while the object
+    graph is unchanged and every value is a lazy variable reader. Objects with
+    optimizer slot machinery (``get_slot_names``: compat.v1 and legacy Keras
+    optimizers) can grow slots without a visible graph change, so their plans
+    are never reused. All lazy reads of a reused plan run in one
+    ``tf.function`` call instead of a few eager ops per variable.
+    """
+
+    def __init__(self, checkpoint: tf.train.Checkpoint, objects: list):
+        serialized, registered, proto = _compat.serialize_graph(checkpoint)
+        if any(registered.values()):
+            names = sorted(name for name, objs in registered.items() if objs)
+            raise UnsupportedObjectError(
+                "asyncckpt cannot stage objects that use a registered TensorFlow saver "
+                f"({', '.join(names)}); save them with tf.train.Checkpoint"
+            )
+        self.objects = objects
+        self.object_graph = proto.SerializeToString()
+        self.entries: list[_Entry] = []
+        for owner, tensor_dict in serialized.items():
+            for key, value in tensor_dict.items():
+                parts = value.items() if isinstance(value, dict) else (("", value),)
+                for slice_spec, part in parts:
+                    self.entries.append(_Entry(key, slice_spec, owner, part))
+        self.reusable = all(
+            isinstance(e.value, _compat.TensorCallable) for e in self.entries
+        ) and not any("get_slot_names" in dir(o) for o in objects)
+        self._batched = None  # tf.function reading every value, built on first reuse
+        self._batched_failed = False
+        self.uses = 0
+
+    def matches(self, objects: list) -> bool:
+        return len(objects) == len(self.objects) and all(
+            a is b for a, b in zip(objects, self.objects, strict=True)
+        )
+
+    def read(self) -> list[tf.Tensor | None]:
+        """Current values of every entry (None for an uninitialized variable)."""
+        self.uses += 1
+        if self.uses > 1 and not self._batched_failed:
+            try:
+                if self._batched is None:
+                    readers = [e.value._tensor for e in self.entries]
+                    self._batched = tf.function(lambda: [r() for r in readers])
+                values = self._batched()
+                for e, v in zip(self.entries, values, strict=True):
+                    _check_dtype(v.dtype, e.key, e.owner)
+                return values
+            except UnsupportedObjectError:
+                raise
+            except Exception as e:  # e.g. an uninitialized variable: read eagerly
+                logger.debug("batched read failed (%r); reading variables one by one", e)
+                self._batched_failed = True
+        return [_to_host(e.value, e.key, e.owner) for e in self.entries]
+
+
+class Stager:
+    """Stages one ``tf.train.Checkpoint``'s state; keeps its plan between saves."""
+
+    def __init__(self, checkpoint: tf.train.Checkpoint):
+        self._checkpoint = checkpoint
+        self._plan: _Plan | None = None
+
+    def stage(self, slot: Slot) -> StagedState:
+        """Copies the checkpoint's current values into ``slot``.
+
+        Runs on the training thread; returns once every value is in host
+        memory, so the caller may mutate the state again.
+
+        Raises:
+            UnsupportedObjectError: The object graph holds something that
+                cannot be copied to host memory.
+        """
+        objects = _compat.list_trackables(self._checkpoint)
+        _retrieve_embeddings(objects)
+        plan = self._plan
+        if plan is None or not plan.matches(objects):
+            plan = _Plan(self._checkpoint, objects)
+        self._plan = plan if plan.reusable else None
+        staged = []
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        for entry, tensor in zip(plan.entries, plan.read(), strict=True):
+            if tensor is not None:
+                staged.append(_plan_copy(slot, entry.key, entry.slice_spec, tensor, copies))
+        # The views in `copies` alias TensorFlow tensors, which they keep alive.
+        copy_arrays(copies)
+        return StagedState(tuple(staged), plan.object_graph)
 
 
 def _plan_copy(

@@ -108,6 +108,7 @@ class Checkpoint:
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
         self._engine = AsyncEngine(options=self._options, name="asyncckpt.tf")
+        self._stager = _staging.Stager(checkpoint)
         self._checked_dirs: set[str] = set()
         self._last_save: SaveHandle | None = None
         self._state_lock = threading.Lock()
@@ -171,7 +172,7 @@ class Checkpoint:
         self._check_dir(prefix)
 
         def stage(slot):
-            state = _staging.stage(self._tf, slot)
+            state = self._stager.stage(slot)
             return TFSaveJob(
                 prefix=prefix,
                 state=state,
