@@ -1,0 +1,58 @@
+"""Draws the pictures in docs/img. Run: python docs/diagrams.py"""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def pipeline() -> None:
+    """Training thread vs writer thread over three saves with two slots."""
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    step, copy, write, commit = 1.0, 0.25, 2.6, 0.6
+    lanes = {"training thread": 2, "writer thread": 1, "slots in use": 0}
+    t = 0.0
+    saves = []
+    for i in range(9):
+        is_save = i in (1, 3, 5)
+        ax.broken_barh([(t, step)], (lanes["training thread"] - 0.35, 0.7),
+                       color="#9ecae1", edgecolor="white")
+        ax.text(t + step / 2, 2, f"step {i}", ha="center", va="center", fontsize=8)
+        t += step
+        if is_save:
+            ax.broken_barh([(t, copy)], (lanes["training thread"] - 0.35, 0.7), color="#e6550d")
+            saves.append(t)
+            t += copy
+    writer_free = 0.0
+    slot_busy = []
+    for n, s in enumerate(saves):
+        start = max(s + copy, writer_free)
+        ax.broken_barh([(start, write)], (0.65, 0.7), color="#31a354")
+        ax.text(start + write / 2, 1, f"write {n + 1}", ha="center", va="center",
+                fontsize=8, color="white")
+        ax.broken_barh([(start + write, commit)], (0.65, 0.7), color="#756bb1")
+        writer_free = start + write + commit
+        slot_busy.append((s, start + write - s))
+    for n, (s, dur) in enumerate(slot_busy):
+        ax.broken_barh([(s, dur)], (-0.35 + 0.35 * (n % 2), 0.3), color="#fdae6b")
+    ax.set_yticks(list(lanes.values()))
+    ax.set_yticklabels(list(lanes))
+    ax.set_xlabel("time")
+    ax.set_xticks([])
+    ax.set_title("save = short host copy (orange) on the training thread; "
+                 "write (green) and commit (purple) in the background", fontsize=9)
+    ax.set_xlim(0, max(t, writer_free) + 0.2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "img", "pipeline.png"), dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    os.makedirs(os.path.join(HERE, "img"), exist_ok=True)
+    pipeline()
