@@ -8,6 +8,7 @@ import logging
 import os
 from collections.abc import Callable
 
+from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import Manifest
@@ -17,7 +18,6 @@ from asyncckpt.tf._staging import StagedState, write_bundle
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_SUFFIX = ".asyncckpt-manifest.json"
 
 # Called on the writer thread once the checkpoint at `path` is durable.
 CommitCallback = Callable[[str, SaveStats], None]
@@ -25,7 +25,7 @@ CommitCallback = Callable[[str, SaveStats], None]
 
 def manifest_path(prefix: str) -> str:
     """Where the manifest of the TensorFlow checkpoint at ``prefix`` lives."""
-    return prefix + MANIFEST_SUFFIX
+    return layout.tf_manifest_path(prefix)
 
 
 def checkpoint_files(prefix: str) -> list[str]:

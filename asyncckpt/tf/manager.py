@@ -5,18 +5,21 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import threading
 import time
 
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
+from asyncckpt.engine.lock import DirectoryLock
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import SaveHandle
+from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.tf import _compat
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import delete_checkpoint
-from asyncckpt.tf.checkpoint import Checkpoint
+from asyncckpt.tf.checkpoint import Checkpoint, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class CheckpointManager:
             raise ValueError(f"checkpoint_name must be a plain file name, got {checkpoint_name!r}")
         self._directory = os.fspath(directory)
         self._abs_dir = os.path.abspath(self._directory)
+        self._checkpoint_name = checkpoint_name
         self._prefix = os.path.join(self._directory, checkpoint_name)
         self._init_fn = init_fn
         if checkpoint_interval is not None and step_counter is None:
@@ -112,6 +116,9 @@ class CheckpointManager:
         self._last_checkpoint_step = last_checkpoint_step
         self._lock = threading.Lock()
         self._fsync = self._ckpt._options.fsync
+        self._verify_checksums = self._ckpt._restore_options.verify_checksums
+        # Taken on the first save, so a manager used only to restore locks nothing.
+        self._dir_lock = DirectoryLock(self._abs_dir)
         self._recover_state()
 
     # -- state recovered from / written to the directory ----------------------
@@ -129,6 +136,10 @@ class CheckpointManager:
         paths = list(state.all_model_checkpoint_paths)
         stamps = list(state.all_model_checkpoint_timestamps) or [self._last_preserved] * len(paths)
         for path, stamp in zip(paths, stamps, strict=False):
+            if not os.path.exists(path + ".index"):
+                logger.warning("%s is listed in %s/checkpoint but its files are gone; "
+                               "no longer managing it", path, self._directory)
+                continue
             stamp = min(stamp, now)
             if stamp > self._last_preserved:
                 self._maybe_delete[path] = stamp
@@ -229,6 +240,7 @@ class CheckpointManager:
                 ):
                     return None
             self._last_checkpoint_step = current
+        self._take_directory()
         counter = self._ckpt.save_counter
         counter.assign_add(1)
         number = _evaluate(counter if checkpoint_number is None else checkpoint_number)
@@ -240,19 +252,70 @@ class CheckpointManager:
             raise
         return prefix
 
+    def _take_directory(self) -> None:
+        if not self._dir_lock.held:
+            self._dir_lock.acquire()
+            # Holding the lock, nobody else writes here: temporaries are stale.
+            commit_lib.cleanup_stale_temps(self._abs_dir)
+            self._remove_orphans()
+
+    def _remove_orphans(self) -> None:
+        """Deletes files of this manager's checkpoints that never got their index.
+
+        A process killed between publishing a checkpoint's data file and its
+        index (the commit) leaves files no reader considers a checkpoint.
+        """
+        pattern = re.compile(
+            re.escape(self._checkpoint_name)
+            + r"-\d+(?=\.(?:data-\d{5}-of-\d{5}|asyncckpt-manifest\.json)$)"
+        )
+        orphans: dict[str, list[str]] = {}
+        for name in os.listdir(self._abs_dir):
+            m = pattern.match(name)
+            if m:
+                orphans.setdefault(m.group(0), []).append(name)
+        for base, names in orphans.items():
+            if not os.path.exists(os.path.join(self._abs_dir, base + ".index")):
+                for name in names:
+                    os.unlink(os.path.join(self._abs_dir, name))
+                logger.warning("removed files of %s left without an index by an interrupted "
+                               "save: %s", base, ", ".join(sorted(names)))
+
+    def newest_valid_checkpoint(self) -> str | None:
+        """The newest managed checkpoint whose files match their manifest.
+
+        Damaged or incomplete checkpoints are skipped with a warning naming them
+        and the file at fault.
+        """
+        self.sync()
+        with self._lock:
+            candidates = list(reversed(self._maybe_delete))
+            if self._latest and self._latest not in candidates:
+                candidates.insert(0, self._latest)
+        for path in candidates:
+            try:
+                verify_checkpoint(path, checksums=self._verify_checksums)
+                return path
+            except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+                logger.warning("skipping checkpoint %s: %s", path, e)
+        return None
+
     def restore_or_initialize(self):
-        """Restores the latest checkpoint, or runs ``init_fn`` if there is none.
+        """Restores the newest valid checkpoint, or runs ``init_fn`` if there is none.
+
+        Unlike TensorFlow's manager, a latest checkpoint that fails its manifest
+        check (truncated, corrupt, incomplete) is skipped with a warning, and the
+        newest one that verifies is restored instead.
 
         Returns:
             The restored path, or None.
         """
-        self.sync()
-        latest = self.latest_checkpoint
-        if latest is not None:
-            self._ckpt.restore(latest)
+        path = self.newest_valid_checkpoint()
+        if path is not None:
+            self._ckpt.checkpoint.restore(path)  # verified just above
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _evaluate(self._step_counter)
-            return latest
+            return path
         if self._init_fn is not None:
             self._init_fn()
             logger.info("Customized initialization is done through the passed `init_fn`.")
@@ -263,11 +326,14 @@ class CheckpointManager:
         self._ckpt.sync(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flushes saves; closes the engine too if this manager created it."""
-        if self._owns_ckpt:
-            self._ckpt.close(timeout)
-        else:
-            self._ckpt.sync(timeout)
+        """Flushes saves, releases the directory; closes the engine if it made it."""
+        try:
+            if self._owns_ckpt:
+                self._ckpt.close(timeout)
+            else:
+                self._ckpt.sync(timeout)
+        finally:
+            self._dir_lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

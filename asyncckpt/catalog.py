@@ -1,0 +1,195 @@
+"""Find, describe and verify the checkpoints in a directory, for either framework.
+
+Framework-neutral: listing and verification read only names and manifests,
+so ``asyncckpt list`` and ``asyncckpt verify`` work without TensorFlow or JAX
+installed. Only describing a TensorFlow checkpoint's variables imports
+TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from asyncckpt import layout
+from asyncckpt.engine.commit import is_temp_name
+from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint found in a directory.
+
+    Attributes:
+        name: Display name: the TensorFlow prefix basename or the step.
+        path: TensorFlow prefix, or the JAX step directory.
+        framework: ``"tensorflow"`` or ``"jax"``.
+        step: Step number, when the name carries one.
+        manifest_path: Where its manifest is (the file may be missing).
+    """
+
+    name: str
+    path: str
+    framework: str
+    step: int | None
+    manifest_path: str
+
+    @property
+    def root(self) -> str:
+        """Directory the manifest's file names are relative to."""
+        return os.path.dirname(self.path) if self.framework == "tensorflow" else self.path
+
+    def manifest(self) -> Manifest | None:
+        """The manifest, or None if the checkpoint has none (written by a peer)."""
+        try:
+            return read_manifest(self.manifest_path)
+        except FileNotFoundError:
+            return None
+
+
+def list_checkpoints(directory: str) -> list[CheckpointInfo]:
+    """Committed checkpoints in ``directory``, ordered by step then name.
+
+    Temporaries of saves in flight (or interrupted) are never listed.
+
+    Raises:
+        CheckpointNotFoundError: ``directory`` does not exist.
+    """
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no such directory: {directory!r}") from None
+    found = []
+    for name in names:
+        if is_temp_name(name) or name.startswith("."):
+            continue
+        path = os.path.join(directory, name)
+        if name.endswith(layout.TF_INDEX_SUFFIX) and os.path.isfile(path):
+            prefix = path[: -len(layout.TF_INDEX_SUFFIX)]
+            found.append(
+                CheckpointInfo(
+                    name=os.path.basename(prefix),
+                    path=prefix,
+                    framework="tensorflow",
+                    step=layout.tf_step_of(prefix),
+                    manifest_path=layout.tf_manifest_path(prefix),
+                )
+            )
+        elif name.isdigit() and os.path.isdir(path):
+            found.append(
+                CheckpointInfo(
+                    name=name,
+                    path=path,
+                    framework="jax",
+                    step=int(name),
+                    manifest_path=layout.jax_manifest_path(path),
+                )
+            )
+    found.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
+    return found
+
+
+def select(directory: str, which: str | None) -> list[CheckpointInfo]:
+    """All checkpoints, or the one named by ``which`` (a step or a name).
+
+    Raises:
+        CheckpointNotFoundError: nothing matches.
+    """
+    found = list_checkpoints(directory)
+    if which is None:
+        return found
+    chosen = [c for c in found if c.name == which or (which.isdigit() and c.step == int(which))]
+    if not chosen:
+        names = ", ".join(c.name for c in found) or "none"
+        raise CheckpointNotFoundError(
+            f"no checkpoint {which!r} in {directory!r} (checkpoints there: {names})"
+        )
+    return chosen
+
+
+def verify(info: CheckpointInfo, *, checksums: bool = True) -> Manifest:
+    """Checks every file of a checkpoint against its manifest.
+
+    Raises:
+        CorruptCheckpointError: a file is missing, truncated or corrupt, or
+            the checkpoint has no (readable) manifest to check against.
+    """
+    manifest = info.manifest()
+    if manifest is None:
+        raise CorruptCheckpointError(
+            f"checkpoint {info.path!r} has no asyncckpt manifest "
+            f"({info.manifest_path!r}); it cannot be verified",
+            checkpoint=info.path,
+            file=info.manifest_path,
+        )
+    verify_files(info.root, manifest.files, checksums=checksums, checkpoint=info.path)
+    return manifest
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """One saved array: name, shape, dtype and bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+def describe_arrays(info: CheckpointInfo) -> list[ArrayInfo]:
+    """The arrays (JAX leaves) or variables (TensorFlow keys) a checkpoint holds."""
+    if info.framework == "jax":
+        return _describe_zarr_tree(info.path)
+    return _describe_tf(info.path)
+
+
+def _describe_zarr_tree(step_dir: str) -> list[ArrayInfo]:
+    arrays = []
+    for item in sorted(os.listdir(step_dir)):
+        item_dir = os.path.join(step_dir, item)
+        if not os.path.isdir(item_dir):
+            continue
+        for leaf in sorted(os.listdir(item_dir)):
+            zarray = os.path.join(item_dir, leaf, ".zarray")
+            if not os.path.isfile(zarray):
+                continue
+            with open(zarray, encoding="utf-8") as f:
+                meta = json.load(f)
+            shape = tuple(int(d) for d in meta["shape"])
+            dtype = str(meta["dtype"])
+            itemsize = _itemsize(dtype)
+            name = leaf if item == "default" else f"{item}/{leaf}"
+            arrays.append(ArrayInfo(name, shape, dtype, math.prod(shape) * itemsize))
+    return arrays
+
+
+def _itemsize(zarr_dtype: str) -> int:
+    try:
+        return np.dtype(zarr_dtype).itemsize
+    except TypeError:  # extension types NumPy alone does not know
+        return {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int4": 1}.get(zarr_dtype, 0)
+
+
+def _describe_tf(prefix: str) -> list[ArrayInfo]:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter out
+    try:
+        import tensorflow as tf
+    except ImportError as e:
+        raise ImportError(
+            "describing a TensorFlow checkpoint needs TensorFlow: pip install 'asyncckpt[tf]'"
+        ) from e
+    reader = tf.train.load_checkpoint(prefix)
+    shapes = reader.get_variable_to_shape_map()
+    dtypes = reader.get_variable_to_dtype_map()
+    out = []
+    for key in sorted(shapes):
+        shape = tuple(int(d) for d in shapes[key])
+        dtype = dtypes[key]
+        size = dtype.size if dtype != tf.string else 0
+        out.append(ArrayInfo(key, shape, dtype.name, math.prod(shape) * size))
+    return out

@@ -1,0 +1,133 @@
+"""The ``asyncckpt`` command: list, inspect and verify checkpoints; run benchmarks.
+
+``asyncckpt list DIR``, ``asyncckpt inspect DIR [STEP]`` and
+``asyncckpt verify DIR [STEP]`` work on TensorFlow and JAX checkpoint
+directories alike. ``verify`` exits with 0 only if every checked checkpoint
+matches its manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from asyncckpt import catalog
+from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    found = catalog.list_checkpoints(args.dir)
+    if not found:
+        print(f"no checkpoints in {args.dir}")
+        return 0
+    print(f"{'name':<24} {'framework':<11} {'step':>8} {'size':>12} {'files':>6}  committed")
+    for c in found:
+        m = c.manifest()
+        size = _mib(m.nbytes) if m else "?"
+        files = str(len(m.files)) if m else "?"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)) if m else "no manifest"
+        step = "" if c.step is None else str(c.step)
+        print(f"{c.name:<24} {c.framework:<11} {step:>8} {size:>12} {files:>6}  {when}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    chosen = catalog.select(args.dir, args.step)
+    if args.step is None and chosen:
+        chosen = chosen[-1:]  # the newest
+    for c in chosen:
+        m = c.manifest()
+        print(f"checkpoint {c.path} ({c.framework}, step {c.step})")
+        if m is not None:
+            s = m.stats
+            print(f"  written by asyncckpt {m.version}; {len(m.files)} files, {_mib(m.nbytes)}")
+            if s:
+                print(
+                    f"  save: blocked {s.get('blocking_s', 0) * 1e3:.1f} ms, "
+                    f"wrote {s.get('write_s', 0) * 1e3:.0f} ms, "
+                    f"{_mib(s.get('nbytes', 0))} staged, "
+                    f"{s.get('throughput_bytes_per_s', 0) / 2**20:.0f} MiB/s"
+                )
+            if m.extra:
+                print(f"  extra: {m.extra}")
+        else:
+            print("  no asyncckpt manifest (written by another tool)")
+        arrays = catalog.describe_arrays(c)
+        width = max([len(a.name) for a in arrays] + [4])
+        print(f"  {'name':<{width}} {'shape':<20} {'dtype':<10} {'bytes':>12}")
+        for a in arrays:
+            print(f"  {a.name:<{width}} {list(a.shape)!s:<20} {a.dtype:<10} {a.nbytes:>12}")
+        print(f"  {len(arrays)} arrays, {_mib(sum(a.nbytes for a in arrays))}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    chosen = catalog.select(args.dir, args.step)
+    if not chosen:
+        print(f"no checkpoints in {args.dir}")
+        return 1
+    bad = 0
+    for c in chosen:
+        try:
+            m = catalog.verify(c, checksums=not args.sizes_only)
+            print(f"OK    {c.name}: {len(m.files)} files, {_mib(m.nbytes)}")
+        except CorruptCheckpointError as e:
+            bad += 1
+            print(f"FAIL  {c.name}: {e}")
+    what = "sizes" if args.sizes_only else "sizes and CRC32s"
+    print(f"{len(chosen) - bad}/{len(chosen)} checkpoint(s) verified ({what})")
+    return 0 if bad == 0 else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from asyncckpt.bench.cli import run_from_args
+
+    return run_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncckpt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("list", help="list the committed checkpoints in a directory")
+    p.add_argument("dir")
+    p.set_defaults(func=_cmd_list)
+
+    p = sub.add_parser("inspect", help="arrays, shapes, dtypes, bytes and save stats")
+    p.add_argument("dir")
+    p.add_argument("step", nargs="?", help="step or name (default: the newest)")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", help="check files against manifests; exit 1 on any failure")
+    p.add_argument("dir")
+    p.add_argument("step", nargs="?", help="step or name (default: every checkpoint)")
+    p.add_argument("--sizes-only", action="store_true", help="skip the CRC32 pass")
+    p.set_defaults(func=_cmd_verify)
+
+    try:
+        from asyncckpt.bench.cli import add_arguments
+    except ImportError:
+        add_arguments = None
+    if add_arguments is not None:
+        p = sub.add_parser("bench", help="latency benchmarks against TensorFlow and orbax")
+        add_arguments(p)
+        p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CheckpointNotFoundError as e:
+        print(f"asyncckpt: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
