@@ -1,0 +1,1 @@
+"""Latency benchmarks of asyncckpt against TensorFlow and orbax (``asyncckpt bench``)."""

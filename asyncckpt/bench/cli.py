@@ -1,0 +1,121 @@
+"""``asyncckpt bench``: asyncckpt side by side with TensorFlow and orbax."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+
+DEFAULT_SIZES = "64,256,1024"
+QUICK_SIZES = "16,64"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default=None,
+                   help=f"state sizes in MiB, comma-separated (default {DEFAULT_SIZES})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a small run: sizes {QUICK_SIZES}, 3 repetitions, short training loop")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per case (default 5)")
+    p.add_argument("--frameworks", default="tf,jax", help="tf, jax or both (default tf,jax)")
+    p.add_argument("--engines", default=None,
+                   help="comma-separated engine names (default: all of the frameworks')")
+    p.add_argument("--train-size", type=int, default=None,
+                   help="state size in MiB for the training-loop overhead (default: the middle "
+                        "size; 0 skips it)")
+    p.add_argument("--train-saves", type=int, default=2, help="saves per training run")
+    p.add_argument("--scratch", default=None,
+                   help="directory to write checkpoints in (default: a temporary directory "
+                        "beside --out, i.e. on the same disk)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: bench-results/<date-time>)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _machine() -> str:
+    cpus = os.cpu_count()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                         model)
+    except OSError:
+        pass
+    return f"{cpus} CPUs ({model}), {mem:.0f} GiB RAM, Python {platform.python_version()}"
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    for fw, module in (("tf", "tensorflow"), ("jax", "jax")):
+        if fw in frameworks and importlib.util.find_spec(module) is None:
+            print(f"asyncckpt bench: {module} is not installed; skipping {fw}", file=sys.stderr)
+            frameworks.remove(fw)
+    if "jax" in frameworks and "jax" not in sys.modules:
+        # Several CPU devices, so JAX arrays are really sharded (no effect on GPUs/TPUs).
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+    from asyncckpt.bench import engines as eng
+    from asyncckpt.bench import report, runner
+
+    sizes_mib = [int(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+                 .split(",") if s]
+    reps = args.reps or (3 if args.quick else 5)
+    names = [n for n, cls in eng.ENGINES.items() if cls.framework in frameworks]
+    if args.engines:
+        wanted = [n.strip() for n in args.engines.split(",")]
+        unknown = [n for n in wanted if n not in eng.ENGINES]
+        if unknown:
+            print(f"unknown engine(s) {unknown}; known: {list(eng.ENGINES)}", file=sys.stderr)
+            return 2
+        names = [n for n in wanted if n in names]
+    out = args.out or os.path.join("bench-results", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    scratch_parent = args.scratch or os.path.abspath(out)
+    os.makedirs(scratch_parent, exist_ok=True)
+    progress = runner.Progress(quiet=args.quiet)
+    results: dict = {
+        "machine": _machine(),
+        "command": "asyncckpt bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "versions": {},
+        "sizes": [],
+    }
+    for mod in ("tensorflow", "jax", "orbax.checkpoint", "numpy"):
+        if importlib.util.find_spec(mod.split(".")[0]) is not None:
+            try:
+                results["versions"][mod] = getattr(__import__(mod, fromlist=["_"]),
+                                                   "__version__", "?")
+            except Exception:  # a framework that fails to import is reported, not fatal
+                results["versions"][mod] = "import failed"
+    with tempfile.TemporaryDirectory(prefix="bench-scratch-", dir=scratch_parent) as work:
+        for mib in sizes_mib:
+            progress(f"state of {mib} MiB ...")
+            results["sizes"].append(runner.measure_size(
+                mib << 20, frameworks=frameworks, engine_names=names, reps=reps,
+                workdir=os.path.join(work, f"{mib}"), progress=progress))
+        train_mib = args.train_size
+        if train_mib is None:
+            train_mib = sizes_mib[len(sizes_mib) // 2]
+        if train_mib:
+            progress(f"training loop with a {train_mib} MiB state ...")
+            results["training"] = runner.measure_training(
+                train_mib << 20, frameworks=frameworks, engine_names=names,
+                workdir=os.path.join(work, "train"), saves=args.train_saves, progress=progress)
+        if "tf" in frameworks:
+            results["unbuilt_optimizer"] = runner.unbuilt_optimizer_case(work, names)
+    paths = report.write(results, out)
+    print(report.text(results))
+    print("\nwrote " + ", ".join(paths.values()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="asyncckpt bench", description=__doc__)
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))

@@ -1,0 +1,332 @@
+"""The checkpoint engines and physical floors the benchmark compares.
+
+Each engine saves the same in-memory state that a synthetic training step
+updates: TensorFlow variables for the TensorFlow engines, a pytree of
+sharded ``jax.Array``s for the JAX ones. ``save`` returns when the engine's
+save call returns (the blocking part); ``wait`` returns when the checkpoint
+is durable (or at least complete, for engines that never fsync).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Callable
+
+import numpy as np
+
+MATRIX_COLS = 64  # state tensors are [rows, 64]; the step multiplies them by a 64x64 matrix
+
+
+def _rows_per_tensor(nbytes: int, tensors: int) -> int:
+    return max(1, nbytes // tensors // 4 // MATRIX_COLS)
+
+
+class TFState:
+    """TensorFlow variables holding ``nbytes`` of float32, and a training step."""
+
+    def __init__(self, nbytes: int, tensors: int):
+        import tensorflow as tf
+
+        rows = _rows_per_tensor(nbytes, tensors)
+        rng = np.random.default_rng(0)
+        self.variables = {
+            f"w{i}": tf.Variable(rng.standard_normal((rows, MATRIX_COLS), dtype=np.float32))
+            for i in range(tensors)
+        }
+        self.nbytes = rows * MATRIX_COLS * 4 * tensors
+        mix = tf.constant(np.eye(MATRIX_COLS, dtype=np.float32) * 1e-3)
+        variables = list(self.variables.values())
+
+        @tf.function
+        def step():
+            for v in variables:  # a matmul and an in-place update of every tensor
+                v.assign_add(tf.matmul(v, mix))
+
+        self._step = step
+        step()
+
+    def step(self) -> None:
+        self._step()
+
+
+class JAXState:
+    """A pytree of ``jax.Array``s sharded over every device, and a donating step."""
+
+    def __init__(self, nbytes: int, tensors: int):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        devices = np.array(jax.devices())
+        mesh = Mesh(devices, ("d",))
+        rows = _rows_per_tensor(nbytes, tensors)
+        rows -= rows % len(devices)
+        rows = max(rows, len(devices))
+        sharding = NamedSharding(mesh, PartitionSpec("d"))
+        self.tree = {
+            f"w{i}": jax.device_put(
+                jnp.full((rows, MATRIX_COLS), float(i), jnp.float32), sharding
+            )
+            for i in range(tensors)
+        }
+        self.nbytes = rows * MATRIX_COLS * 4 * tensors
+        mix = jnp.eye(MATRIX_COLS, dtype=jnp.float32) * 1e-3
+
+        def update(tree):
+            return {k: v + v @ mix for k, v in tree.items()}
+
+        self._update = jax.jit(update, donate_argnums=0)
+        self.step()
+        jax.block_until_ready(self.tree)
+
+    def step(self) -> None:
+        self.tree = self._update(self.tree)
+
+    def block(self) -> None:
+        import jax
+
+        jax.block_until_ready(self.tree)
+
+
+class Engine:
+    """A checkpoint engine under test. Subclasses implement the four calls."""
+
+    name = "engine"
+    framework = "tf"
+
+    def __init__(self, state, workdir: str):
+        self.state = state
+        self.workdir = workdir
+        self.step_no = 0
+        os.makedirs(workdir, exist_ok=True)
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def files(self) -> list[str]:
+        """Files of everything written so far (to evict them from the page cache)."""
+        out = []
+        for root, _, names in os.walk(self.workdir):
+            out.extend(os.path.join(root, n) for n in names)
+        return out
+
+    def close(self) -> None:
+        self.wait()
+
+
+class TFSync(Engine):
+    name = "tf sync"
+
+    def __init__(self, state: TFState, workdir: str):
+        import tensorflow as tf
+
+        super().__init__(state, workdir)
+        self.ckpt = tf.train.Checkpoint(**state.variables)
+        self.last = None
+
+    def save(self) -> None:
+        self.step_no += 1
+        self.last = self.ckpt.write(os.path.join(self.workdir, f"ckpt-{self.step_no}"))
+
+    def wait(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        self.ckpt.read(self.last).assert_consumed()
+
+
+class TFBuiltinAsync(TFSync):
+    name = "tf built-in async"
+
+    def __init__(self, state: TFState, workdir: str):
+        import tensorflow as tf
+
+        super().__init__(state, workdir)
+        self.options = tf.train.CheckpointOptions(enable_async=True)
+
+    def save(self) -> None:
+        self.step_no += 1
+        path = os.path.join(self.workdir, f"ckpt-{self.step_no}")
+        self.last = self.ckpt.write(path, options=self.options)
+
+    def wait(self) -> None:
+        self.ckpt.sync()
+
+    def restore(self) -> None:
+        self.ckpt.sync()
+        self.ckpt.read(self.last)
+
+
+class AsyncckptTF(Engine):
+    name = "asyncckpt tf"
+
+    def __init__(self, state: TFState, workdir: str):
+        import asyncckpt.tf as at
+
+        super().__init__(state, workdir)
+        self.ckpt = at.Checkpoint(**state.variables)
+        self.last = None
+
+    def save(self) -> None:
+        self.step_no += 1
+        self.last = self.ckpt.write(os.path.join(self.workdir, f"ckpt-{self.step_no}"))
+
+    def wait(self) -> None:
+        self.ckpt.sync()
+
+    def restore(self) -> None:
+        self.ckpt.read(self.last).assert_consumed()
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+class Orbax(Engine):
+    name = "orbax async"
+    framework = "jax"
+
+    def __init__(self, state: JAXState, workdir: str):
+        import orbax.checkpoint as ocp
+
+        super().__init__(state, workdir)
+        self.ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            workdir, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+        )
+
+    def save(self) -> None:
+        self.step_no += 1
+        self.manager.save(self.step_no, args=self.ocp.args.StandardSave(self.state.tree))
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def restore(self) -> None:
+        import jax
+
+        self.wait()
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            self.state.tree,
+        )
+        restored = self.manager.restore(self.step_no, args=self.ocp.args.StandardRestore(target))
+        jax.block_until_ready(restored)
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()
+
+
+class AsyncckptJAX(Engine):
+    name = "asyncckpt jax"
+    framework = "jax"
+
+    def __init__(self, state: JAXState, workdir: str):
+        import asyncckpt.jax as aj
+
+        super().__init__(state, workdir)
+        self.manager = aj.CheckpointManager(workdir)
+
+    def save(self) -> None:
+        self.step_no += 1
+        self.manager.save(self.step_no, self.state.tree, force=True)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def restore(self) -> None:
+        import jax
+
+        self.wait()
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            self.state.tree,
+        )
+        jax.block_until_ready(self.manager.restore(self.step_no, target=target))
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+ENGINES: dict[str, type[Engine]] = {
+    e.name: e for e in (TFSync, TFBuiltinAsync, AsyncckptTF, Orbax, AsyncckptJAX)
+}
+
+
+class Floors:
+    """The physical floors for ``nbytes``: host memcpy, raw write + fsync, raw read."""
+
+    def __init__(self, nbytes: int, tensors: int, workdir: str):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, "raw.bin")
+        rng = np.random.default_rng(1)
+        self.src = rng.random(nbytes // 4, dtype=np.float32)
+        self.dst = np.zeros_like(self.src)
+        n = len(self.src) // tensors
+        self.parts = [(np.zeros(n, np.float32), self.src[i * n : (i + 1) * n].copy())
+                      for i in range(tensors)]
+        self.nbytes = self.src.nbytes
+
+    def memcpy(self) -> None:
+        np.copyto(self.dst, self.src)
+
+    def memcpy_per_tensor(self) -> None:
+        for d, s in self.parts:
+            np.copyto(d, s)
+
+    def raw_write(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(self.src).cast("B")
+            for start in range(0, len(view), 64 << 20):
+                part = view[start : start + (64 << 20)]
+                while part:
+                    part = part[os.write(fd, part):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def raw_read(self) -> None:
+        with open(self.path, "rb", buffering=0) as f:
+            buf = memoryview(self.dst).cast("B")
+            pos = 0
+            while pos < len(buf):
+                n = f.readinto(buf[pos:])
+                if not n:
+                    break
+                pos += n
+
+
+def evict_from_page_cache(paths: list[str]) -> None:
+    """Asks the kernel to drop cached pages of these files (no root needed)."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def clear_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
+
+
+def tensors_for(nbytes: int) -> int:
+    """How many tensors a state of this size is split into (16 MiB-ish each, 4 to 64)."""
+    return int(min(64, max(4, math.ceil(nbytes / (16 << 20)))))
+
+
+Maker = Callable[[object, str], Engine]

@@ -1,0 +1,183 @@
+"""Tables, target checks, JSON and the plot of ``asyncckpt bench``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def _med(d: dict | None, key: str) -> float | None:
+    if not d or key not in d or not d[key]:
+        return None
+    return d[key].get("median")
+
+
+def size_table(size: dict) -> list[str]:
+    lines = [f"== {size['nbytes'] / 2**20:.0f} MiB in {size['tensors']} tensors =="]
+    head = (f"{'case':<19} {'block ms':>9} {'p95':>7} {'durable ms':>11} {'thr/raw':>8} "
+            f"{'2nd,3rd b2b ms':>15} {'restore/raw':>11} {'peak +MiB':>9}")
+    lines.append(head)
+    for name, f in size["floors"].items():
+        lines.append(f"{name:<19} {_ms(f.get('median')):>9} {_ms(f.get('p95')):>7}")
+    for name, e in size["engines"].items():
+        if e.get("error") and not e.get("blocking"):
+            lines.append(f"{name:<19} FAILED: {e['error']}")
+            continue
+        b2b = e.get("back_to_back")
+        b2b_s = "-" if not b2b else f"{b2b[1] * 1e3:.0f},{b2b[2] * 1e3:.0f}"
+        thr = e.get("durable_throughput_vs_raw_write")
+        rr = e.get("restore_vs_raw_read")
+        lines.append(
+            f"{name:<19} {_ms(_med(e, 'blocking')):>9} {_ms(e['blocking'].get('p95')):>7} "
+            f"{_ms(_med(e, 'durable')):>11} {'-' if thr is None else f'{thr:.2f}':>8} "
+            f"{b2b_s:>15} {'-' if rr is None else f'{rr:.2f}x':>11} "
+            f"{e.get('peak_rss_delta_bytes', 0) / 2**20:>9.0f}"
+            + (f"  (error: {e['error']})" if e.get("error") else "")
+        )
+    return lines
+
+
+def ratios(size: dict) -> dict[str, float]:
+    """The ratios the targets are stated in, for one size."""
+    e, f = size["engines"], size["floors"]
+    out = {}
+
+    def put(key: str, a: float | None, b: float | None) -> None:
+        if a and b:
+            out[key] = a / b
+
+    memcpy = f["memcpy"]["median"]
+    for ours, peers in (("asyncckpt tf", ("tf built-in async", "tf sync")),
+                        ("asyncckpt jax", ("orbax async",))):
+        mine = _med(e.get(ours), "blocking")
+        put(f"{ours} blocking / memcpy", mine, memcpy)
+        put(f"{ours} blocking / memcpy per tensor", mine, f["memcpy per tensor"]["median"])
+        for p in peers:
+            put(f"{ours} blocking / {p} blocking", mine, _med(e.get(p), "blocking"))
+        thr = (e.get(ours) or {}).get("durable_throughput_vs_raw_write")
+        if thr:
+            out[f"{ours} durable throughput / raw write"] = thr
+        rr = (e.get(ours) or {}).get("restore_vs_raw_read")
+        if rr:
+            out[f"{ours} restore / raw read"] = rr
+    return out
+
+
+TARGETS = [
+    ("blocking <= 1.5x memcpy", "blocking / memcpy", lambda r: r <= 1.5),
+    ("blocking <= 0.5x orbax async", "asyncckpt jax blocking / orbax async blocking",
+     lambda r: r <= 0.5),
+    ("blocking <= TF built-in async", "asyncckpt tf blocking / tf built-in async blocking",
+     lambda r: r <= 1.0),
+    ("durable throughput >= 0.8x raw write", "durable throughput / raw write", lambda r: r >= 0.8),
+]
+
+
+def target_lines(results: dict) -> list[str]:
+    lines = ["== targets (per size: ratio, MET or missed) =="]
+    for title, key, ok in TARGETS:
+        cells = []
+        for size in results["sizes"]:
+            for name, value in ratios(size).items():
+                if name.endswith(key) or name == key:
+                    who = name.split(" blocking")[0].split(" durable")[0]
+                    cells.append(f"{size['nbytes'] / 2**20:.0f}MiB {who} {value:.2f}x "
+                                 f"{'MET' if ok(value) else 'missed'}")
+        lines.append(f"{title}: " + ("; ".join(cells) if cells else "not measured"))
+    tr = results.get("training")
+    if tr:
+        for fw, t in tr["frameworks"].items():
+            cells = [f"{n} {v['overhead_pct']:+.1f}%" for n, v in t["engines"].items()]
+            lines.append(
+                f"training overhead ({fw}, save every {t['every_k_steps']} steps of "
+                f"{t['step_s'] * 1e3:.0f} ms; target <= 2%): " + ", ".join(cells)
+            )
+    return lines
+
+
+def text(results: dict) -> str:
+    lines = [f"asyncckpt bench: {results['machine']}", f"command: {results['command']}", ""]
+    for size in results["sizes"]:
+        lines += size_table(size)
+        lines += [f"  {k}: {v:.3f}" for k, v in ratios(size).items()]
+        lines.append("")
+    tr = results.get("training")
+    if tr:
+        lines.append(f"== training loop, {tr['nbytes'] / 2**20:.0f} MiB state ==")
+        for fw, t in tr["frameworks"].items():
+            lines.append(f"{fw}: baseline {t['baseline_s']:.2f} s for {t['steps']} steps "
+                         f"(save every {t['every_k_steps']})")
+            for n, v in t["engines"].items():
+                lines.append(f"  {n:<19} {v['total_s']:.2f} s  overhead {v['overhead_pct']:+.1f}%")
+            for n, err in t["errors"].items():
+                lines.append(f"  {n:<19} FAILED: {err}")
+        lines.append("")
+    if results.get("unbuilt_optimizer"):
+        lines.append("== save, build the Keras 3 optimizer (one training step), save again ==")
+        lines += [f"  {n:<19} {v}" for n, v in results["unbuilt_optimizer"].items()]
+        lines.append("")
+    lines += target_lines(results)
+    return "\n".join(lines)
+
+
+def write(results: dict, out_dir: str) -> dict[str, str]:
+    """Writes results.json, results.txt and blocking.png; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {
+        "json": os.path.join(out_dir, "results.json"),
+        "text": os.path.join(out_dir, "results.txt"),
+        "plot": os.path.join(out_dir, "blocking.png"),
+    }
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=1)
+    with open(paths["text"], "w") as f:
+        f.write(text(results) + "\n")
+    if not plot(results, paths["plot"]):
+        del paths["plot"]
+    return paths
+
+
+def plot(results: dict, path: str) -> bool:
+    """Blocking time per save vs state size, per engine, log-log."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sizes = results["sizes"]
+    xs = [s["nbytes"] / 2**20 for s in sizes]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = []
+    for s in sizes:
+        names += [n for n in s["engines"] if n not in names]
+    for name in names:
+        pts = [(x, _med(s["engines"].get(name), "blocking"))
+               for x, s in zip(xs, sizes, strict=True)]
+        pts = [(x, y * 1e3) for x, y in pts if y]
+        if pts:
+            style = "-o" if name.startswith("asyncckpt") else "--s"
+            ax.plot(*zip(*pts, strict=True), style, label=name)
+    for floor, style in (("memcpy", ":"), ("raw write+fsync", "-.")):
+        pts = [(x, s["floors"][floor]["median"] * 1e3) for x, s in zip(xs, sizes, strict=True)]
+        ax.plot(*zip(*pts, strict=True), style, color="gray", label=f"floor: {floor}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("state size (MiB)")
+    ax.set_ylabel("training blocked per save (ms, median)")
+    ax.set_title("Blocking time per save")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,362 @@
+"""Measurement procedures of ``asyncckpt bench``.
+
+Everything for one state size runs in one process with the cases interleaved
+(each repetition runs every case once, in rotating order, after letting every
+engine finish its writes), so the machine's noise hits all cases alike.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asyncckpt.bench import engines as eng
+
+
+def _stats(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    s = sorted(xs)
+    p95 = s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)]
+    return {"median": statistics.median(s), "p95": p95, "min": s[0], "all": xs}
+
+
+class RSSSampler:
+    """Samples this process's resident memory to find the peak of a phase."""
+
+    def __init__(self, period_s: float = 0.005):
+        self._period = period_s
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.base = 0
+        self.peak = 0
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def __enter__(self) -> RSSSampler:
+        self.base = self.peak = self.rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self.peak = max(self.peak, self.rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def delta(self) -> int:
+        return self.peak - self.base
+
+
+@dataclass
+class Progress:
+    """Progress lines on stderr, with elapsed time."""
+
+    quiet: bool = False
+    start: float = field(default_factory=time.perf_counter)
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _safe(fn: Callable[[], object], errors: dict, key: str) -> bool:
+    try:
+        fn()
+        return True
+    except Exception as e:
+        errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        traceback.print_exc(file=sys.stderr)
+        return False
+
+
+def measure_size(
+    nbytes: int,
+    *,
+    frameworks: list[str],
+    engine_names: list[str],
+    reps: int,
+    workdir: str,
+    progress: Progress,
+) -> dict:
+    """Blocking, durable, back-to-back, restore and memory for one state size."""
+    tensors = eng.tensors_for(nbytes)
+    label = f"{nbytes / 2**20:.0f} MiB"
+    states = {}
+    if "tf" in frameworks:
+        states["tf"] = eng.TFState(nbytes, tensors)
+    if "jax" in frameworks:
+        states["jax"] = eng.JAXState(nbytes, tensors)
+    floors = eng.Floors(nbytes, tensors, os.path.join(workdir, "floors"))
+    engines: dict[str, eng.Engine] = {}
+    errors: dict[str, str] = {}
+    for name in engine_names:
+        cls = eng.ENGINES[name]
+        if cls.framework not in states:
+            continue
+        sub = os.path.join(workdir, name.replace(" ", "_"))
+        eng.clear_dir(sub)
+        ok = _safe(lambda cls=cls, sub=sub: engines.__setitem__(cls.name, cls(states[cls.framework],
+                                                                                sub)),
+                   errors, name)
+        if not ok:
+            progress(f"{label}: {name} could not start: {errors[name]}")
+
+    floor_cases = {
+        "memcpy": floors.memcpy,
+        "memcpy per tensor": floors.memcpy_per_tensor,
+        "raw write+fsync": floors.raw_write,
+    }
+    blocking: dict[str, list[float]] = {k: [] for k in [*floor_cases, *engines]}
+    durable: dict[str, list[float]] = {k: [] for k in engines}
+    peak: dict[str, int] = dict.fromkeys(engines, 0)
+
+    def settle() -> None:
+        for e in engines.values():
+            e.wait()
+
+    def run_engine(name: str, record: bool) -> None:
+        e = engines[name]
+        settle()
+        with RSSSampler() as mem:
+            t0 = time.perf_counter()
+            e.save()
+            t1 = time.perf_counter()
+            e.wait()
+            t2 = time.perf_counter()
+        if record:
+            blocking[name].append(t1 - t0)
+            durable[name].append(t2 - t0)
+            peak[name] = max(peak[name], mem.delta)
+
+    order = [*floor_cases, *engines]
+    for rep in range(reps + 2):  # repetitions 0-1 warm up (allocations, tracing)
+        progress(f"{label}: repetition {rep - 1}/{reps}" + (" (warm-up)" if rep < 2 else ""))
+        k = rep % len(order)
+        for name in order[k:] + order[:k]:
+            if name in floor_cases:
+                settle()
+                t0 = time.perf_counter()
+                floor_cases[name]()
+                if rep > 1:
+                    blocking[name].append(time.perf_counter() - t0)
+            elif name not in errors and not _safe(lambda n=name, r=rep: run_engine(n, r > 1),
+                                                   errors, name):
+                progress(f"{label}: {name} failed: {errors[name]}")
+    settle()
+
+    # Back to back: a save every training step while the previous write runs.
+    back_to_back: dict[str, list[float]] = {}
+    for name, e in engines.items():
+        if name in errors:
+            continue
+        progress(f"{label}: back-to-back saves with {name}")
+        settle()
+        times = []
+
+        def three(e=e, times=times) -> None:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                e.save()
+                times.append(time.perf_counter() - t0)
+                e.state.step()
+            e.wait()
+
+        if _safe(three, errors, name):
+            back_to_back[name] = times
+
+    # Restore, from files evicted from the page cache, against a raw read.
+    restore: dict[str, float] = {}
+    for name, e in engines.items():
+        if name in errors:
+            continue
+        progress(f"{label}: restore with {name}")
+        settle()
+        eng.evict_from_page_cache(e.files())
+        t0 = time.perf_counter()
+        if _safe(e.restore, errors, name):
+            restore[name] = time.perf_counter() - t0
+    eng.evict_from_page_cache([floors.path])
+    t0 = time.perf_counter()
+    floors.raw_read()
+    raw_read_s = time.perf_counter() - t0
+
+    for e in engines.values():
+        _safe(e.close, errors, e.name)
+    eng.clear_dir(workdir)
+
+    raw_write = statistics.median(blocking["raw write+fsync"])
+    result = {
+        "nbytes": floors.nbytes,
+        "tensors": tensors,
+        "floors": {k: _stats(blocking[k]) for k in floor_cases},
+        "raw_read_s": raw_read_s,
+        "engines": {},
+    }
+    result["floors"]["raw read"] = {"median": raw_read_s}
+    for name in engines:
+        d = durable[name]
+        result["engines"][name] = {
+            "framework": engines[name].framework,
+            "blocking": _stats(blocking[name]),
+            "durable": _stats(d),
+            "durable_throughput_vs_raw_write": (raw_write / statistics.median(d)) if d else None,
+            "back_to_back": back_to_back.get(name),
+            "restore_s": restore.get(name),
+            "restore_vs_raw_read": (restore[name] / raw_read_s) if name in restore else None,
+            "peak_rss_delta_bytes": peak[name],
+            "error": errors.get(name),
+        }
+    for name, err in errors.items():
+        result["engines"].setdefault(name, {"error": err})
+    return result
+
+
+def _train_loop(state, engine: eng.Engine | None, steps: int, every: int) -> float:
+    """Seconds for ``steps`` training steps, saving every ``every`` steps."""
+    block = getattr(state, "block", lambda: None)
+    block()
+    t0 = time.perf_counter()
+    for i in range(1, steps + 1):
+        state.step()
+        if engine is not None and i % every == 0 and i < steps:
+            engine.save()
+    block()
+    if engine is not None:
+        engine.wait()
+    return time.perf_counter() - t0
+
+
+def _train_framework(fw: str, nbytes: int, names: list[str], workdir: str, saves: int,
+                     progress: Progress) -> dict:
+    tensors = eng.tensors_for(nbytes)
+    state = eng.TFState(nbytes, tensors) if fw == "tf" else eng.JAXState(nbytes, tensors)
+    engines: dict[str, eng.Engine] = {}
+    errors: dict[str, str] = {}
+    for n in names:
+        sub = os.path.join(workdir, n.replace(" ", "_"))
+        eng.clear_dir(sub)
+        try:
+            engines[n] = eng.ENGINES[n](state, sub)
+        except Exception as e:
+            errors[n] = f"{type(e).__name__}: {e}"
+    _train_loop(state, None, 3, 1)  # warm-up
+    step_s = _train_loop(state, None, 10, 1) / 10
+    write_s = 0.0
+    for n, e in engines.items():  # timed saves, which also warm each engine up
+        for _ in range(2):
+            t0 = time.perf_counter()
+            if _safe(lambda e=e: (e.save(), e.wait()), errors, n):
+                write_s = max(write_s, time.perf_counter() - t0)
+    every = max(2, math.ceil(write_s / step_s) + 1)
+    steps = every * (saves + 1)
+    progress(f"training ({fw}): step {step_s * 1e3:.0f} ms, slowest save {write_s:.2f} s "
+             f"-> a save every {every} steps, {steps} steps per run")
+    base, results = [], {}
+    for n, e in engines.items():
+        if n in errors:
+            continue
+        base.append(_train_loop(state, None, steps, every))
+        progress(f"training ({fw}): {n}")
+        try:
+            results[n] = _train_loop(state, e, steps, every)
+        except Exception as ex:
+            errors[n] = f"{type(ex).__name__}: {ex}"
+    base.append(_train_loop(state, None, steps, every))
+    base_s = statistics.median(base)
+    for e in engines.values():
+        _safe(e.close, errors, e.name)
+    return {
+        "step_s": step_s,
+        "every_k_steps": every,
+        "steps": steps,
+        "baseline_s": base_s,
+        "engines": {
+            n: {"total_s": t, "overhead_pct": 100.0 * (t - base_s) / base_s}
+            for n, t in results.items()
+        },
+        "errors": errors,
+    }
+
+
+def measure_training(
+    nbytes: int,
+    *,
+    frameworks: list[str],
+    engine_names: list[str],
+    workdir: str,
+    saves: int,
+    progress: Progress,
+) -> dict:
+    """Training-loop overhead of checkpointing every K steps, per engine.
+
+    K is chosen so that K steps take at least as long as the slowest save
+    measured here (call to durable), the regime where an asynchronous engine
+    can hide its write entirely. Baseline runs without checkpoints are
+    interleaved with the engines' runs.
+    """
+    out: dict = {"nbytes": nbytes, "frameworks": {}}
+    for fw in frameworks:
+        names = [n for n in engine_names if eng.ENGINES[n].framework == fw]
+        out["frameworks"][fw] = _train_framework(
+            fw, nbytes, names, os.path.join(workdir, fw), saves, progress
+        )
+    eng.clear_dir(workdir)
+    return out
+
+
+def unbuilt_optimizer_case(workdir: str, engine_names: list[str]) -> dict[str, str]:
+    """Save, build the optimizer by training, save again, per TensorFlow engine."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import asyncckpt.tf as at
+
+    x = np.ones((8, 8), np.float32)
+    y = np.ones((8, 4), np.float32)
+    outcome = {}
+    for name in engine_names:
+        if eng.ENGINES[name].framework != "tf":
+            continue
+        # TensorFlow's own failure shows on the save after the optimizer is built.
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        optimizer = keras.optimizers.Adam()
+        model.compile(optimizer=optimizer, loss="mse")
+        path = os.path.join(workdir, "unbuilt", name.replace(" ", "_"), "ckpt")
+        try:
+            if name == "asyncckpt tf":
+                with at.Checkpoint(model=model, optimizer=optimizer) as c:
+                    c.write(path + "-1")
+                    model.fit(x, y, verbose=0)
+                    c.write(path + "-2")
+            else:
+                c = tf.train.Checkpoint(model=model, optimizer=optimizer)
+                opts = (tf.train.CheckpointOptions(enable_async=True)
+                        if name == "tf built-in async" else None)
+                c.write(path + "-1", options=opts)
+                model.fit(x, y, verbose=0)
+                c.write(path + "-2", options=opts)
+                c.sync()
+            outcome[name] = "ok"
+        except Exception as e:
+            outcome[name] = f"FAILS: {type(e).__name__}: {str(e).splitlines()[0][:90]}"
+    eng.clear_dir(os.path.join(workdir, "unbuilt"))
+    return outcome
