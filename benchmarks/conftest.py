@@ -12,9 +12,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import pytest  # noqa: E402
+import pytest
 
-from asyncckpt.bench import engines as eng  # noqa: E402
+from asyncckpt.bench import engines as eng
 
 MIB = int(os.environ.get("ASYNCCKPT_BENCH_MIB", "16"))
 
