@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="state size in MiB for the training-loop overhead (default: the middle "
                         "size; 0 skips it)")
     p.add_argument("--train-saves", type=int, default=2, help="saves per training run")
+    p.add_argument("--train-reps", type=int, default=None,
+                   help="interleaved rounds of the training loop, medians reported "
+                        "(default 5, 3 with --quick)")
     p.add_argument("--scratch", default=None,
                    help="directory to write checkpoints in (default: a temporary directory "
                         "beside --out, i.e. on the same disk)")
@@ -106,7 +109,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             progress(f"training loop with a {train_mib} MiB state ...")
             results["training"] = runner.measure_training(
                 train_mib << 20, frameworks=frameworks, engine_names=names,
-                workdir=os.path.join(work, "train"), saves=args.train_saves, progress=progress)
+                workdir=os.path.join(work, "train"), saves=args.train_saves,
+                reps=args.train_reps or (3 if args.quick else 5), progress=progress)
         if "tf" in frameworks:
             results["unbuilt_optimizer"] = runner.unbuilt_optimizer_case(work, names)
     paths = report.write(results, out)

@@ -245,7 +245,7 @@ def _train_loop(state, engine: eng.Engine | None, steps: int, every: int) -> flo
 
 
 def _train_framework(fw: str, nbytes: int, names: list[str], workdir: str, saves: int,
-                     progress: Progress) -> dict:
+                     reps: int, progress: Progress) -> dict:
     tensors = eng.tensors_for(nbytes)
     state = eng.TFState(nbytes, tensors) if fw == "tf" else eng.JAXState(nbytes, tensors)
     engines: dict[str, eng.Engine] = {}
@@ -269,18 +269,25 @@ def _train_framework(fw: str, nbytes: int, names: list[str], workdir: str, saves
     steps = every * (saves + 1)
     progress(f"training ({fw}): step {step_s * 1e3:.0f} ms, slowest save {write_s:.2f} s "
              f"-> a save every {every} steps, {steps} steps per run")
-    base, results = [], {}
-    for n, e in engines.items():
-        if n in errors:
-            continue
-        base.append(_train_loop(state, None, steps, every))
-        progress(f"training ({fw}): {n}")
-        try:
-            results[n] = _train_loop(state, e, steps, every)
-        except Exception as ex:
-            errors[n] = f"{type(ex).__name__}: {ex}"
+    # Rounds: each runs every engine once, each preceded by a baseline run
+    # without checkpoints, in rotating order; medians over the rounds.
+    base: list[float] = []
+    runs: dict[str, list[float]] = {n: [] for n in engines}
+    live = [n for n in engines if n not in errors]
+    for r in range(reps):
+        progress(f"training ({fw}): round {r + 1}/{reps}")
+        k = r % max(1, len(live))
+        for n in live[k:] + live[:k]:
+            if n in errors:
+                continue
+            base.append(_train_loop(state, None, steps, every))
+            try:
+                runs[n].append(_train_loop(state, engines[n], steps, every))
+            except Exception as ex:
+                errors[n] = f"{type(ex).__name__}: {ex}"
     base.append(_train_loop(state, None, steps, every))
     base_s = statistics.median(base)
+    results = {n: statistics.median(ts) for n, ts in runs.items() if ts and n not in errors}
     for e in engines.values():
         _safe(e.close, errors, e.name)
     return {
@@ -288,6 +295,7 @@ def _train_framework(fw: str, nbytes: int, names: list[str], workdir: str, saves
         "every_k_steps": every,
         "steps": steps,
         "baseline_s": base_s,
+        "rounds": reps,
         "engines": {
             n: {"total_s": t, "overhead_pct": 100.0 * (t - base_s) / base_s}
             for n, t in results.items()
@@ -303,6 +311,7 @@ def measure_training(
     engine_names: list[str],
     workdir: str,
     saves: int,
+    reps: int = 3,
     progress: Progress,
 ) -> dict:
     """Training-loop overhead of checkpointing every K steps, per engine.
@@ -310,13 +319,13 @@ def measure_training(
     K is chosen so that K steps take at least as long as the slowest save
     measured here (call to durable), the regime where an asynchronous engine
     can hide its write entirely. Baseline runs without checkpoints are
-    interleaved with the engines' runs.
+    interleaved with the engines' runs, ``reps`` rounds, medians reported.
     """
     out: dict = {"nbytes": nbytes, "frameworks": {}}
     for fw in frameworks:
         names = [n for n in engine_names if eng.ENGINES[n].framework == fw]
         out["frameworks"][fw] = _train_framework(
-            fw, nbytes, names, os.path.join(workdir, fw), saves, progress
+            fw, nbytes, names, os.path.join(workdir, fw), saves, reps, progress
         )
     eng.clear_dir(workdir)
     return out
