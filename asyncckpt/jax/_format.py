@@ -1,0 +1,366 @@
+"""The on-disk layout of a JAX checkpoint: orbax's non-OCDBT zarr tree.
+
+A checkpoint is a directory named by its step::
+
+    <directory>/<step>/
+        _CHECKPOINT_METADATA        orbax step metadata: handler, metrics, custom metadata
+        asyncckpt.manifest.json     asyncckpt's integrity manifest, written last
+        default/                    the pytree item
+            _METADATA               orbax tree metadata: key paths and value types
+            _sharding               shardings of jax.Array leaves (for target-less restores)
+            <param>/.zarray         zarr v2 array metadata, "compressor": null
+            <param>/<i>.<j>...      one chunk file per shard: its raw C-order bytes
+
+Chunk files are exactly the bytes of each shard (zarr v2 with no compressor),
+so they are written straight from the staging buffers and read back with a
+plain ``read``. orbax's own restore reads these files through TensorStore.
+See ``docs/jax.md``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncckpt.errors import CorruptCheckpointError, UnsupportedObjectError
+from asyncckpt.jax._tree import DICT_KEY, SEQUENCE_KEY, LeafPath
+
+ITEM = "default"
+TREE_METADATA = "_METADATA"
+SHARDING_FILE = "_sharding"
+STEP_METADATA = "_CHECKPOINT_METADATA"
+ZARRAY = ".zarray"
+OCDBT_MANIFEST = "manifest.ocdbt"
+# What orbax's CheckpointManager records as the handler of the "default" item;
+# it lets `orbax.checkpoint.CheckpointManager(dir).restore(step)` work without args.
+STANDARD_HANDLER = (
+    "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+)
+
+# orbax's value types.
+JAX_ARRAY = "jax.Array"
+NUMPY_ARRAY = "np.ndarray"
+SCALAR = "scalar"
+
+# Extension dtypes (from ml_dtypes, which JAX depends on) that zarr v2 names by
+# their name; all others use NumPy's little-endian type string (`<f4`, `|b1`).
+_NAMED_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+_PLAIN_KINDS = "biufc"
+
+
+def zarr_dtype(dtype: np.dtype, *, what: str) -> str:
+    """The zarr v2 ``dtype`` string of a NumPy/JAX dtype.
+
+    Raises:
+        UnsupportedObjectError: the dtype has no raw, orbax-readable zarr form.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.name in _NAMED_DTYPES:
+        return dtype.name
+    if dtype.kind in _PLAIN_KINDS and dtype.byteorder in ("=", "<", "|"):
+        return dtype.newbyteorder("<").str if dtype.itemsize > 1 else dtype.str
+    raise UnsupportedObjectError(
+        f"{what} has dtype {dtype.name}, which asyncckpt cannot store in the orbax layout "
+        f"(supported: bool, integers, floats, complex, {', '.join(_NAMED_DTYPES)})"
+    )
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a zarr v2 ``dtype`` string."""
+    if name in _NAMED_DTYPES:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def chunk_name(coords: Sequence[int]) -> str:
+    """zarr v2 chunk key with ``.`` separators; a 0-d array has the one chunk ``0``."""
+    return ".".join(str(c) for c in coords) if coords else "0"
+
+
+def zarray_json(shape: Sequence[int], chunks: Sequence[int], dtype: str) -> str:
+    """The ``.zarray`` of an uncompressed C-order zarr v2 array."""
+    return json.dumps(
+        {
+            "chunks": list(chunks),
+            "compressor": None,
+            "dimension_separator": ".",
+            "dtype": dtype,
+            "fill_value": None,
+            "filters": None,
+            "order": "C",
+            "shape": list(shape),
+            "zarr_format": 2,
+        }
+    )
+
+
+@dataclass(frozen=True)
+class TreeEntry:
+    """One leaf in orbax's ``_METADATA``.
+
+    Attributes:
+        path: Key path of the leaf.
+        value_type: ``jax.Array``, ``np.ndarray``, ``scalar`` or an empty
+            type (``None``, ``Dict``, ``List``, ``Tuple``).
+        write_shape: Shape of each written shard (jax.Array only).
+    """
+
+    path: LeafPath
+    value_type: str
+    write_shape: tuple[int, ...] | None = None
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the leaf has no array on disk (an empty subtree)."""
+        return self.value_type not in (JAX_ARRAY, NUMPY_ARRAY, SCALAR)
+
+
+def tree_metadata_json(entries: Sequence[TreeEntry], custom_metadata: Any = None) -> str:
+    """orbax's ``_METADATA`` for a non-OCDBT, zarr v2 checkpoint."""
+    tree = {}
+    for e in entries:
+        value: dict[str, Any] = {"value_type": e.value_type, "skip_deserialize": e.skipped}
+        if e.write_shape is not None:
+            value["write_shape"] = list(e.write_shape)
+        tree[e.path.metadata_key] = {
+            "key_metadata": [
+                {"key": n, "key_type": k} for n, k in zip(e.path.names, e.path.kinds, strict=True)
+            ],
+            "value_metadata": value,
+        }
+    return json.dumps(
+        {
+            "tree_metadata": tree,
+            "use_ocdbt": False,
+            "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": custom_metadata,
+        }
+    )
+
+
+def read_tree_metadata(item_dir: str) -> list[TreeEntry]:
+    """Parses ``_METADATA`` (written by asyncckpt or orbax).
+
+    Raises:
+        CorruptCheckpointError: missing or unreadable.
+    """
+    path = os.path.join(item_dir, TREE_METADATA)
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = json.load(f)
+        entries = []
+        for info in body["tree_metadata"].values():
+            keys = info["key_metadata"]
+            names = tuple(str(k["key"]) for k in keys)
+            kinds = tuple(int(k["key_type"]) for k in keys)
+            if any(k not in (SEQUENCE_KEY, DICT_KEY) for k in kinds):
+                raise ValueError(f"unknown key type in {keys}")
+            value = info["value_metadata"]
+            shape = value.get("write_shape")
+            entries.append(
+                TreeEntry(
+                    LeafPath(names, kinds),
+                    str(value["value_type"]),
+                    tuple(shape) if shape is not None else None,
+                )
+            )
+        return entries
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{item_dir!r} has no {TREE_METADATA} file: not an orbax/asyncckpt pytree",
+            checkpoint=os.path.dirname(item_dir),
+            file=path,
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(
+            f"tree metadata {path!r} is unreadable: {e}",
+            checkpoint=os.path.dirname(item_dir),
+            file=path,
+        ) from e
+
+
+def sharding_json(sharding: Any) -> str | None:
+    """orbax's description of a sharding, or None for kinds it cannot describe."""
+    import jax
+
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(device)})
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        if not isinstance(mesh, jax.sharding.Mesh):
+            return None
+
+        def spec_entry(p: Any) -> Any:
+            return list(p) if isinstance(p, tuple) else p
+
+        return json.dumps(
+            {
+                "sharding_type": "NamedSharding",
+                "shape": [int(d) for d in mesh.devices.shape],
+                "axis_names": list(mesh.axis_names),
+                "axis_types": [str(t) for t in mesh.axis_types],
+                "partition_spec": [spec_entry(p) for p in sharding.spec],
+                "device_mesh": {
+                    "mesh": np.vectorize(lambda d: {"id": int(d.id)}, otypes=[object])(
+                        mesh.devices
+                    ).tolist()
+                },
+            }
+        )
+    return None
+
+
+def sharding_file_json(shardings: dict[str, str]) -> str:
+    """The ``_sharding`` file: base64url(param name) -> sharding description."""
+    return json.dumps(
+        {base64.urlsafe_b64encode(k.encode()).decode(): v for k, v in shardings.items()}
+    )
+
+
+def step_metadata_json(
+    *, metrics: dict | None, custom_metadata: dict | None, init_ns: int, commit_ns: int
+) -> str:
+    """orbax's step-level ``_CHECKPOINT_METADATA`` (metrics, custom metadata)."""
+    return json.dumps(
+        {
+            "item_handlers": {ITEM: STANDARD_HANDLER},
+            "metrics": metrics or {},
+            "performance_metrics": {},
+            "init_timestamp_nsecs": init_ns,
+            "commit_timestamp_nsecs": commit_ns,
+            "custom_metadata": custom_metadata or {},
+        }
+    )
+
+
+def read_step_metadata(step_dir: str) -> dict:
+    """``_CHECKPOINT_METADATA`` as a dict ({} when absent or unreadable)."""
+    try:
+        with open(os.path.join(step_dir, STEP_METADATA), encoding="utf-8") as f:
+            body = json.load(f)
+        return body if isinstance(body, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def is_ocdbt(item_dir: str) -> bool:
+    """Whether orbax wrote this item in its OCDBT format (not readable as plain zarr)."""
+    return os.path.exists(os.path.join(item_dir, OCDBT_MANIFEST))
+
+
+class ZarrArray:
+    """Reads regions of one uncompressed zarr v2 array written in this layout.
+
+    Args:
+        array_dir: The parameter's directory (holding ``.zarray``).
+        checkpoint: Checkpoint path, for error messages.
+    """
+
+    def __init__(self, array_dir: str, *, checkpoint: str):
+        self.dir = array_dir
+        self._checkpoint = checkpoint
+        meta_path = os.path.join(array_dir, ZARRAY)
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                meta = json.load(f)
+            self.shape = tuple(int(d) for d in meta["shape"])
+            self.chunks = tuple(int(d) for d in meta["chunks"])
+            self.dtype = numpy_dtype(meta["dtype"])
+            self.compressor = meta.get("compressor")
+            self.fill_value = meta.get("fill_value")
+            order = meta.get("order", "C")
+            filters = meta.get("filters")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"checkpoint {checkpoint!r} is incomplete: {meta_path!r} is missing",
+                checkpoint=checkpoint,
+                file=meta_path,
+            ) from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(
+                f"zarr metadata {meta_path!r} is unreadable: {e}",
+                checkpoint=checkpoint,
+                file=meta_path,
+            ) from e
+        if len(self.chunks) != len(self.shape) or order != "C" or filters:
+            raise CorruptCheckpointError(
+                f"zarr metadata {meta_path!r} describes a layout asyncckpt does not read "
+                f"(chunks {self.chunks} for shape {self.shape}, order {order}, filters {filters})",
+                checkpoint=checkpoint,
+                file=meta_path,
+            )
+
+    @property
+    def compressed(self) -> bool:
+        return self.compressor is not None
+
+    def _read_chunk(self, coords: tuple[int, ...]) -> np.ndarray:
+        path = os.path.join(self.dir, chunk_name(coords))
+        count = math.prod(self.chunks)
+        try:
+            data = np.fromfile(path, dtype=self.dtype)
+        except FileNotFoundError:
+            # zarr: a missing chunk holds the fill value everywhere.
+            fill = 0 if self.fill_value is None else self.fill_value
+            return np.full(self.chunks, fill, dtype=self.dtype)
+        if data.size != count:
+            raise CorruptCheckpointError(
+                f"checkpoint {self._checkpoint!r} is corrupt: chunk {path!r} holds "
+                f"{data.nbytes} bytes, its array needs {count * self.dtype.itemsize}",
+                checkpoint=self._checkpoint,
+                file=path,
+            )
+        return data.reshape(self.chunks)
+
+    def read(self, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Reads ``array[index]`` (unit-stride slices) into a new host array."""
+        if self.compressed:
+            raise CorruptCheckpointError(
+                f"{self.dir!r} is compressed ({self.compressor}); asyncckpt reads "
+                "uncompressed arrays only",
+                checkpoint=self._checkpoint,
+            )
+        if not self.shape:
+            return self._read_chunk(())
+        bounds = []
+        for dim, s in zip(self.shape, index or [slice(None)] * len(self.shape), strict=True):
+            start, stop, step = s.indices(dim)
+            if step != 1:
+                raise ValueError(f"strided restore index {s} is not supported")
+            bounds.append((start, stop))
+        out_shape = tuple(b - a for a, b in bounds)
+        # The common case: the region is exactly one chunk (same sharding as saved).
+        first = tuple(a // c if c else 0 for (a, _), c in zip(bounds, self.chunks, strict=True))
+        if all(
+            a == i * c and b == min(a + c, d)
+            for (a, b), i, c, d in zip(bounds, first, self.chunks, self.shape, strict=True)
+        ) and all(b > a for a, b in bounds):
+            chunk = self._read_chunk(first)
+            return chunk[tuple(slice(0, n) for n in out_shape)]
+        out = np.empty(out_shape, dtype=self.dtype)
+        if 0 in out_shape:
+            return out
+        ranges = [
+            range(a // c, (b - 1) // c + 1) for (a, b), c in zip(bounds, self.chunks, strict=True)
+        ]
+        for coords in np.ndindex(*(len(r) for r in ranges)):
+            cidx = tuple(r[i] for r, i in zip(ranges, coords, strict=True))
+            chunk = self._read_chunk(cidx)
+            src, dst = [], []
+            for (a, b), i, c in zip(bounds, cidx, self.chunks, strict=True):
+                lo, hi = max(a, i * c), min(b, (i + 1) * c)
+                src.append(slice(lo - i * c, hi - i * c))
+                dst.append(slice(lo - a, hi - a))
+            out[tuple(dst)] = chunk[tuple(src)]
+        return out

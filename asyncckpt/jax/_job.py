@@ -1,0 +1,196 @@
+"""The background half of a JAX save: write chunks, agree, commit by rename.
+
+Runs on the engine's writer thread. ``write`` puts this process's chunk files
+(and, on the primary, the metadata files) into the shared temporary
+directory, straight from the slot's buffers, with CRC32s computed as they are
+written; ``commit`` waits for the files to be durable, lets the processes
+agree (see ``_distributed``), writes the manifest and publishes the step
+directory with one rename.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from asyncckpt import layout
+from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine.files import DurableWriter
+from asyncckpt.engine.manifest import Manifest
+from asyncckpt.engine.metrics import SaveStats
+from asyncckpt.jax import _format as fmt
+from asyncckpt.jax._distributed import Coordinator
+from asyncckpt.jax._snapshot import StagedTree
+from asyncckpt.options import AsyncOptions
+
+logger = logging.getLogger(__name__)
+
+# Called on the writer thread once step `step` is durable and visible.
+CommitCallback = Callable[[int, SaveStats, dict], None]
+
+
+class JaxSaveJob:
+    """Writes one staged pytree as ``<directory>/<step>/`` in the orbax layout.
+
+    Args:
+        directory: The manager's directory.
+        step: Step number; the checkpoint's directory name.
+        staged: The staged bytes (slot buffers).
+        options: fsync and checksums.
+        temp_token: Names the temporary directory; the same on every process.
+        coordinator: Multi-process coordination, or None for one process.
+        save_key: This save's key prefix in the key-value store.
+        metrics: Saved in ``_CHECKPOINT_METADATA`` (orbax reads them there).
+        custom_metadata: Likewise; also copied into the manifest.
+        on_committed: Called after the publish (the manager's retention).
+    """
+
+    def __init__(
+        self,
+        *,
+        directory: str,
+        step: int,
+        staged: StagedTree,
+        options: AsyncOptions,
+        temp_token: str,
+        coordinator: Coordinator | None,
+        save_key: str | None,
+        metrics: dict | None,
+        custom_metadata: dict | None,
+        on_committed: CommitCallback | None,
+    ):
+        self.label = str(step)
+        self.step = step
+        self.nbytes = staged.nbytes
+        self._directory = directory
+        self._staged: StagedTree | None = staged
+        self._options = options
+        self._token = temp_token
+        self._coord = coordinator
+        self._save_key = save_key
+        self._metrics = metrics
+        self._custom = custom_metadata
+        self._on_committed = on_committed
+        self._primary = coordinator is None or coordinator.primary
+        self._init_ns = time.time_ns()
+        self._tmp: str | None = None
+        self._writer: DurableWriter | None = None
+        self._reported = False
+        self._announced = False
+        self._error: BaseException | None = None
+
+    @property
+    def final_dir(self) -> str:
+        return os.path.join(self._directory, self.label)
+
+    # -- write: from the slot's buffers into the temporary directory ------------
+
+    def write(self) -> None:
+        try:
+            self._write()
+        except BaseException as e:
+            self._error = e
+            raise
+
+    def _write(self) -> None:
+        staged = self._staged
+        assert staged is not None
+        try:
+            self._tmp = commit_lib.make_temp_dir(self._directory, self.label, token=self._token)
+            writer = DurableWriter(
+                self._tmp, fsync=self._options.fsync, checksums=self._options.checksums
+            )
+            self._writer = writer
+            for name, buf in staged.chunks:
+                # A byte view: extension dtypes (bfloat16) have no buffer format.
+                writer.write(f"{fmt.ITEM}/{name}", (buf.reshape(-1).view(np.uint8),))
+            for name, data in staged.metadata_files:
+                writer.write(f"{fmt.ITEM}/{name}", (data,))
+            if self._primary:
+                step_meta = fmt.step_metadata_json(
+                    metrics=self._metrics,
+                    custom_metadata=self._custom,
+                    init_ns=self._init_ns,
+                    commit_ns=time.time_ns(),
+                )
+                writer.write(fmt.STEP_METADATA, (step_meta.encode(),))
+        finally:
+            self._staged = None  # the slot is reused once this returns
+
+    # -- commit: durable, agreed, published ----------------------------------------
+
+    def commit(self, stats: SaveStats) -> None:
+        try:
+            self._commit(stats)
+        except BaseException as e:
+            self._error = e
+            raise
+
+    def _commit(self, stats: SaveStats) -> None:
+        assert self._writer is not None and self._tmp is not None
+        records = self._writer.finish()
+        if not self._primary:
+            assert self._coord is not None and self._save_key is not None
+            self._coord.report_done(self._save_key, records)
+            self._reported = True
+            self._coord.wait_committed(self._save_key, self.step)
+            self._tmp = None  # published (and owned) by the primary
+            if self._on_committed is not None:
+                self._on_committed(self.step, stats, {})
+            return
+        if self._coord is not None:
+            assert self._save_key is not None
+            records = records + self._coord.gather(self._save_key)
+        extra = {
+            "num_processes": 1 if self._coord is None else self._coord.process_count,
+            "metrics": self._metrics,
+            "custom_metadata": self._custom or {},
+        }
+        manifest = Manifest(
+            framework="jax",
+            label=self.label,
+            step=self.step,
+            files=tuple(sorted(records, key=lambda r: r.name)),
+            stats=stats.to_dict(),
+            extra=extra,
+        )
+        commit_lib.write_text_atomic(
+            os.path.join(self._tmp, layout.JAX_MANIFEST_NAME),
+            manifest.to_json(),
+            fsync=self._options.fsync,
+        )
+        commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync)
+        self._tmp = None
+        if self._coord is not None:
+            assert self._save_key is not None
+            self._coord.announce(self._save_key)
+            self._announced = True
+        if self._on_committed is not None:
+            self._on_committed(self.step, stats, extra)
+
+    # -- abort: leave no temporary behind, and let the other processes know --------
+
+    def abort(self) -> None:
+        self._staged = None
+        error = self._error or RuntimeError(f"save of step {self.step} failed")
+        if self._writer is not None:
+            self._writer.abort()
+        if self._coord is not None and self._save_key is not None:
+            if not self._primary:
+                if not self._reported:
+                    self._coord.report_done(self._save_key, None, error=error)
+                return  # the primary removes the shared temporary directory
+            if not self._announced:
+                self._coord.announce(self._save_key, error=error)
+                # Wait until the others stop writing before removing their files.
+                try:
+                    self._coord.gather(self._save_key, raise_errors=False)
+                except Exception as e:
+                    logger.warning("while aborting step %d: %s", self.step, e)
+        if self._tmp is not None:
+            commit_lib.remove_tree(self._tmp)
+            self._tmp = None

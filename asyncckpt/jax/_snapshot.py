@@ -1,0 +1,318 @@
+"""Snapshot of a pytree into host staging buffers, planned once per tree shape.
+
+A *plan* says, for every leaf, which of this process's shards become which
+zarr chunk files, and holds the metadata files (``.zarray``, ``_METADATA``,
+``_sharding``) already serialized. Building it walks key paths and shardings,
+which costs far more than the copy for a tree of many small leaves, so plans
+are cached by the tree's structure and each leaf's type, shape, dtype and
+sharding: a steady training loop pays only for the copy.
+
+The copy itself starts every device-to-host transfer first
+(``copy_to_host_async``), then copies each shard into a reused, aligned slot
+buffer, large ones in parallel. On CPU ``np.asarray(shard)`` is a view of the
+device buffer, which a donating ``jit`` overwrites: the explicit copy is what
+makes the snapshot hold the values at the ``save()`` call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from asyncckpt.engine.slots import Slot, copy_arrays
+from asyncckpt.errors import UnsupportedObjectError
+from asyncckpt.jax import _format as fmt
+from asyncckpt.jax import _tree
+
+logger = logging.getLogger(__name__)
+
+_SCALAR_DTYPES: dict[type, np.dtype] = {
+    bool: np.dtype(np.bool_),
+    int: np.dtype(np.int64),
+    float: np.dtype(np.float64),
+}
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk file this process writes for a leaf.
+
+    Attributes:
+        shard: Index into the leaf's ``addressable_shards``; -1 for a host value.
+        file: Path relative to the item directory (``w/0.1``).
+        shape: Shape of the chunk on disk (zarr pads edge chunks to full size).
+        region: Where the shard goes in the chunk when it is smaller (an
+            uneven edge shard); None when it fills the chunk.
+    """
+
+    shard: int
+    file: str
+    shape: tuple[int, ...]
+    region: tuple[slice, ...] | None = None
+
+
+@dataclass(frozen=True)
+class LeafPlan:
+    """How one leaf is staged: ``kind`` is jax, numpy, scalar or empty."""
+
+    kind: str
+    display: str
+    dtype: np.dtype | None
+    chunks: tuple[ChunkPlan, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything about a save that depends only on the tree's shape.
+
+    Attributes:
+        leaves: One entry per leaf, in flatten order.
+        metadata_files: ``(file, bytes)`` the primary process writes.
+        entries: The tree metadata entries (for tests and inspection).
+    """
+
+    leaves: tuple[LeafPlan, ...]
+    metadata_files: tuple[tuple[str, bytes], ...]
+    entries: tuple[fmt.TreeEntry, ...]
+
+    @property
+    def chunk_count(self) -> int:
+        return sum(len(leaf.chunks) for leaf in self.leaves)
+
+
+@dataclass(frozen=True)
+class StagedTree:
+    """One save's bytes in host memory: chunk files and metadata files."""
+
+    chunks: tuple[tuple[str, np.ndarray], ...]
+    metadata_files: tuple[tuple[str, bytes], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for _, b in self.chunks) + sum(len(b) for _, b in self.metadata_files)
+
+
+def _kind(leaf: Any) -> str:
+    if isinstance(leaf, jax.Array):
+        return "jax"
+    if isinstance(leaf, np.ndarray):
+        return "numpy"
+    if isinstance(leaf, np.generic):
+        return "npscalar"
+    if type(leaf) in _SCALAR_DTYPES:
+        return "scalar"
+    if _tree.is_empty_leaf(leaf):
+        return "empty"
+    return "unsupported"
+
+
+def _signature(leaf: Any) -> tuple:
+    kind = _kind(leaf)
+    if kind == "jax":
+        return (kind, leaf.shape, leaf.dtype, leaf.sharding)
+    if kind == "numpy":
+        return (kind, leaf.shape, leaf.dtype)
+    if kind == "npscalar":
+        return (kind, leaf.dtype)
+    return (kind, type(leaf))
+
+
+def _chunk_grid(leaf: jax.Array, display: str) -> tuple[int, ...]:
+    """The zarr chunk shape of a sharded array: its largest shard.
+
+    Uses the global device -> index map, so every process computes the same
+    chunk shape whatever shards it holds.
+    """
+    shape = leaf.shape
+    if not shape:
+        return ()
+    indices = leaf.sharding.devices_indices_map(shape).values()
+    chunk = [1] * len(shape)
+    starts: list[list[int]] = [[] for _ in shape]
+    for index in indices:
+        for d, (s, dim) in enumerate(zip(index, shape, strict=True)):
+            a, b, _ = s.indices(dim)
+            chunk[d] = max(chunk[d], b - a)
+            starts[d].append(a)
+    for d, c in enumerate(chunk):
+        if any(a % c for a in starts[d]):
+            raise UnsupportedObjectError(
+                f"leaf {display} has shards that do not start on a regular grid "
+                f"(dimension {d}: starts {sorted(set(starts[d]))}, shard size {c}); "
+                "reshard it onto a mesh before saving"
+            )
+    return tuple(chunk)
+
+
+def _plan_jax_leaf(
+    leaf: jax.Array, path: _tree.LeafPath, files: list, shardings: dict
+) -> tuple[LeafPlan, fmt.TreeEntry]:
+    display = path.display
+    if leaf.is_deleted():
+        raise UnsupportedObjectError(f"leaf {display} is a deleted (donated) jax.Array")
+    dtype = np.dtype(leaf.dtype)
+    zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
+    chunk = _chunk_grid(leaf, display)
+    disk_chunk = tuple(max(1, c) for c in chunk)
+    chunks = []
+    if 0 not in leaf.shape:
+        for i, shard in enumerate(leaf.addressable_shards):
+            if shard.replica_id != 0:
+                continue  # another device (maybe another process) writes this data
+            bounds = [s.indices(d)[:2] for s, d in zip(shard.index, leaf.shape, strict=True)]
+            coords = tuple(a // c for (a, _), c in zip(bounds, chunk, strict=True))
+            size = tuple(b - a for a, b in bounds)
+            region = None if size == chunk else tuple(slice(0, n) for n in size)
+            file = f"{path.param}/{fmt.chunk_name(coords)}"
+            chunks.append(ChunkPlan(i, file, chunk, region))
+    files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(leaf.shape, disk_chunk, zdtype)))
+    shardings[path.param] = fmt.sharding_json(leaf.sharding)
+    entry = fmt.TreeEntry(path, fmt.JAX_ARRAY, chunk)
+    return LeafPlan("jax", display, dtype, tuple(chunks)), entry
+
+
+def _plan_host_leaf(
+    leaf: Any, kind: str, path: _tree.LeafPath, files: list, primary: bool
+) -> tuple[LeafPlan, fmt.TreeEntry]:
+    display = path.display
+    if kind == "scalar":
+        dtype, shape, value_type = _SCALAR_DTYPES[type(leaf)], (), fmt.SCALAR
+    else:  # a NumPy array or NumPy scalar: orbax stores both as np.ndarray
+        dtype, shape, value_type = np.dtype(leaf.dtype), tuple(leaf.shape), fmt.NUMPY_ARRAY
+    zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
+    disk_chunk = tuple(max(1, d) for d in shape)
+    chunks: tuple[ChunkPlan, ...] = ()
+    # Host values are the same on every process; the primary writes them.
+    if primary and 0 not in shape:
+        chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name((0,) * len(shape))}", shape),)
+    files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(shape, disk_chunk, zdtype)))
+    return LeafPlan(kind, display, dtype, chunks), fmt.TreeEntry(path, value_type)
+
+
+def build_plan(tree: Any, leaves: list[Any], *, primary: bool) -> Plan:
+    """Plans the save of ``tree`` (whose flattened leaves are ``leaves``).
+
+    Raises:
+        UnsupportedObjectError: a leaf's type, dtype, name or sharding cannot
+            be stored in the orbax layout.
+    """
+    paths = _tree.leaf_paths(tree)
+    files: list[tuple[str, str]] = []
+    shardings: dict[str, str | None] = {}
+    plans, entries = [], []
+    for leaf, path in zip(leaves, paths, strict=True):
+        kind = _kind(leaf)
+        if kind == "jax":
+            plan, entry = _plan_jax_leaf(leaf, path, files, shardings)
+        elif kind in ("numpy", "npscalar", "scalar"):
+            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary)
+        elif kind == "empty":
+            plan = LeafPlan("empty", path.display, None, ())
+            entry = fmt.TreeEntry(path, _tree.empty_type_name(leaf) or "None")
+        else:
+            raise UnsupportedObjectError(
+                f"leaf {path.display} is a {type(leaf).__module__}.{type(leaf).__qualname__}; "
+                "asyncckpt.jax saves jax.Array, NumPy arrays and scalars, and Python "
+                "bool/int/float (convert other values, or keep them out of the saved state)"
+            )
+        plans.append(plan)
+        entries.append(entry)
+    files.append((fmt.TREE_METADATA, fmt.tree_metadata_json(entries)))
+    # orbax reads _sharding only if every jax.Array leaf is described in it.
+    if shardings and all(v is not None for v in shardings.values()):
+        files.append((fmt.SHARDING_FILE, fmt.sharding_file_json(shardings)))  # type: ignore[arg-type]
+    metadata = tuple((name, text.encode()) for name, text in files) if primary else ()
+    return Plan(tuple(plans), metadata, tuple(entries))
+
+
+class Snapshotter:
+    """Stages pytrees into slots, with a small cache of plans.
+
+    Args:
+        primary: Whether this process writes the metadata files and host values.
+        cache_size: Plans kept (one per distinct tree shape seen recently).
+    """
+
+    def __init__(self, *, primary: bool, cache_size: int = 8):
+        self._primary = primary
+        self._cache: OrderedDict[tuple, Plan] = OrderedDict()
+        self._cache_size = cache_size
+
+    def plan(self, tree: Any) -> tuple[Plan, list[Any]]:
+        """The plan for ``tree`` (cached) and its flattened leaves."""
+        leaves, treedef = _tree.flatten(tree)
+        key = (treedef, tuple(_signature(leaf) for leaf in leaves))
+        plan = self._cache.get(key)
+        if plan is None:
+            plan = build_plan(tree, leaves, primary=self._primary)
+            self._cache[key] = plan
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            logger.debug("planned a save of %d leaves (%d chunk files)",
+                         len(leaves), plan.chunk_count)
+        else:
+            self._cache.move_to_end(key)
+        return plan, leaves
+
+    def stage(self, tree: Any, slot: Slot) -> StagedTree:
+        """Copies this process's part of ``tree`` into ``slot``'s buffers.
+
+        Returns once every value is in host memory that nothing else
+        references: the caller may donate, delete or update the arrays.
+        """
+        plan, leaves = self.plan(tree)
+        # 1. Start every device-to-host transfer before waiting on any.
+        sources: list[list[Any]] = []
+        for lp, leaf in zip(plan.leaves, leaves, strict=True):
+            if lp.kind == "jax" and lp.chunks:
+                if leaf.is_deleted():
+                    raise UnsupportedObjectError(
+                        f"leaf {lp.display} is a deleted (donated) jax.Array"
+                    )
+                shards = leaf.addressable_shards
+                datas = [shards[c.shard].data for c in lp.chunks]
+                for d in datas:
+                    d.copy_to_host_async()
+                sources.append(datas)
+            else:
+                sources.append([])
+        # 2. Copy into reused slot buffers (waiting for each transfer as needed).
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        chunks: list[tuple[str, np.ndarray]] = []
+        for lp, leaf, datas in zip(plan.leaves, leaves, sources, strict=True):
+            for c, data in zip(lp.chunks, datas or [None] * len(lp.chunks), strict=True):
+                buf = slot.buffer(c.file, c.shape, lp.dtype)  # type: ignore[arg-type]
+                chunks.append((c.file, buf))
+                if lp.kind == "jax":
+                    dst = buf if c.region is None else buf[c.region]
+                    pairs.append((dst, np.asarray(data)))
+                elif lp.kind == "numpy":
+                    pairs.append((buf, leaf))
+                else:
+                    _set_scalar(buf, leaf, lp)
+        copy_arrays(pairs)
+        return StagedTree(tuple(chunks), plan.metadata_files)
+
+
+def _set_scalar(buf: np.ndarray, value: Any, lp: LeafPlan) -> None:
+    try:
+        buf[...] = value
+    except OverflowError as e:
+        raise UnsupportedObjectError(
+            f"leaf {lp.display} = {value!r} does not fit in {lp.dtype}"
+        ) from e
+
+
+def staged_bytes(plan: Plan) -> int:
+    """Bytes of chunk data a plan stages on this process."""
+    return sum(
+        math.prod(c.shape) * (leaf.dtype.itemsize if leaf.dtype is not None else 0)
+        for leaf in plan.leaves
+        for c in leaf.chunks
+    )
