@@ -1,0 +1,324 @@
+"""Coordination services the workers agree through, behind one small interface.
+
+The preemption protocol needs four primitives from a cluster-wide key-value
+store: an atomic *claim* (create a key; fails if it exists, so the first
+claimant wins), a *get* that waits for a key with a timeout, a *try_get*, and
+a *barrier*. Three implementations:
+
+* ``TFCoordinator``: TensorFlow's coordination service, which
+  ``MultiWorkerMirroredStrategy`` starts (``context.set_config_key_value``
+  raises ``AlreadyExistsError`` for an existing key).
+* ``JaxCoordinator``: the key-value store of ``jax.distributed`` (a key set
+  without ``allow_overwrite`` fails with ``ALREADY_EXISTS``).
+* ``InProcessCoordinator``: a dictionary and a condition variable, for a
+  single worker (``InProcessCoordinator.group(n)`` gives n threads a shared
+  store, for tests of the protocol itself).
+
+None of them runs a collective: every call is an RPC to the coordination
+service (or a local lock), safe from any thread while the training thread is
+inside a collective.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import os
+import sys
+import threading
+
+from asyncckpt.errors import AsyncCkptError
+
+logger = logging.getLogger(__name__)
+
+
+class PeerFailedError(AsyncCkptError, RuntimeError):
+    """Another worker's training function raised; this worker stops too.
+
+    Attributes:
+        worker: Index of the worker that failed first.
+        error: That worker's exception, as text.
+    """
+
+    def __init__(self, worker: int, error: str):
+        super().__init__(f"worker {worker} failed: {error}")
+        self.worker = worker
+        self.error = error
+
+
+class CoordinationTimeoutError(AsyncCkptError, TimeoutError):
+    """A worker did not take its part in the protocol in time."""
+
+
+class Coordinator(abc.ABC):
+    """A cluster-wide key-value store with first-claim-wins semantics.
+
+    Attributes:
+        worker_id: This worker, ``0 <= worker_id < num_workers``.
+        num_workers: Workers taking part.
+        kind: Short name for logs.
+    """
+
+    worker_id: int = 0
+    num_workers: int = 1
+    kind: str = "coordinator"
+
+    @abc.abstractmethod
+    def claim(self, key: str, value: str) -> bool:
+        """Creates ``key`` with ``value``; False if it already exists."""
+
+    @abc.abstractmethod
+    def get(self, key: str, timeout_s: float) -> str | None:
+        """The value of ``key``, waiting up to ``timeout_s``; None if unset."""
+
+    @abc.abstractmethod
+    def try_get(self, key: str) -> str | None:
+        """The value of ``key`` if it is set, else None, without waiting."""
+
+    @abc.abstractmethod
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Waits until every worker reached the barrier ``name``.
+
+        Raises:
+            CoordinationTimeoutError: Not all workers arrived in time.
+        """
+
+    def report_error(self, exc: BaseException) -> None:
+        """Makes ``exc`` visible to the framework's own failure handling.
+
+        The handler also publishes the error under a key every worker's
+        watcher reads; this hook adds what the framework offers on top (TF:
+        aborting the collectives peers are blocked in). Default: nothing more.
+        """
+        del exc
+
+    def get_json(self, key: str, timeout_s: float) -> dict | None:
+        value = self.get(key, timeout_s)
+        return None if value is None else json.loads(value)
+
+    def claim_json(self, key: str, value: dict) -> bool:
+        return self.claim(key, json.dumps(value, sort_keys=True))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(worker {self.worker_id} of {self.num_workers})"
+
+
+class _SharedStore:
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+        self.values: dict[str, str] = {}
+        self.cond = threading.Condition()
+        self.barriers: dict[str, set[int]] = {}
+
+
+class InProcessCoordinator(Coordinator):
+    """Coordination between threads of one process (one worker by default)."""
+
+    kind = "in-process"
+
+    def __init__(self, *, _store: _SharedStore | None = None, _worker_id: int = 0):
+        self._store = _store or _SharedStore(1)
+        self.worker_id = _worker_id
+        self.num_workers = self._store.num_workers
+
+    @classmethod
+    def group(cls, num_workers: int) -> list[InProcessCoordinator]:
+        """``num_workers`` coordinators sharing one store (one per thread)."""
+        store = _SharedStore(num_workers)
+        return [cls(_store=store, _worker_id=i) for i in range(num_workers)]
+
+    def claim(self, key: str, value: str) -> bool:
+        with self._store.cond:
+            if key in self._store.values:
+                return False
+            self._store.values[key] = value
+            self._store.cond.notify_all()
+            return True
+
+    def get(self, key: str, timeout_s: float) -> str | None:
+        with self._store.cond:
+            self._store.cond.wait_for(lambda: key in self._store.values, timeout=timeout_s)
+            return self._store.values.get(key)
+
+    def try_get(self, key: str) -> str | None:
+        with self._store.cond:
+            return self._store.values.get(key)
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        s = self._store
+        with s.cond:
+            arrived = s.barriers.setdefault(name, set())
+            arrived.add(self.worker_id)
+            s.cond.notify_all()
+            if not s.cond.wait_for(lambda: len(arrived) >= s.num_workers, timeout=timeout_s):
+                raise CoordinationTimeoutError(
+                    f"barrier {name!r}: {s.num_workers - len(arrived)} worker(s) missing "
+                    f"after {timeout_s:.0f} s"
+                )
+
+
+def _ms(timeout_s: float) -> int:
+    # Both services treat 0 as "forever": never pass it.
+    return max(1, int(timeout_s * 1000))
+
+
+class TFCoordinator(Coordinator):
+    """TensorFlow's coordination service (multi-worker TensorFlow).
+
+    Args:
+        worker_id: This task's index among all chief and worker tasks
+            (the chief first).
+        num_workers: Number of chief and worker tasks.
+    """
+
+    kind = "tensorflow"
+
+    def __init__(self, *, worker_id: int, num_workers: int):
+        from tensorflow.python.eager import context
+        from tensorflow.python.framework import errors
+
+        self._context = context.context()
+        self._errors = errors
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+
+    @classmethod
+    def from_environment(cls) -> TFCoordinator | None:
+        """The coordinator of a multi-worker TensorFlow run, or None.
+
+        A run is multi-worker when ``TF_CONFIG`` names more than one chief or
+        worker task and the coordination service is configured (as
+        ``MultiWorkerMirroredStrategy`` does).
+        """
+        if "tensorflow" not in sys.modules or not os.environ.get("TF_CONFIG"):
+            return None
+        from tensorflow.python.eager import context
+
+        if context.context().coordination_service is None:
+            return None
+        tf_config = json.loads(os.environ["TF_CONFIG"])
+        cluster = tf_config.get("cluster", {})
+        if cluster.get("ps"):
+            raise NotImplementedError(
+                "the preemption handler does not support ParameterServerStrategy"
+            )
+        tasks = [("chief", i) for i in range(len(cluster.get("chief", [])))]
+        tasks += [("worker", i) for i in range(len(cluster.get("worker", [])))]
+        task = tf_config.get("task", {})
+        me = (task.get("type"), int(task.get("index", 0)))
+        if len(tasks) < 2 or me not in tasks:
+            return None
+        return cls(worker_id=tasks.index(me), num_workers=len(tasks))
+
+    def claim(self, key: str, value: str) -> bool:
+        try:
+            self._context.set_config_key_value(key, value)
+            return True
+        except self._errors.AlreadyExistsError:
+            return False
+
+    def get(self, key: str, timeout_s: float) -> str | None:
+        try:
+            return self._context.get_config_key_value(key, _ms(timeout_s))
+        except self._errors.DeadlineExceededError:
+            return None
+
+    def try_get(self, key: str) -> str | None:
+        return self.get(key, 0.001)
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        try:
+            self._context.wait_at_barrier(name, _ms(timeout_s))
+        except self._errors.DeadlineExceededError as e:
+            raise CoordinationTimeoutError(f"barrier {name!r}: {e}") from e
+
+    def report_error(self, exc: BaseException) -> None:
+        code = getattr(exc, "error_code", None) or self._errors.UNKNOWN
+        try:
+            self._context.report_error_to_cluster(code, f"{type(exc).__name__}: {exc}")
+        except Exception as e:
+            logger.info("could not report the error to the TensorFlow cluster: %r", e)
+
+
+def _jax_status(e: BaseException, status: str) -> bool:
+    return str(e).lstrip().startswith(status)
+
+
+class JaxCoordinator(Coordinator):
+    """The key-value store of ``jax.distributed`` (multi-process JAX)."""
+
+    kind = "jax"
+
+    def __init__(self, client, *, worker_id: int, num_workers: int):
+        self._client = client
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+
+    @classmethod
+    def from_environment(cls) -> JaxCoordinator | None:
+        """The coordinator of a ``jax.distributed`` run of 2+ processes, or None."""
+        if "jax" not in sys.modules:
+            return None
+        from jax._src import distributed
+
+        state = distributed.global_state
+        if state.client is None or (state.num_processes or 1) < 2:
+            return None
+        return cls(state.client, worker_id=state.process_id, num_workers=state.num_processes)
+
+    def claim(self, key: str, value: str) -> bool:
+        try:
+            self._client.key_value_set(key, value)
+            return True
+        except Exception as e:
+            if _jax_status(e, "ALREADY_EXISTS"):
+                return False
+            raise
+
+    def get(self, key: str, timeout_s: float) -> str | None:
+        try:
+            return self._client.blocking_key_value_get(key, _ms(timeout_s))
+        except Exception as e:
+            if _jax_status(e, "DEADLINE_EXCEEDED"):
+                return None
+            raise
+
+    def try_get(self, key: str) -> str | None:
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception as e:
+            if _jax_status(e, "NOT_FOUND"):
+                return None
+            raise
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        try:
+            self._client.wait_at_barrier(name, _ms(timeout_s))
+        except Exception as e:
+            if _jax_status(e, "DEADLINE_EXCEEDED"):
+                raise CoordinationTimeoutError(f"barrier {name!r}: {e}") from e
+            raise
+
+
+def auto_coordinator(framework: str | None) -> Coordinator:
+    """The coordinator for the run this process is part of.
+
+    TensorFlow's coordination service under ``MultiWorkerMirroredStrategy``,
+    the ``jax.distributed`` key-value store when it has 2+ processes, else an
+    in-process one. ``framework`` (the checkpoint's) is tried first; the other
+    framework is consulted only if it is already imported.
+    """
+    order = ["tensorflow", "jax"]
+    if framework == "jax":
+        order.reverse()
+    for name in order:
+        coordinator = (
+            TFCoordinator.from_environment() if name == "tensorflow"
+            else JaxCoordinator.from_environment()
+        )
+        if coordinator is not None:
+            logger.info("preemption: coordinating through %s as worker %d of %d",
+                        coordinator.kind, coordinator.worker_id, coordinator.num_workers)
+            return coordinator
+    return InProcessCoordinator()

@@ -1,0 +1,409 @@
+"""``PreemptionCheckpointHandler``: save the last step in time, then exit.
+
+Ties the pieces together: watchers deliver notices to a queue (safe from a
+signal handler); a dispatcher thread turns them into the cluster-wide claim;
+at every step boundary the training thread asks ``StepAgreement`` what to do
+and, at the agreed step, saves through the checkpoint manager, waits until
+the checkpoint is durable on every worker and calls ``exit_fn``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncckpt.preemption._targets import JaxTarget, Target, make_target
+from asyncckpt.preemption.agreement import AgreementOptions, Decision, StepAgreement
+from asyncckpt.preemption.config import (
+    ResolvedTermination,
+    TerminationConfig,
+    resolve_termination_config,
+)
+from asyncckpt.preemption.coordination import (
+    CoordinationTimeoutError,
+    Coordinator,
+    auto_coordinator,
+)
+from asyncckpt.preemption.grace import GraceClock, GraceOptions
+from asyncckpt.preemption.watchers import (
+    Notice,
+    PollingWatcher,
+    SigtermWatcher,
+    maintenance_watcher,
+    spot_watcher,
+)
+
+logger = logging.getLogger(__name__)
+
+_handler_ids = itertools.count()
+_ESTIMATE_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptionSave:
+    """A save the handler made because of a notice.
+
+    Attributes:
+        run: ``total_run_calls`` stored in the checkpoint.
+        final: The save before exit (else the save made at the notice).
+        started_at: ``time.time()`` when the save began (state copy).
+        durable_at: ``time.time()`` once durable on this worker (final only).
+        notice_time: When the cluster's first notice was received.
+        deadline: The deadline the save was made for.
+        margin_s: The margin when the save began (None: unknown).
+    """
+
+    run: int
+    final: bool
+    started_at: float
+    durable_at: float | None
+    notice_time: float | None
+    deadline: float | None
+    margin_s: float | None
+
+
+def _framework_of(obj: Any) -> str:
+    module = type(obj).__module__
+    return "jax" if module.startswith("asyncckpt.jax") else "tensorflow"
+
+
+def _jax_sync_point() -> Callable[[int], bool] | None:
+    """JAX's ``reached_preemption_sync_point`` when its preemption service runs."""
+    if "jax" not in sys.modules:
+        return None
+    try:
+        from jax._src import distributed
+
+        if distributed.global_state.preemption_sync_manager is None:
+            return None
+        from jax.experimental import multihost_utils
+    except Exception:
+        return None
+    return multihost_utils.reached_preemption_sync_point
+
+
+class PreemptionCheckpointHandler:
+    """Saves a checkpoint at an agreed step when termination is near, then exits.
+
+    TensorFlow::
+
+        handler = PreemptionCheckpointHandler(manager)   # restores the newest checkpoint
+        while handler.total_run_calls < num_steps:
+            handler.run(train_step, iterator)
+
+    JAX (the state is a pytree, passed explicitly; ``train_fn`` takes it as its
+    first argument and the handler saves *that* state, the one before the step)::
+
+        handler = PreemptionCheckpointHandler(jax_manager)
+        restored = handler.restore(abstract_state)
+        state = init_state() if restored is None else restored
+        while handler.total_run_calls < num_steps:
+            state, metrics = handler.run(train_step, state, batch)
+
+    Every worker must create its handlers in the same order and call ``run``
+    (or ``save_checkpoint_if_preempted``) once per step.
+
+    Args:
+        checkpoint_or_manager: ``asyncckpt.tf.CheckpointManager``, an
+            ``asyncckpt.tf.Checkpoint`` or ``tf.train.Checkpoint`` (then
+            ``checkpoint_dir`` is required and the handler keeps one checkpoint
+            there), or ``asyncckpt.jax.CheckpointManager``.
+        checkpoint_dir: Directory for a checkpoint given without a manager.
+        termination_config: Watchers, grace period, exit and save functions;
+            unset fields come from the platform preset.
+        coordinator: How workers agree; default: TensorFlow's coordination
+            service under ``MultiWorkerMirroredStrategy``, the
+            ``jax.distributed`` key-value store, else in-process.
+        grace_options: Tuning of the grace-period margin.
+        agreement_options: Timeouts of the protocol.
+    """
+
+    def __init__(
+        self,
+        checkpoint_or_manager: Any,
+        *,
+        checkpoint_dir: str | None = None,
+        termination_config: TerminationConfig | None = None,
+        coordinator: Coordinator | None = None,
+        grace_options: GraceOptions | None = None,
+        agreement_options: AgreementOptions | None = None,
+    ):
+        framework = _framework_of(checkpoint_or_manager)
+        self._coordinator = coordinator or auto_coordinator(framework)
+        self._target: Target = make_target(
+            checkpoint_or_manager,
+            checkpoint_dir=checkpoint_dir,
+            worker_id=self._coordinator.worker_id,
+            num_workers=self._coordinator.num_workers,
+        )
+        self._config: ResolvedTermination = resolve_termination_config(
+            termination_config, framework=framework
+        )
+        self._clock = GraceClock(self._target.engine, grace_options)
+        runs, estimates = self._target.restore_bookkeeping()
+        self._clock.seed(estimates)
+        self._agreement = StepAgreement(
+            self._coordinator,
+            namespace=f"asyncckpt/preemption/{next(_handler_ids)}",
+            runs=runs,
+            margin_fn=self._clock.margin,
+            unknown_write_fraction=self._clock.options.unknown_write_fraction,
+            options=agreement_options,
+        )
+        self._notices: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
+        self._watchers: list = []
+        self._dispatcher: threading.Thread | None = None
+        self._jax_noticed = False
+        self._last_boundary: float | None = None
+        self._last_estimates_at = 0.0
+        self._finished = False
+        self._closed = False
+        self.saves: list[PreemptionSave] = []
+        self._start()
+        logger.info("[worker %d] preemption handler ready at run %d (%s)",
+                    self._coordinator.worker_id, runs, self._coordinator.kind)
+
+    # -- watching -------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._agreement.start()
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, name="asyncckpt-notices", daemon=True
+        )
+        self._dispatcher.start()
+        sink = self._notices.put  # SimpleQueue.put is safe in a signal handler
+        if _jax_sync_point() is None:
+            self._watchers.append(SigtermWatcher(sink))
+        else:
+            logger.info("jax.distributed preemption service active: SIGTERM is read from "
+                        "JAX's sync point at each step")
+        if self._config.preset.watch_metadata:
+            self._watchers += [maintenance_watcher(sink), spot_watcher(sink)]
+        if self._config.termination_watcher_fn is not None:
+            self._watchers.append(PollingWatcher(
+                sink, self._config.termination_watcher_fn,
+                interval_s=self._config.poll_interval_s))
+        for watcher in self._watchers:
+            watcher.start()
+
+    def _dispatch(self) -> None:
+        while (notice := self._notices.get()) is not None:
+            try:
+                self._agreement.notice(notice, self._config.grace_for(notice.source))
+            except Exception:
+                logger.exception("could not handle the termination notice %s", notice)
+
+    def _stop_watching(self) -> None:
+        jax_owns_sigterm = _jax_sync_point() is not None
+        for watcher in self._watchers:
+            if isinstance(watcher, SigtermWatcher):
+                # Restoring the old handler would replace JAX's C++ notifier.
+                watcher.stop(restore=not jax_owns_sigterm)
+            else:
+                watcher.stop()
+        self._watchers = []
+        if self._dispatcher is not None:
+            self._notices.put(None)
+            if self._dispatcher is not threading.current_thread():
+                self._dispatcher.join(10)
+            self._dispatcher = None
+        self._agreement.stop()
+
+    # -- properties -------------------------------------------------------------
+
+    @property
+    def total_run_calls(self) -> int:
+        """Calls of ``run`` (or ``save_checkpoint_if_preempted``) so far, across restarts."""
+        return self._agreement.runs
+
+    @property
+    def preempted(self) -> bool:
+        """The final checkpoint is saved and ``exit_fn`` was called (and returned)."""
+        return self._finished
+
+    @property
+    def noticed(self) -> bool:
+        """A termination notice is known (training may still run in its grace period)."""
+        return self._agreement.noticed
+
+    @property
+    def config(self) -> ResolvedTermination:
+        """The termination config after platform defaults were applied."""
+        return self._config
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self._coordinator
+
+    @property
+    def grace_clock(self) -> GraceClock:
+        """Margin and estimates (write time, step time) of this handler."""
+        return self._clock
+
+    # -- training-loop API --------------------------------------------------------
+
+    def run(self, train_fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Runs one step, saving and exiting first if the agreed step is reached.
+
+        With a JAX manager, ``args[0]`` is the training state: it is what gets
+        saved at this boundary.
+
+        Returns:
+            What ``train_fn`` returns.
+
+        Raises:
+            PeerFailedError: Another worker's ``train_fn`` failed.
+        """
+        state = args[0] if self._target.needs_state and args else None
+        self._boundary(state, (), {})
+        try:
+            result = train_fn(*args, **kwargs)
+        except (SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:
+            self._agreement.report_error(e)
+            raise
+        self._step_done()
+        return result
+
+    def save_checkpoint_if_preempted(self, *args, **kwargs) -> None:
+        """Marks the end of one ``run``-worth of steps; saves/exits if agreed.
+
+        For loops that run several steps per call. Arguments go to the
+        manager's ``save`` (TensorFlow) or are the state to save (JAX:
+        ``save_checkpoint_if_preempted(state)``).
+        """
+        self._step_done()
+        if self._target.needs_state:
+            state, args = (args[0] if args else None), args[1:]
+        else:
+            state = None
+        self._boundary(state, args, kwargs)
+
+    def checkpoint_metadata(self) -> dict:
+        """Custom metadata for the user's own JAX saves, so they carry the run count."""
+        return JaxTarget.metadata(self.total_run_calls, self._clock.estimates())
+
+    def restore(self, target: Any = None) -> Any:
+        """JAX: restores the newest valid step into ``target``'s shape (None if none).
+
+        Also sets ``total_run_calls`` from that step. Call it before training.
+        """
+        if not isinstance(self._target, JaxTarget):
+            raise TypeError("restore() is for JAX managers; TensorFlow checkpoints are "
+                            "restored when the handler is created")
+        restored = self._target.restore(target)
+        if restored is None:
+            return None
+        state, runs, estimates = restored
+        self._agreement.reset_runs(runs)
+        self._clock.seed(estimates)
+        return state
+
+    # -- internals ---------------------------------------------------------------
+
+    def _step_done(self) -> None:
+        self._agreement.step_done()
+        now = time.monotonic()
+        estimates = None
+        if now - self._last_estimates_at >= _ESTIMATE_REFRESH_S:
+            estimates = self._clock.estimates()
+            self._last_estimates_at = now
+        self._target.track(self._agreement.runs, estimates)
+
+    def _boundary(self, state: Any, args: tuple, kwargs: dict) -> None:
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self._clock.steps.update(now - self._last_boundary)
+        if self._finished or self._closed:
+            self._last_boundary = now
+            return
+        self._poll_jax(self._agreement.runs)
+        decision = self._agreement.at_boundary()
+        if decision is not Decision.CONTINUE:
+            self._save(state, args, kwargs, final=decision is Decision.SAVE_AND_EXIT)
+        self._last_boundary = time.monotonic()
+
+    def _poll_jax(self, runs: int) -> None:
+        sync_point = _jax_sync_point()
+        if sync_point is None or self._jax_noticed:
+            return
+        if sync_point(runs):
+            self._jax_noticed = True
+            notice = Notice("sigterm", time.time(), "JAX preemption sync point")
+            self._agreement.notice(notice, self._config.grace_for("sigterm"))
+
+    def _save(self, state: Any, args: tuple, kwargs: dict, *, final: bool) -> None:
+        runs = self._agreement.runs
+        notice = self._agreement.cluster_notice or {}
+        margin = self._clock.margin()
+        started = time.time()
+        estimates = self._clock.estimates()
+        if self._config.save_fn is not None:
+            self._target.track(runs, estimates)
+            save_args = ((state,) if self._target.needs_state else ()) + tuple(args)
+            self._config.save_fn(*save_args, **kwargs)
+        else:
+            self._target.save(runs, estimates, state, args, dict(kwargs))
+        durable = None
+        if final:
+            self._target.sync()
+            durable = time.time()
+        record = PreemptionSave(
+            run=runs, final=final, started_at=started, durable_at=durable,
+            notice_time=notice.get("time"), deadline=self._agreement.deadline(),
+            margin_s=margin,
+        )
+        self.saves.append(record)
+        if not final:
+            logger.warning("[worker %d] checkpoint at run %d saved at the notice; training "
+                           "on in the grace period", self._coordinator.worker_id, runs)
+            return
+        self._finish(record)
+
+    def _finish(self, record: PreemptionSave) -> None:
+        me = self._coordinator.worker_id
+        try:
+            self._agreement.barrier("saved", timeout_s=max(60.0, self._agreement.options.timeout_s))
+        except CoordinationTimeoutError as e:
+            logger.error("[worker %d] not every worker confirmed its final save: %s", me, e)
+        self._stop_watching()
+        self._target.after_final_save()
+        self._finished = True
+        left = f"{record.deadline - time.time():.1f} s before the deadline" if record.deadline \
+            else "no deadline"
+        logger.warning("[worker %d] final checkpoint at run %d durable (%s); exiting",
+                       me, record.run, left)
+        self._config.exit_fn()
+        logger.warning("[worker %d] exit_fn returned: training may go on, but the handler no "
+                       "longer watches for termination", me)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the watchers and closes what the handler created; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_watching()
+        self._target.close()
+
+    def __enter__(self) -> PreemptionCheckpointHandler:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception:
+                logger.exception("error while closing the preemption handler after another "
+                                 "error")
