@@ -1,0 +1,448 @@
+"""The GCE metadata path: client, watchers, platform detection and the GCE presets.
+
+A real HTTP server on 127.0.0.1 plays the metadata server: long-polls with
+``wait_for_change`` and etags, 503 answers, ``instance/preempted``. The preset
+tests run a real TensorFlow training subprocess pointed at it through
+``GCE_METADATA_HOST``.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import signal
+import socket
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+from asyncckpt.preemption import config as config_lib
+from asyncckpt.preemption import platform as platform_lib
+from asyncckpt.preemption import watchers as watchers_lib
+from asyncckpt.preemption.config import Platform
+from tests.helpers import start_python, subprocess_env, write_script
+
+ROOT = "/computeMetadata/v1/"
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A 127.0.0.1 port nothing listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeMetadataServer:
+    """A GCE metadata server on 127.0.0.1 with scripted values and failures.
+
+    Args:
+        values: Initial ``path -> value`` (paths below ``computeMetadata/v1/``).
+        google: Answer with ``Metadata-Flavor: Google`` (False plays an
+            unrelated web server).
+    """
+
+    def __init__(self, values: dict[str, str] | None = None, *, google: bool = True):
+        self.values = dict(values or {})
+        self.etags = dict.fromkeys(self.values, 1)
+        self.google = google
+        self.fail = {}  # path -> number of 503 answers still to give
+        self.requests: list[tuple[str, dict, bool]] = []  # (path, query, had header)
+        self.cond = threading.Condition()
+        self.closing = False
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                server._answer(self)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> FakeMetadataServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def set(self, path: str, value: str) -> None:
+        with self.cond:
+            self.values[path] = value
+            self.etags[path] = self.etags.get(path, 0) + 1
+            self.cond.notify_all()
+
+    def fail_next(self, path: str, count: int) -> None:
+        with self.cond:
+            self.fail[path] = count
+
+    def count(self, path: str, *, waiting: bool | None = None) -> int:
+        with self.cond:
+            return sum(1 for p, q, _ in self.requests if p == path
+                       and (waiting is None or ("wait_for_change" in q) == waiting))
+
+    def _send(self, h, status: int, body: str = "", etag: int | None = None) -> None:
+        data = body.encode()
+        h.send_response(status)
+        if self.google:
+            h.send_header("Metadata-Flavor", "Google")
+        if etag is not None:
+            h.send_header("ETag", f"etag-{etag}")
+        h.send_header("Content-Type", "application/text")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _answer(self, h) -> None:
+        url = urllib.parse.urlsplit(h.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        path = url.path[len(ROOT):] if url.path.startswith(ROOT) else url.path
+        had_header = h.headers.get("Metadata-Flavor") == "Google"
+        with self.cond:
+            self.requests.append((path, query, had_header))
+            if not had_header:
+                status = 403
+            elif self.fail.get(path, 0) > 0:
+                self.fail[path] -= 1
+                status = 503
+            elif path not in self.values:
+                status = 404
+            else:
+                status = 200
+                if query.get("wait_for_change") == "true":
+                    last = query.get("last_etag")
+                    limit = time.monotonic() + float(query.get("timeout_sec", 30))
+                    while (not self.closing and f"etag-{self.etags[path]}" == last
+                           and time.monotonic() < limit):
+                        self.cond.wait(limit - time.monotonic())
+                value, etag = self.values[path], self.etags[path]
+        if status == 200:
+            self._send(h, 200, value, etag)
+        else:
+            self._send(h, status, "error")
+
+
+def _gce(machine_type: str, **extra: str) -> dict[str, str]:
+    values = {
+        "instance/machine-type": f"projects/123/machineTypes/{machine_type}",
+        "instance/maintenance-event": "NONE",
+        "instance/preempted": "FALSE",
+    }
+    values.update({k.replace("__", "/").replace("_", "-"): v for k, v in extra.items()})
+    return values
+
+
+# -- client -------------------------------------------------------------------
+
+
+def test_client_sends_the_header_and_requires_it_on_the_answer():
+    with FakeMetadataServer({"instance/hostname": "vm"}) as server:
+        client = platform_lib.MetadataClient(server.host)
+        resp = client.get("instance/hostname")
+        assert resp.value == "vm" and resp.etag == "etag-1"
+        assert server.requests[-1][2]  # the request carried Metadata-Flavor: Google
+        assert client.get("instance/nothing") is None  # 404
+    with FakeMetadataServer({"instance/hostname": "vm"}, google=False) as server:
+        client = platform_lib.MetadataClient(server.host)
+        with pytest.raises(platform_lib.MetadataError, match="not a GCE metadata server"):
+            client.get("instance/hostname")
+
+
+def test_metadata_host_follows_the_environment(monkeypatch):
+    monkeypatch.delenv("GCE_METADATA_HOST", raising=False)
+    monkeypatch.delenv("GCE_METADATA_IP", raising=False)
+    assert platform_lib.metadata_host() == "metadata.google.internal"
+    monkeypatch.setenv("GCE_METADATA_IP", "10.0.0.1")
+    assert platform_lib.metadata_host() == "10.0.0.1"
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:8080")
+    assert platform_lib.metadata_host() == "127.0.0.1:8080"
+
+
+# -- detection ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        (_gce("a3-highgpu-8g"), Platform.GCE_GPU),
+        (_gce("g2-standard-4"), Platform.GCE_GPU),
+        (_gce("n1-standard-8", instance__attributes__accelerator_type="v4-8"), Platform.GCE_TPU),
+        (_gce("ct5lp-hightpu-4t"), Platform.GCE_TPU),
+        (_gce("n2-standard-8"), Platform.GCE_CPU),
+    ],
+)
+def test_detect_platform_from_the_metadata_server(monkeypatch, values, expected):
+    monkeypatch.delenv(platform_lib.PLATFORM_ENV, raising=False)
+    with FakeMetadataServer(values) as server:
+        monkeypatch.setenv("GCE_METADATA_HOST", server.host)
+        assert platform_lib.detect_platform(framework="none", refresh=True) is expected
+
+
+def test_detect_platform_off_gce(monkeypatch, unused_port):
+    monkeypatch.delenv(platform_lib.PLATFORM_ENV, raising=False)
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{unused_port}")  # refused
+    assert platform_lib.detect_platform(framework="none", refresh=True) is Platform.OTHER
+    with FakeMetadataServer(_gce("a3-highgpu-8g"), google=False) as server:
+        monkeypatch.setenv("GCE_METADATA_HOST", server.host)
+        assert platform_lib.detect_platform(framework="none", refresh=True) is Platform.OTHER
+    monkeypatch.setenv(platform_lib.PLATFORM_ENV, "gce-tpu")
+    assert platform_lib.detect_platform() is Platform.GCE_TPU
+
+
+def test_presets_fill_what_the_config_leaves_out():
+    gpu = config_lib.resolve_termination_config(
+        config_lib.TerminationConfig(platform="gce-gpu"))
+    assert (gpu.grace_period, gpu.exit_code) == (3600.0, 143)
+    assert gpu.grace_for("gce-maintenance") == 3600.0
+    assert gpu.grace_for("gce-preempted") == 30.0
+    assert gpu.grace_for("sigterm") == 0.0  # on GCE a SIGTERM means shutdown has begun
+    cpu = config_lib.resolve_termination_config(config_lib.TerminationConfig(platform="gce-cpu"))
+    assert (cpu.grace_period, cpu.exit_code) == (60.0, 143)
+    other = config_lib.resolve_termination_config(
+        config_lib.TerminationConfig(platform=Platform.OTHER, grace_period=20))
+    assert (other.grace_period, other.exit_code) == (20.0, 42)
+    assert other.grace_for("sigterm") == 20.0
+    assert not other.preset.watch_metadata
+    custom = config_lib.resolve_termination_config(
+        config_lib.TerminationConfig(platform="gce-tpu", exit_fn=print, grace_period=0))
+    assert custom.exit_fn is print and custom.exit_code is None and custom.grace_period == 0
+    with pytest.raises(ValueError, match="unknown platform"):
+        config_lib.TerminationConfig(platform="aws")
+    with pytest.raises(ValueError, match="grace_period"):
+        config_lib.TerminationConfig(grace_period=-1)
+
+
+# -- watchers -------------------------------------------------------------------
+
+
+def _collect():
+    got: list[watchers_lib.Notice] = []
+    event = threading.Event()
+
+    def sink(notice):
+        got.append(notice)
+        event.set()
+
+    return got, event, sink
+
+
+def test_maintenance_watcher_long_polls_with_etags_and_survives_503s():
+    with FakeMetadataServer(_gce("a3-highgpu-8g")) as server:
+        server.fail_next("instance/maintenance-event", 3)
+        got, event, sink = _collect()
+        watcher = watchers_lib.MetadataWatcher(
+            sink, path="instance/maintenance-event", source="gce-maintenance",
+            notice_values=("TERMINATE_ON_HOST_MAINTENANCE",),
+            logged_values=("MIGRATE_ON_HOST_MAINTENANCE",),
+            client=platform_lib.MetadataClient(server.host), backoff_s=0.05,
+        )
+        watcher.start()
+        try:
+            deadline = time.monotonic() + 30
+            while server.count("instance/maintenance-event", waiting=True) < 1:
+                assert time.monotonic() < deadline, "the watcher never long-polled"
+                time.sleep(0.02)
+            assert watcher.errors == 3  # three 503s, retried with backoff
+            server.set("instance/maintenance-event", "MIGRATE_ON_HOST_MAINTENANCE")
+            while server.count("instance/maintenance-event", waiting=True) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert not got  # a live migration is no notice
+            server.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+            assert event.wait(30)
+        finally:
+            watcher.stop()
+        assert [n.source for n in got] == ["gce-maintenance"]
+        polls = [q for p, q, _ in server.requests
+                 if p == "instance/maintenance-event" and "wait_for_change" in q]
+        # Each long-poll names the etag of the value seen before it.
+        assert [q["last_etag"] for q in polls[:2]] == ["etag-1", "etag-2"]
+        assert not watcher.alive
+
+
+def test_spot_watcher_reports_preemption():
+    with FakeMetadataServer(_gce("n2-standard-8")) as server:
+        got, event, sink = _collect()
+        watcher = watchers_lib.spot_watcher(sink, platform_lib.MetadataClient(server.host))
+        watcher.start()
+        try:
+            deadline = time.monotonic() + 30
+            while server.count("instance/preempted", waiting=True) < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            server.set("instance/preempted", "TRUE")
+            assert event.wait(30)
+        finally:
+            watcher.stop()
+        assert got[0].source == "gce-preempted"
+
+
+def test_watchers_stop_promptly_while_a_long_poll_is_open(unused_port):
+    with FakeMetadataServer(_gce("n2-standard-8")) as server:
+        got, _, sink = _collect()
+        ws = [watchers_lib.maintenance_watcher(sink, platform_lib.MetadataClient(server.host)),
+              watchers_lib.spot_watcher(sink, platform_lib.MetadataClient(server.host)),
+              watchers_lib.PollingWatcher(sink, lambda: False, interval_s=30)]
+        # A watcher retrying a refused connection stops as well.
+        ws.append(watchers_lib.maintenance_watcher(
+            sink, platform_lib.MetadataClient(f"127.0.0.1:{unused_port}")))
+        for w in ws:
+            w.start()
+        deadline = time.monotonic() + 30
+        while server.count("instance/preempted", waiting=True) < 1 or server.count(
+                "instance/maintenance-event", waiting=True) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for w in ws:
+            w.stop(timeout=10)
+        assert not any(w.alive for w in ws)
+        assert not got
+        names = {t.name for t in threading.enumerate()}
+        assert not any(n.startswith("asyncckpt-gce") or n == "asyncckpt-user-watcher"
+                       for n in names)
+
+
+def test_user_watcher_fn_errors_count_as_no_notice():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("flaky")
+        return len(calls) >= 4
+
+    got, event, sink = _collect()
+    watcher = watchers_lib.PollingWatcher(sink, fn, interval_s=0.01)
+    watcher.start()
+    assert event.wait(30)
+    watcher.stop()
+    assert len(calls) == 4 and got[0].source == "user"
+
+
+def test_sigterm_watcher_chains_the_previous_handler_and_restores_it():
+    seen = []
+
+    def previous(signum, frame):
+        seen.append(("previous", signum))
+
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        got, event, sink = _collect()
+        watcher = watchers_lib.SigtermWatcher(sink)
+        watcher.start()
+        signal.raise_signal(signal.SIGTERM)
+        assert event.wait(10)
+        assert got[0].source == "sigterm" and seen == [("previous", signal.SIGTERM)]
+        watcher.stop()
+        assert signal.getsignal(signal.SIGTERM) is previous
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# -- the GCE presets in a real training process ------------------------------------
+
+TRAINER = """
+import json, os, sys, time
+import numpy as np
+import tensorflow as tf
+import asyncckpt.tf as at
+from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+directory, grace = sys.argv[1], sys.argv[2]
+v = tf.Variable(np.zeros(1000, np.float32))
+mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), directory, max_to_keep=3)
+config = TerminationConfig(grace_period=None if grace == "preset" else float(grace))
+handler = PreemptionCheckpointHandler(mgr, termination_config=config)
+print("platform", handler.config.platform.value, handler.config.grace_period, flush=True)
+boundaries = []  # (time, run) at each step boundary
+
+
+def step():
+    boundaries.append((time.time(), handler.total_run_calls))
+    v.assign_add(tf.ones(1000))
+    time.sleep(0.05)
+    print("step", handler.total_run_calls, flush=True)
+
+
+try:
+    with handler:
+        while handler.total_run_calls < 2000:
+            handler.run(step)
+finally:
+    saves = [s.__dict__ for s in handler.saves]
+    for s in saves:
+        # The run in progress when the notice arrived.
+        s["run_at_notice"] = max(r for t, r in boundaries if t <= s["notice_time"])
+    print("SAVES " + json.dumps(saves), flush=True)
+"""
+
+
+def _read_until(proc, prefix: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"no line {prefix!r} from the child: {proc.stderr.read()[-3000:]}")
+
+
+@pytest.mark.parametrize(
+    ("values", "platform", "grace"),
+    [
+        (_gce("a3-highgpu-8g"), "gce-gpu", "preset"),
+        (_gce("ct5lp-hightpu-4t", instance__attributes__accelerator_type="v5litepod-4"),
+         "gce-tpu", "2.0"),
+    ],
+    ids=["gpu", "tpu"],
+)
+def test_gce_preset_saves_within_one_step_of_a_maintenance_notice(tmp_path, values, platform,
+                                                                  grace):
+    script = write_script(tmp_path, "trainer.py", TRAINER)
+    with FakeMetadataServer(values) as server:
+        server.fail_next("instance/maintenance-event", 2)  # busy at first
+        env = subprocess_env(GCE_METADATA_HOST=server.host)
+        env.pop(platform_lib.PLATFORM_ENV, None)
+        proc = start_python(script, str(tmp_path / "ckpt"), grace, env=env)
+        try:
+            assert _read_until(proc, "platform").split()[1] == platform
+            _read_until(proc, "step 5")
+            deadline = time.monotonic() + 60
+            while server.count("instance/maintenance-event", waiting=True) < 1:
+                assert time.monotonic() < deadline, "the handler never long-polled"
+                time.sleep(0.05)
+            server.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+            if grace == "preset":
+                # One hour of notice: a checkpoint now, training goes on; the
+                # shutdown's SIGTERM then ends it at once.
+                _read_until(proc, "step", 60)
+                time.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == config_lib.EXIT_CODE_GCE, err[-3000:]
+    saves = json.loads(next(line[6:] for line in out.splitlines() if line.startswith("SAVES ")))
+    first, final = saves[0], saves[-1]
+    assert first["run"] - first["run_at_notice"] <= 1  # saved at the next step boundary
+    assert not first["final"] and final["final"] and final["run"] > first["run"]
+    assert final["durable_at"] <= final["deadline"] or grace == "preset"
+    mgr_state = (tmp_path / "ckpt" / "checkpoint").read_text()
+    assert f"ckpt-{final['run']}" in mgr_state
