@@ -44,17 +44,22 @@ def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
     return buf
 
 
-_PIECE = 8 << 20  # bytes per parallel copy task
+_PIECE = 8 << 20  # bytes per parallel copy piece
 _INLINE = 2 << 20  # arrays smaller than this are copied on the calling thread
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
+
+
+def _copy_threads() -> int:
+    """Threads that copy together, the calling thread included."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def _pool() -> ThreadPoolExecutor:
     global _copy_pool
     with _copy_pool_lock:
         if _copy_pool is None:
-            workers = max(1, min(4, os.cpu_count() or 1))
+            workers = max(1, _copy_threads() - 1)
             _copy_pool = ThreadPoolExecutor(workers, thread_name_prefix="asyncckpt-copy")
         return _copy_pool
 
@@ -63,34 +68,61 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def _split_by_bytes(
+    pieces: list[tuple[np.ndarray, np.ndarray]], groups: int
+) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Cuts ``pieces`` into at most ``groups`` runs of about equal bytes, in order."""
+    total = sum(d.nbytes for d, _ in pieces)
+    out: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+    done = 0
+    for piece in pieces:
+        if out[-1] and len(out) < groups and done >= total * len(out) / groups:
+            out.append([])
+        out[-1].append(piece)
+        done += piece[0].nbytes
+    return out
+
+
+def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src, casting="no")
+
+
 def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """Copies each source array into its destination, large ones in parallel.
 
     The training thread waits for this copy anyway, so the cores it leaves
-    idle do the copy with it: large arrays are cut into 8 MiB pieces copied by
-    a small thread pool (NumPy releases the GIL while copying). Small arrays
-    are copied inline, where a thread hand-off would cost more than it saves.
+    idle do the copy with it: large arrays are cut into 8 MiB pieces, split
+    into one run of about equal bytes per thread, and copied by a small
+    thread pool together with the calling thread (NumPy releases the GIL
+    while copying). One task per thread, not per piece, keeps the hand-off
+    cost constant however many arrays there are. Small arrays are copied by
+    the calling thread while the pool works.
 
     Args:
         pairs: ``(destination, source)`` arrays of equal shape and dtype.
     """
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
+    inline: list[tuple[np.ndarray, np.ndarray]] = []
     for dst, src in pairs:
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(
                 f"staging copy mismatch: {src.shape}/{src.dtype} into {dst.shape}/{dst.dtype}"
             )
         if dst.nbytes < _INLINE or not (dst.flags.c_contiguous and src.flags.c_contiguous):
-            np.copyto(dst, src, casting="no")
+            inline.append((dst, src))
             continue
         d, s = _flat_bytes(dst), _flat_bytes(src)
         for start in range(0, d.nbytes, _PIECE):
             pieces.append((d[start : start + _PIECE], s[start : start + _PIECE]))
-    if len(pieces) == 1:
-        np.copyto(*pieces[0])
-    elif pieces:
-        for _ in _pool().map(lambda p: np.copyto(p[0], p[1]), pieces):
-            pass
+    runs = _split_by_bytes(pieces, _copy_threads()) if len(pieces) > 1 else [pieces]
+    futures = [_pool().submit(_copy_all, run) for run in runs[1:]]
+    try:
+        _copy_all(inline)
+        _copy_all(runs[0])
+    finally:
+        for f in futures:
+            f.result()
 
 
 class Slot:

@@ -27,7 +27,7 @@ _EMPTY_VALUES = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tupl
 
 # Names used by the item directory's own files; a leaf may not take them.
 RESERVED_NAMES = frozenset(
-    {"_METADATA", "_sharding", "array_metadatas", "commit_success.txt", "manifest.ocdbt", "d"}
+    {"_METADATA", "_sharding", "array_metadatas", "commit_success.txt", "manifest.ocdbt"}
 )
 
 

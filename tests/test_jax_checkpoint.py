@@ -1,0 +1,295 @@
+"""asyncckpt.jax: round trips, orbax compatibility, snapshot semantics, resharding, errors."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+ocp = pytest.importorskip("orbax.checkpoint")
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import asyncckpt.jax as aj  # noqa: E402
+from asyncckpt import (  # noqa: E402
+    CheckpointNotFoundError,
+    EngineClosedError,
+    UnsupportedObjectError,
+)
+from asyncckpt.jax import _snapshot  # noqa: E402
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's INFO/WARNING chatter
+
+
+def _mesh(shape=(4, 2), names=("a", "b"), devices=None):
+    devices = jax.devices()[: int(np.prod(shape))] if devices is None else devices
+    return Mesh(np.array(devices).reshape(shape), names)
+
+
+def _state():
+    """Every leaf kind the issue asks for, nested in dicts, lists and tuples."""
+    mesh = _mesh()
+    rng = np.random.default_rng(0)
+    return {
+        "params": {
+            "w": jax.device_put(
+                rng.standard_normal((16, 8), dtype=np.float32), NamedSharding(mesh, P("a", "b"))
+            ),
+            "b": jax.device_put(
+                jnp.asarray(rng.standard_normal(8), jnp.bfloat16), NamedSharding(mesh, P("b"))
+            ),
+            "replicated": jax.device_put(jnp.arange(6, dtype=jnp.int32), NamedSharding(mesh, P())),
+        },
+        "opt": [
+            {"mu": jnp.full((3, 5), 0.5, jnp.float32), "count": jnp.int32(7)},
+            (np.arange(10, dtype=np.int64), np.float32(2.5)),
+        ],
+        "step": 42,
+        "lr": 1e-3,
+        "flag": True,
+        "empty": {},
+        "nothing": None,
+    }
+
+
+def _abstract(tree):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, jax.Array) else x,
+        tree,
+    )
+
+
+def _assert_tree_equal(expected, got):
+    exp_leaves, exp_def = jax.tree_util.tree_flatten(expected)
+    got_leaves, got_def = jax.tree_util.tree_flatten(got)
+    assert exp_def == got_def, (exp_def, got_def)
+    for e, g in zip(exp_leaves, got_leaves, strict=True):
+        assert type(e) is type(g) or (isinstance(e, jax.Array) and isinstance(g, jax.Array)), (
+            type(e), type(g))
+        ea, ga = np.asarray(e), np.asarray(g)
+        assert ea.dtype == ga.dtype and ea.shape == ga.shape, (ea.dtype, ga.dtype)
+        # Bit-exact: compare the raw bytes (also for bfloat16 and NaNs).
+        assert ea.tobytes() == ga.tobytes()
+        if isinstance(e, jax.Array):
+            assert g.sharding.is_equivalent_to(e.sharding, e.ndim)
+
+
+def test_round_trip_is_bit_exact_for_every_leaf_kind(ckpt_dir):
+    state = _state()
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.save(1, state)
+        restored = mgr.restore(1, target=_abstract(state))
+    _assert_tree_equal(state, restored)
+    assert restored["opt"][1][1].dtype == np.float32 and isinstance(restored["step"], int)
+
+
+def test_orbax_restores_an_asyncckpt_checkpoint(ckpt_dir):
+    state = _state()
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(5, state)
+    # A target as orbax users write it (orbax cannot restore into np.float32 scalars).
+    state["opt"][1] = (state["opt"][1][0], np.asarray(state["opt"][1][1]))
+    target = _abstract(state)
+    orbax_mgr = ocp.CheckpointManager(str(ckpt_dir))
+    assert orbax_mgr.all_steps() == [5]
+    restored = orbax_mgr.restore(5, args=ocp.args.StandardRestore(target))
+    _assert_tree_equal(state, restored)
+    # Without a target orbax rebuilds the shardings from our `_sharding` file.
+    bare = orbax_mgr.restore(5)
+    assert bare["params"]["w"].sharding.is_equivalent_to(state["params"]["w"].sharding, 2)
+    np.testing.assert_array_equal(np.asarray(bare["params"]["w"]), state["params"]["w"])
+    orbax_mgr.close()
+
+
+def test_layout_is_uncompressed_zarr_with_one_chunk_per_shard(ckpt_dir):
+    state = _state()
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(0, state)
+    w_dir = ckpt_dir / "0" / "default" / "params.w"
+    meta = json.loads((w_dir / ".zarray").read_text())
+    assert meta["compressor"] is None and meta["chunks"] == [4, 4] and meta["shape"] == [16, 8]
+    chunks = sorted(p.name for p in w_dir.iterdir() if not p.name.startswith("."))
+    assert chunks == [f"{i}.{j}" for i in range(4) for j in range(2)]
+    raw = np.fromfile(w_dir / "1.0", dtype=np.float32).reshape(4, 4)
+    np.testing.assert_array_equal(raw, np.asarray(state["params"]["w"])[4:8, 0:4])
+    # Replicated data is written once (replica 0), not once per device.
+    assert sorted(os.listdir(ckpt_dir / "0" / "default" / "params.replicated")) == [".zarray", "0"]
+    bf = json.loads((ckpt_dir / "0" / "default" / "params.b" / ".zarray").read_text())
+    assert bf["dtype"] == "bfloat16"
+
+
+def test_donated_arrays_after_save_do_not_change_the_checkpoint(ckpt_dir):
+    mesh = _mesh((8,), ("d",))
+    state = {
+        f"w{i}": jax.device_put(jnp.full((1024, 64), float(i), jnp.float32),
+                                NamedSharding(mesh, P("d")))
+        for i in range(4)
+    }
+    update = jax.jit(lambda t: {k: v * 0.0 - 1.0 for k, v in t.items()}, donate_argnums=0)
+    expected = {k: np.asarray(v).copy() for k, v in state.items()}
+    pointers = {k: v.addressable_shards[0].data.unsafe_buffer_pointer() for k, v in state.items()}
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+        new = update(state)  # right after save(): the old buffers are reused in place
+        jax.block_until_ready(new)
+        assert all(state[k].is_deleted() for k in state)
+        in_place = sum(
+            new[k].addressable_shards[0].data.unsafe_buffer_pointer() == pointers[k] for k in new
+        )
+        assert in_place > 0, "the donation should reuse buffers (no reference left behind)"
+        restored = mgr.restore(1, target=_abstract(new))
+    for k, v in expected.items():
+        np.testing.assert_array_equal(np.asarray(restored[k]), v)
+
+
+def test_reshard_on_restore_8_devices_to_a_2_device_mesh(ckpt_dir):
+    mesh8 = _mesh((4, 2), ("a", "b"))
+    x = jax.device_put(
+        np.arange(32 * 12, dtype=np.float32).reshape(32, 12), NamedSharding(mesh8, P("a", "b"))
+    )
+    y = jax.device_put(np.arange(24, dtype=np.int32), NamedSharding(mesh8, P(("a", "b"))))
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(3, {"x": x, "y": y})
+        mesh2 = _mesh((2,), ("m",), devices=jax.devices()[6:8])
+        target = {
+            "x": jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                      sharding=NamedSharding(mesh2, P(None, "m"))),
+            "y": jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=NamedSharding(mesh2, P())),
+        }
+        got = mgr.restore(3, target=target)
+        # And onto a single device with a dtype cast, as a jax.Array target.
+        single = jax.device_put(jnp.zeros(x.shape, jnp.float64 if jax.config.x64_enabled
+                                          else jnp.float32), jax.devices()[1])
+        one = mgr.restore(3, target={"x": single, "y": y})
+    assert got["x"].sharding == target["x"].sharding and len(got["x"].sharding.device_set) == 2
+    np.testing.assert_array_equal(np.asarray(got["x"]), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got["y"]), np.asarray(y))
+    assert one["x"].sharding.device_set == {jax.devices()[1]}
+    np.testing.assert_array_equal(np.asarray(one["x"]), np.asarray(x))
+
+
+def test_restore_without_target_gives_nested_dicts_and_lists(ckpt_dir):
+    state = _state()
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(2, state, custom_metadata={"total_run_calls": 17, "note": "hi"})
+        bare = mgr.restore()
+        meta = mgr.metadata(2)
+    assert set(bare) == set(state)
+    np.testing.assert_array_equal(np.asarray(bare["params"]["w"]), np.asarray(state["params"]["w"]))
+    assert isinstance(bare["params"]["w"], jax.Array)
+    assert isinstance(bare["opt"][1], list) and isinstance(bare["opt"][1][0], np.ndarray)
+    assert bare["step"] == 42 and bare["flag"] is True and bare["empty"] == {}
+    assert bare["nothing"] is None
+    assert meta.custom_metadata == {"total_run_calls": 17, "note": "hi"}
+    assert meta.stats["nbytes"] > 0 and meta.stats["blocking_s"] >= 0
+    # orbax's manager sees the same custom metadata.
+    orbax_mgr = ocp.CheckpointManager(str(ckpt_dir))
+    assert dict(orbax_mgr.metadata(2).custom_metadata) == {"total_run_calls": 17, "note": "hi"}
+    orbax_mgr.close()
+
+
+def test_asyncckpt_restores_checkpoints_written_by_orbax(tmp_path):
+    state = {"a": jnp.arange(12.0).reshape(3, 4), "b": {"c": np.arange(5, dtype=np.int32)}}
+    for ocdbt in (False, True):
+        d = tmp_path / f"orbax-{ocdbt}"
+        with ocp.CheckpointManager(
+            str(d),
+            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
+            item_handlers=ocp.StandardCheckpointHandler(use_ocdbt=ocdbt),
+        ) as orbax_mgr:
+            orbax_mgr.save(4, args=ocp.args.StandardSave(state))
+        with aj.CheckpointManager(d) as mgr:
+            assert mgr.all_steps() == [4]
+            got = mgr.restore(target=_abstract(state))
+        _assert_tree_equal(state, got)
+
+
+def test_staging_reuses_host_buffers_between_saves(ckpt_dir):
+    state = {"w": jax.device_put(jnp.ones((64, 64)), NamedSharding(_mesh((8,), ("d",)), P("d")))}
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        for step in range(4):
+            mgr.save(step, state)
+            mgr.wait_until_finished()
+        pool = mgr.engine._pool
+        assert mgr.engine.staging_bytes == 64 * 64 * 4  # one slot used, buffers kept
+        assert sum(1 for s in pool._slots if s.nbytes) == 1
+    assert [s.step for s in mgr.engine.history] == [0, 1, 2, 3]
+
+
+def test_plans_are_cached_per_tree_shape():
+    snap = _snapshot.Snapshotter(primary=True)
+    a = {"x": jnp.ones(4), "y": [1, 2.0]}
+    plan1, _ = snap.plan(a)
+    plan2, _ = snap.plan({"x": jnp.zeros(4), "y": [3, 4.0]})
+    plan3, _ = snap.plan({"x": jnp.zeros(5), "y": [3, 4.0]})
+    assert plan1 is plan2 and plan3 is not plan1
+
+
+def test_should_save_interval_force_and_duplicate_steps(ckpt_dir):
+    state = {"x": jnp.ones(3)}
+    with aj.CheckpointManager(ckpt_dir, save_interval_steps=5) as mgr:
+        assert [s for s in range(12) if mgr.should_save(s)] == [0, 5, 10]
+        assert not mgr.save(3, state)
+        assert mgr.save(5, state)
+        assert not mgr.should_save(5) and not mgr.save(5, state)
+        assert mgr.save(7, state, force=True)
+        with pytest.raises(ValueError, match="step 5 is already saved"):
+            mgr.save(5, state, force=True)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [5, 7] and mgr.latest_step() == 7
+    with pytest.raises(EngineClosedError):
+        mgr.save(20, state)
+
+
+def test_restoring_a_missing_step_names_the_steps_there(ckpt_dir):
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        with pytest.raises(CheckpointNotFoundError, match="no checkpoints"):
+            mgr.restore()
+        mgr.save(1, {"x": jnp.ones(2)})
+        with pytest.raises(CheckpointNotFoundError, match=r"step 9 .*steps there: 1"):
+            mgr.restore(9)
+
+
+def test_target_mismatches_are_clear_errors(ckpt_dir):
+    state = {"a": jnp.ones((2, 3)), "b": [np.zeros(4), 1]}
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+        with pytest.raises(ValueError, match=r"not in the checkpoint: \['c'\]"):
+            mgr.restore(1, {**state, "c": jnp.ones(1)})
+        with pytest.raises(ValueError, match=r"but not in the target: \['b'\]\[1\]"):
+            mgr.restore(1, {"a": state["a"], "b": [np.zeros(4)]})
+        with pytest.raises(ValueError, match=r"\['a'\].*holds shape \(2, 3\).*asks for \(3, 2\)"):
+            mgr.restore(1, {**state, "a": jax.ShapeDtypeStruct((3, 2), jnp.float32)})
+        with pytest.raises(UnsupportedObjectError, match=r"leaf \['b'\]\[1\] is a builtins.str"):
+            mgr.restore(1, {"a": state["a"], "b": [np.zeros(4), "1"]})
+
+
+def test_unsupported_leaves_are_refused_on_the_calling_thread(ckpt_dir):
+    Point = collections.namedtuple("Point", "x y")
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        with pytest.raises(UnsupportedObjectError, match=r"leaf \['name'\] is a builtins.str"):
+            mgr.save(1, {"w": jnp.ones(2), "name": "adam"})
+        with pytest.raises(UnsupportedObjectError, match=r"leaf \['x'\] has dtype object"):
+            mgr.save(1, {"x": np.array([object()])})
+        with pytest.raises(UnsupportedObjectError, match="does not fit in int64"):
+            mgr.save(1, {"big": 2**70})
+        with pytest.raises(UnsupportedObjectError, match=r"would both be stored as 'a\.b'"):
+            mgr.save(1, {"a.b": 1, "a": {"b": 2}})
+        deleted = jnp.ones(3)
+        deleted.delete()
+        with pytest.raises(UnsupportedObjectError, match="deleted"):
+            mgr.save(1, {"d": deleted})
+        # Nothing was written; a valid save still works, namedtuples included.
+        assert mgr.save(1, {"p": Point(jnp.ones(2), 3)})
+        got = mgr.restore(1, {"p": Point(jax.ShapeDtypeStruct((2,), jnp.float32), 0)})
+    assert isinstance(got["p"], Point) and got["p"].y == 3
+    assert os.listdir(ckpt_dir / "1" / "default") and mgr.all_steps() == [1]
+
