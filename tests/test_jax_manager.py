@@ -1,0 +1,134 @@
+"""asyncckpt.jax.CheckpointManager: retention, restarts, leftovers, pipelined saves."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import asyncckpt.jax as aj  # noqa: E402
+from asyncckpt import DirectoryLockedError  # noqa: E402
+
+
+def _state(step: int) -> dict:
+    return {"w": jnp.full((4, 4), float(step)), "step": step}
+
+
+def _save_all(mgr, steps, metrics=None):
+    for i, step in enumerate(steps):
+        m = None if metrics is None or metrics[i] is None else {"acc": metrics[i]}
+        assert mgr.save(step, _state(step), metrics=m, force=True)
+        mgr.wait_until_finished()  # retention runs after each commit, in order
+
+
+def test_max_to_keep_keeps_the_newest(ckpt_dir):
+    with aj.CheckpointManager(ckpt_dir, max_to_keep=2) as mgr:
+        _save_all(mgr, range(1, 6))
+        assert mgr.all_steps() == [4, 5]
+        assert mgr.restore(4, target=_state(0))["step"] == 4
+    assert sorted(os.listdir(ckpt_dir)) == [".asyncckpt.lock", "4", "5"]
+
+
+def test_keep_period_preserves_steps_outside_the_count(ckpt_dir):
+    with aj.CheckpointManager(ckpt_dir, max_to_keep=1, keep_period=3) as mgr:
+        _save_all(mgr, range(1, 8))
+        assert mgr.all_steps() == [3, 6, 7]
+
+
+@pytest.mark.parametrize("mode", ["max", "min"])
+def test_best_n_by_metric_never_deletes_the_newest(ckpt_dir, mode):
+    accs = [0.9, 0.1, 0.8, 0.2, 0.05]
+    if mode == "min":
+        accs = [1 - a for a in accs]
+    with aj.CheckpointManager(
+        ckpt_dir, max_to_keep=2, best_fn=lambda m: m["acc"], best_mode=mode
+    ) as mgr:
+        _save_all(mgr, range(1, 6), accs)
+        # Best two are steps 1 and 3; step 5 is the worst but the newest.
+        assert mgr.all_steps() == [1, 3, 5]
+        _save_all(mgr, [6], [0.3 if mode == "max" else 0.7])
+        assert mgr.all_steps() == [1, 3, 6]
+        assert mgr.metadata(3).metrics == {"acc": accs[2]}
+    # A restarted manager recovers the metrics from disk and keeps ranking.
+    with aj.CheckpointManager(
+        ckpt_dir, max_to_keep=2, best_fn=lambda m: m["acc"], best_mode=mode
+    ) as mgr:
+        _save_all(mgr, [7], [0.95 if mode == "max" else 0.05])
+        assert mgr.all_steps() == [1, 7]
+
+
+@pytest.mark.parametrize("keep_without", [True, False])
+def test_checkpoints_without_metrics(ckpt_dir, keep_without):
+    with aj.CheckpointManager(
+        ckpt_dir, max_to_keep=1, best_fn=lambda m: m["acc"],
+        keep_checkpoints_without_metrics=keep_without,
+    ) as mgr:
+        _save_all(mgr, [1, 2, 3, 4], [None, 0.5, None, 0.9])
+        assert mgr.all_steps() == ([1, 3, 4] if keep_without else [4])
+
+
+def test_pipelined_saves_are_all_committed_in_order(ckpt_dir):
+    with aj.CheckpointManager(ckpt_dir, max_to_keep=3) as mgr:
+        for step in range(6):  # no waiting between saves: two slots in flight
+            mgr.save(step, _state(step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4, 5]
+        assert [s.step for s in mgr.engine.history] == list(range(6))
+        assert mgr.engine.estimated_write_seconds is not None
+        for step in (3, 4, 5):
+            got = mgr.restore(step, target=_state(0))
+            assert got["step"] == step
+            np.testing.assert_array_equal(np.asarray(got["w"]), np.full((4, 4), float(step)))
+
+
+def test_leftover_temporaries_are_never_listed_and_are_cleaned_up(ckpt_dir, caplog):
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, _state(1))
+    stale = ckpt_dir / ".asyncckpt-tmp-2-deadbeef0000-0" / "default"
+    stale.mkdir(parents=True)
+    (stale / "_METADATA").write_text("{}")
+    orbax_tmp = ckpt_dir / "3.orbax-checkpoint-tmp-1234567"
+    orbax_tmp.mkdir()
+    (ckpt_dir / "notes").mkdir()
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+        assert mgr.restore()["step"] == 1
+        with caplog.at_level(logging.WARNING):
+            mgr.save(2, _state(2))
+        mgr.wait_until_finished()
+        assert "left by an interrupted save" in caplog.text
+        assert mgr.all_steps() == [1, 2]
+    assert not stale.parent.exists()
+    assert orbax_tmp.exists()  # orbax's own leftovers: ignored, not ours to delete
+
+
+def test_one_writer_per_directory(ckpt_dir):
+    first = aj.CheckpointManager(ckpt_dir)
+    first.save(1, _state(1))
+    first.wait_until_finished()
+    second = aj.CheckpointManager(ckpt_dir)
+    with pytest.raises(DirectoryLockedError):
+        second.save(2, _state(2))
+    assert second.restore(1, target=_state(0))["step"] == 1  # restoring needs no lock
+    first.close()
+    assert second.save(2, _state(2))
+    second.close()
+    assert second.all_steps() == [1, 2]
+
+
+def test_metadata_of_the_newest_step_and_json_checks(ckpt_dir):
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, _state(1), custom_metadata={"a": 1})
+        mgr.save(2, _state(2), custom_metadata={"a": 2}, metrics={"loss": 0.5})
+        mgr.wait_until_finished()
+        meta = mgr.metadata()
+        assert (meta.step, meta.custom_metadata, meta.metrics) == (2, {"a": 2}, {"loss": 0.5})
+        with pytest.raises(TypeError, match="custom_metadata must be JSON-serializable"):
+            mgr.save(3, _state(3), custom_metadata={"x": object()})
+        assert mgr.save(3, _state(3))  # the refused call did not use up the step
