@@ -12,8 +12,8 @@ Protocol for one save (keys under ``asyncckpt/m<manager>/s<seq>-<step>/``):
 1. each non-primary process, once its files are durable, sets
    ``done/<process>`` to its file records (or to an error);
 2. the primary waits for every ``done/<i>``, writes the manifest with all
-   records, publishes the directory by rename, then sets ``commit`` to ``ok``
-   (or to the error that stopped it);
+   records, publishes the directory by rename, applies retention, then sets
+   ``commit`` to ``ok`` (or to the error that stopped it);
 3. non-primary processes wait for ``commit`` before their save counts as
    finished, so ``wait_until_finished()`` returns on every process only once
    the checkpoint is visible.

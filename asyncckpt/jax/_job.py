@@ -165,12 +165,15 @@ class JaxSaveJob:
         )
         commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync)
         self._tmp = None
-        if self._coord is not None:
-            assert self._save_key is not None
-            self._coord.announce(self._save_key)
-            self._announced = True
-        if self._on_committed is not None:
-            self._on_committed(self.step, stats, extra)
+        try:
+            # Retention first, so every process sees the same steps once told.
+            if self._on_committed is not None:
+                self._on_committed(self.step, stats, extra)
+        finally:
+            if self._coord is not None:
+                assert self._save_key is not None
+                self._coord.announce(self._save_key)  # published: committed either way
+                self._announced = True
 
     # -- abort: leave no temporary behind, and let the other processes know --------
 

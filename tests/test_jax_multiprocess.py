@@ -1,0 +1,181 @@
+"""Two real JAX processes (jax.distributed on 127.0.0.1, 4 CPU devices each).
+
+Each process writes only its addressable shards into the shared temporary
+directory; process 0 commits once both are done, coordinated through the
+distributed key-value store. The checkpoint then restores in a two-process
+run (onto another mesh) and in this single process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import asyncckpt.jax as aj  # noqa: E402
+from tests.helpers import start_python, subprocess_env, write_script  # noqa: E402
+
+WORKER = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+pid, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                           initialization_timeout=120)
+import asyncckpt.jax as aj
+from asyncckpt.engine import files as files_lib
+from asyncckpt.jax import _job
+
+assert jax.device_count() == 8 and jax.local_device_count() == 4
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+
+
+def expected(step):
+    return {
+        "w": np.arange(16 * 8, dtype=np.float32).reshape(16, 8) + step,
+        "bf": (np.arange(32) * step).astype(jnp.bfloat16),
+        "rep": np.full((4, 3), step, np.int32),
+        "host": np.arange(5, dtype=np.int64) * step,
+        "step": step,
+    }
+
+
+def global_array(value, spec):
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def state(step):
+    e = expected(step)
+    return {"w": global_array(e["w"], P("a", "b")), "bf": global_array(e["bf"], P("a")),
+            "rep": global_array(e["rep"], P()), "host": e["host"], "step": step}
+
+
+class FailingWriter(files_lib.DurableWriter):
+    def write(self, name, chunks):
+        if "/w/" in name:
+            raise OSError(28, "No space left on device", name)
+        return super().write(name, chunks)
+
+
+out = {}
+mgr = aj.CheckpointManager(directory, max_to_keep=2, coordination_timeout_s=60)
+for step in (1, 2, 3):
+    mgr.save(step, state(step), custom_metadata={"by": "two processes"})
+mgr.wait_until_finished()  # on process 1 too: returns once process 0 has committed
+out["steps"] = mgr.all_steps()
+out["nbytes"] = [s.nbytes for s in mgr.engine.history]
+
+# A save that fails on process 1 fails on both, and leaves nothing behind.
+if pid == 1:
+    _job.DurableWriter = FailingWriter
+mgr.save(4, state(4))
+try:
+    mgr.wait_until_finished()
+    out["failure"] = None
+except Exception as e:
+    out["failure"] = f"{type(e).__name__}: {e}"
+_job.DurableWriter = files_lib.DurableWriter
+out["steps_after_failure"] = mgr.all_steps()
+
+# Restore onto another mesh spanning both processes: axes swapped, "w" sharded by rows only.
+mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+e = expected(3)
+target = {
+    "w": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(mesh2, P(("x", "y")))),
+    "bf": jax.ShapeDtypeStruct((32,), jnp.bfloat16, sharding=NamedSharding(mesh2, P("y"))),
+    "rep": jax.ShapeDtypeStruct((4, 3), jnp.int32, sharding=NamedSharding(mesh2, P("x"))),
+    "host": np.zeros(5, np.int64), "step": 0,
+}
+got = mgr.restore(target=target)
+ok = got["step"] == 3 and np.array_equal(got["host"], e["host"])
+for k in ("w", "bf", "rep"):
+    for shard in got[k].addressable_shards:
+        ok = ok and np.array_equal(np.asarray(shard.data), e[k][shard.index])
+out["restored_ok"] = bool(ok)
+out["custom"] = mgr.metadata(3).custom_metadata
+mgr.close()
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_save_and_restore(tmp_path):
+    directory = tmp_path / "ckpts"
+    script = write_script(tmp_path, "worker.py", WORKER)
+    port = str(_free_port())
+    env = subprocess_env(JAX_PLATFORMS="cpu")
+    procs = [start_python(script, str(i), port, str(directory), env=env) for i in range(2)]
+    results = []
+    for i, proc in enumerate(procs):
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, f"process {i} failed:\n{stdout}\n{stderr[-4000:]}"
+        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT "):]))
+    p0, p1 = results
+    assert p0["steps"] == p1["steps"] == [2, 3]
+    assert p0["restored_ok"] and p1["restored_ok"]
+    assert p0["custom"] == p1["custom"] == {"by": "two processes"}
+    # Each process staged only its own shards: half of the sharded bytes each,
+    # the replicated array, host values and metadata once (on the process holding replica 0).
+    sharded = 16 * 8 * 4 + 32 * 2
+    assert p1["nbytes"][0] < sharded
+    assert p0["nbytes"][0] + p1["nbytes"][0] > sharded
+    # The failure on process 1 failed step 4 on both processes, and nothing was left.
+    assert "No space left on device" in p1["failure"], p1["failure"]
+    assert "process 1" in p0["failure"] and "No space left" in p0["failure"], p0["failure"]
+    assert p0["steps_after_failure"] == [2, 3]
+    leftovers = [n for n in os.listdir(directory) if n.startswith(".asyncckpt-tmp-")]
+    assert not leftovers
+
+    # The same checkpoint in a one-process run, onto this process's 8 devices.
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    target = {
+        "w": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(mesh, P("d"))),
+        "bf": jax.ShapeDtypeStruct((32,), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+        "rep": np.zeros((4, 3), np.int32),
+        "host": np.zeros(5, np.int64),
+        "step": 0,
+    }
+    with aj.CheckpointManager(directory) as mgr:
+        got = mgr.restore(target=target)
+        manifest_files = {f["name"] for f in json.loads(
+            (directory / "3" / "asyncckpt.manifest.json").read_text())["files"]}
+    np.testing.assert_array_equal(
+        np.asarray(got["w"]), np.arange(16 * 8, dtype=np.float32).reshape(16, 8) + 3
+    )
+    np.testing.assert_array_equal(np.asarray(got["bf"]), (np.arange(32) * 3).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(got["rep"], np.full((4, 3), 3, np.int32))
+    assert got["step"] == 3
+    # The manifest lists both processes' chunk files.
+    assert {f"default/w/{i}.{j}" for i in range(4) for j in range(2)} <= manifest_files
+
+    # orbax reads it too.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    orbax_mgr = ocp.CheckpointManager(str(directory))
+    restored = orbax_mgr.restore(3, args=ocp.args.StandardRestore(
+        {**target, "rep": jax.ShapeDtypeStruct((4, 3), jnp.int32,
+                                               sharding=NamedSharding(mesh, P()))}))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(got["w"]))
+    orbax_mgr.close()
