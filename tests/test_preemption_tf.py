@@ -1,0 +1,318 @@
+"""Preemption with TensorFlow, in real processes: SIGTERM, restart, deadline, two workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from asyncckpt.preemption import EXIT_CODE_OTHER  # noqa: E402
+from tests.helpers import run_python, start_python, subprocess_env, write_script  # noqa: E402
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # Off GCE: the metadata host refuses connections at once.
+    env = subprocess_env(GCE_METADATA_HOST=f"127.0.0.1:{_closed_port()}", **extra)
+    env.pop("ASYNCCKPT_PLATFORM", None)
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def _wait_line(proc, prefix: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(prefix):
+            return line.strip()
+    proc.kill()
+    raise AssertionError(f"no line {prefix!r}: {proc.stderr.read()[-4000:]}")
+
+
+def _json_line(out: str, prefix: str):
+    for line in out.splitlines():
+        if line.startswith(prefix + " "):
+            return json.loads(line[len(prefix) + 1:])
+    raise AssertionError(f"no {prefix!r} line in:\n{out[-3000:]}")
+
+
+# -- one worker, a real SIGTERM, a restart ----------------------------------------
+
+SINGLE = """
+import json, signal, sys, time
+import numpy as np
+import tensorflow as tf
+import asyncckpt.tf as at
+from asyncckpt.preemption import PreemptionCheckpointHandler
+
+directory, total, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+
+def previous(signum, frame):  # a handler installed before asyncckpt's
+    with open(marker, "a") as f:
+        f.write("chained\\n")
+
+
+signal.signal(signal.SIGTERM, previous)
+N = 1 << 16
+base = np.arange(N, dtype=np.float32)
+a = tf.Variable(base)
+step = tf.Variable(0, dtype=tf.int64)
+mgr = at.CheckpointManager(tf.train.Checkpoint(a=a, step=step), directory, max_to_keep=2)
+handler = PreemptionCheckpointHandler(mgr)
+r = handler.total_run_calls
+print("start", r, int(step.numpy()), bool(np.array_equal(a.numpy(), base + r)), flush=True)
+boundaries = []
+
+
+def train():
+    boundaries.append((time.time(), handler.total_run_calls))
+    s = handler.total_run_calls + 1
+    a.assign(base + s)
+    step.assign(s)
+    time.sleep(0.03)
+    print("step", s, flush=True)
+
+
+try:
+    with handler:
+        while handler.total_run_calls < total:
+            handler.run(train)
+    print("done", handler.total_run_calls, flush=True)
+finally:
+    saves = [dict(s.__dict__) for s in handler.saves]
+    for s in saves:
+        s["run_at_notice"] = max(r for t, r in boundaries if t <= s["notice_time"])
+    print("SAVES " + json.dumps(saves), flush=True)
+"""
+
+
+def test_sigterm_saves_at_the_next_step_exits_and_resumes(tmp_path):
+    script = write_script(tmp_path, "single.py", SINGLE)
+    directory, marker = tmp_path / "ckpt", tmp_path / "marker"
+    proc = start_python(script, str(directory), "100000", str(marker), env=_env())
+    try:
+        assert _wait_line(proc, "start") == "start 0 0 True"
+        _wait_line(proc, "step 10")
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT_CODE_OTHER, err[-4000:]
+    assert marker.read_text() == "chained\n"  # the earlier handler still ran
+    (save,) = _json_line(out, "SAVES")
+    assert save["final"] and save["run"] - save["run_at_notice"] <= 1
+    run = save["run"]
+    assert tf.train.latest_checkpoint(str(directory)).endswith(f"ckpt-{run}")
+
+    restarted = run_python(script, str(directory), str(run + 5), str(marker), env=_env())
+    assert restarted.returncode == 0, restarted.stderr[-4000:]
+    lines = restarted.stdout.splitlines()
+    assert f"start {run} {run} True" in lines  # same step, same state, same run count
+    assert f"done {run + 5}" in lines
+
+
+# -- the deadline, with a slow writer -----------------------------------------------
+
+DEADLINE = """
+import json, os, random, signal, sys, threading, time
+import numpy as np
+import tensorflow as tf
+import asyncckpt.tf as at
+from asyncckpt.tf import checkpoint as checkpoint_module
+from asyncckpt.tf._job import TFSaveJob
+from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+root, trials, grace, step_s, write_s = sys.argv[1], int(sys.argv[2]), *map(float, sys.argv[3:6])
+
+
+class SlowDiskJob(TFSaveJob):
+    # The real job, on a disk that takes write_s seconds per checkpoint.
+    def write(self):
+        time.sleep(write_s)
+        super().write()
+
+
+checkpoint_module.TFSaveJob = SlowDiskJob
+rng = random.Random(int(sys.argv[6]))
+results = []
+for trial in range(trials):
+    v = tf.Variable(np.zeros(1 << 14, np.float32))
+    step = tf.Variable(0, dtype=tf.int64)
+    directory = os.path.join(root, f"trial{trial}")
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v, step=step), directory, max_to_keep=3)
+    config = TerminationConfig(grace_period=grace, exit_fn=lambda: None, platform="other")
+    handler = PreemptionCheckpointHandler(mgr, termination_config=config)
+
+    def train():
+        v.assign_add(tf.ones(1 << 14))
+        step.assign_add(1)
+        time.sleep(step_s)
+
+    timer = threading.Timer(rng.uniform(1.5, 2.5), os.kill, (os.getpid(), signal.SIGTERM))
+    with handler:
+        timer.start()
+        while not handler.preempted:
+            if handler.total_run_calls % 60 == 0 and not handler.noticed:
+                mgr.save(checkpoint_number=handler.total_run_calls)  # periodic saves
+            handler.run(train)
+    mgr.close()
+    writes = [s.background_s for s in mgr.engine.history]
+    results.append({"saves": [dict(s.__dict__) for s in handler.saves],
+                    "write_s": max(writes), "step_s": handler.grace_clock.steps.mean,
+                    "directory": directory})
+print("RESULTS " + json.dumps(results), flush=True)
+"""
+
+
+def test_final_checkpoint_is_durable_before_the_deadline_with_a_slow_writer(tmp_path):
+    grace, step_s, write_s, trials = 4.0, 0.02, 0.6, 3
+    seed = int(os.environ.get("ASYNCCKPT_PREEMPTION_SEED", str(time.time_ns() % 10**6)))
+    script = write_script(tmp_path, "deadline.py", DEADLINE)
+    proc = run_python(script, str(tmp_path), str(trials), str(grace), str(step_s), str(write_s),
+                      str(seed), env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = _json_line(proc.stdout, "RESULTS")
+    assert len(results) == trials
+    for i, r in enumerate(results):
+        context = f"seed={seed} trial={i}: {r}"
+        first, final = r["saves"][0], r["saves"][-1]
+        assert r["write_s"] >= 10 * r["step_s"], context  # the write spans many steps
+        assert final["final"] and not first["final"], context
+        assert final["durable_at"] <= final["deadline"], context  # every trial in time
+        assert final["deadline"] == pytest.approx(final["notice_time"] + grace), context
+        assert final["run"] > first["run"], context  # trained in the grace period
+        prefix = os.path.join(r["directory"], f"ckpt-{final['run']}")
+        assert tf.train.load_variable(prefix, "step/.ATTRIBUTES/VARIABLE_VALUE") == final["run"]
+
+
+# -- two TensorFlow workers (MultiWorkerMirroredStrategy on 127.0.0.1) ---------------
+
+WORKER = """
+import json, os, sys, time
+index, ports, directory, total, fail_at = (int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3],
+                                           int(sys.argv[4]), int(sys.argv[5]))
+os.environ["TF_CONFIG"] = json.dumps({
+    "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+    "task": {"type": "worker", "index": index}})
+import numpy as np
+import tensorflow as tf
+from asyncckpt.preemption import PreemptionCheckpointHandler
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    v = tf.Variable(tf.zeros(4))
+    step = tf.Variable(0, dtype=tf.int64)
+handler = PreemptionCheckpointHandler(tf.train.Checkpoint(v=v, step=step),
+                                      checkpoint_dir=directory)
+r = handler.total_run_calls
+print("start", r, int(step.numpy()), bool(np.all(v.numpy() == 2 * r)),
+      handler.coordinator.kind, flush=True)
+
+
+@tf.function
+def all_reduce_step():
+    def fn():
+        ctx = tf.distribute.get_replica_context()
+        v.assign_add(ctx.all_reduce("SUM", tf.ones(4)))  # a collective every step
+    strategy.run(fn)
+    step.assign_add(1)
+
+
+def train():
+    if handler.total_run_calls == fail_at:
+        raise ValueError(f"bad batch on worker {index}")
+    all_reduce_step()
+    time.sleep(0.05)
+    print("step", handler.total_run_calls + 1, flush=True)
+
+
+try:
+    with handler:
+        while handler.total_run_calls < total:
+            handler.run(train)
+    print("done", handler.total_run_calls, float(v.numpy()[0]), flush=True)
+except Exception as e:
+    print("ERROR", type(e).__name__, " | ".join(str(e).splitlines())[:3000], flush=True)
+    raise
+finally:
+    print("SAVES " + json.dumps([s.run for s in handler.saves]), flush=True)
+"""
+
+
+def _start_workers(script, directory, total, fail_at=(-1, -1)):
+    ports = f"{_closed_port()},{_closed_port()}"
+    return [start_python(script, str(i), ports, str(directory), str(total), str(fail_at[i]),
+                         env=_env()) for i in range(2)]
+
+
+def _finish(procs, timeout=180):
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        results.append((p.returncode, out, err))
+    return results
+
+
+@pytest.mark.slow
+def test_two_tf_workers_save_at_the_same_step_on_sigterm_to_one_and_resume(tmp_path):
+    script = write_script(tmp_path, "worker.py", WORKER)
+    directory = tmp_path / "ckpt"
+    procs = _start_workers(script, directory, 100000)
+    try:
+        for p in procs:
+            assert _wait_line(p, "start", 180) == "start 0 0 True tensorflow"
+        for p in procs:
+            _wait_line(p, "step 8")
+        os.kill(procs[1].pid, signal.SIGTERM)  # the non-chief worker is preempted
+    finally:
+        results = _finish(procs)
+    saved = []
+    for rc, out, err in results:
+        assert rc == EXIT_CODE_OTHER, err[-4000:]
+        saved.append(_json_line(out, "SAVES"))
+    assert saved[0] == saved[1] and len(saved[0]) == 1, saved  # the same step on both
+    run = saved[0][0]
+    assert run >= 8
+    assert tf.train.latest_checkpoint(str(directory)).endswith(f"ckpt-{run}")
+    assert not (directory / "workertemp_1").exists()
+
+    results = _finish(_start_workers(script, directory, run + 3))
+    for rc, out, err in results:
+        assert rc == 0, err[-4000:]
+        lines = out.splitlines()
+        assert f"start {run} {run} True tensorflow" in lines  # both resume where they saved
+        assert f"done {run + 3} {2.0 * (run + 3)}" in lines
+
+
+@pytest.mark.slow
+def test_an_error_in_one_tf_worker_stops_the_other(tmp_path):
+    script = write_script(tmp_path, "worker.py", WORKER)
+    results = _finish(_start_workers(script, tmp_path / "ckpt", 100000, fail_at=(-1, 6)))
+    (rc0, out0, err0), (rc1, out1, err1) = results
+    assert rc1 != 0 and "ERROR ValueError bad batch on worker 1" in out1, err1[-3000:]
+    # Worker 0 is blocked in the step's all-reduce when worker 1 fails: the
+    # coordination service aborts it with worker 1's error.
+    assert rc0 != 0, err0[-3000:]
+    error_line = next(line for line in out0.splitlines() if line.startswith("ERROR"))
+    assert "bad batch on worker 1" in error_line or "PeerFailedError" in error_line, out0
