@@ -1,0 +1,298 @@
+"""Durability of the JAX path: crashes, I/O errors, corruption, locking, the CLI."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import asyncckpt.jax as aj  # noqa: E402
+from asyncckpt import (  # noqa: E402
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    RestoreOptions,
+    catalog,
+)
+from asyncckpt.engine import files as files_lib  # noqa: E402
+from asyncckpt.jax import _job  # noqa: E402
+from tests.helpers import start_python, subprocess_env, write_script  # noqa: E402
+
+N = 1 << 19  # floats per array: 2 MiB, 256 KiB per shard, so kills land inside writes too
+
+SAVER = """
+import sys
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import asyncckpt.jax as aj
+
+directory, start = sys.argv[1], int(sys.argv[2])
+sharding = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P("d"))
+base = np.arange({n}, dtype=np.float32)
+mgr = aj.CheckpointManager(directory, max_to_keep=3)
+print("ready", flush=True)
+s = start
+while True:
+    state = {{"a": jax.device_put(base + s, sharding), "b": jax.device_put(base * 2 - s, sharding),
+             "step": s}}
+    mgr.save(s, state)
+    s += 1
+"""
+
+
+def _expected(s: int) -> dict:
+    base = np.arange(N, dtype=np.float32)
+    return {"a": base + s, "b": base * 2 - s, "step": s}
+
+
+def _target() -> dict:
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P("d"))
+    spec = jax.ShapeDtypeStruct((N,), jnp.float32, sharding=sharding)
+    return {"a": spec, "b": spec, "step": 0}
+
+
+def _check(restored: dict) -> int:
+    s = restored["step"]
+    exp = _expected(s)
+    np.testing.assert_array_equal(np.asarray(restored["a"]), exp["a"])
+    np.testing.assert_array_equal(np.asarray(restored["b"]), exp["b"])
+    return s
+
+
+def test_sigkill_at_random_moments_never_leaves_a_partial_checkpoint(tmp_path):
+    trials = int(os.environ.get("ASYNCCKPT_JAX_CRASH_TRIALS", "20"))
+    seed = int(os.environ.get("ASYNCCKPT_CRASH_SEED", str(time.time_ns() % 100000)))
+    rng = random.Random(seed)
+    print(f"crash test seed={seed} trials={trials}")
+    script = write_script(tmp_path, "saver.py", SAVER.format(n=N))
+    directory = tmp_path / "ckpts"
+    start = 0
+    newest_seen = -1
+    in_flight_kills = 0
+    for trial in range(trials):
+        delay = rng.uniform(0.02, 0.8)
+        proc = start_python(script, str(directory), str(start))
+        try:
+            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+            time.sleep(delay)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        context = f"seed={seed} trial={trial} delay={delay:.3f}s"
+        temps = [n for n in os.listdir(directory) if n.startswith(".asyncckpt-tmp-")]
+        in_flight_kills += bool(temps)
+        listed = catalog.list_checkpoints(str(directory))
+        print(f"{context}: killed with {len(temps)} temporary dir(s); "
+              f"steps {[c.step for c in listed]}")
+        for info in listed:  # everything listed is complete and intact
+            catalog.verify(info)
+        if not listed:
+            continue
+        mgr = aj.CheckpointManager(directory)  # restoring takes no lock
+        s = _check(mgr.restore(target=_target()))
+        mgr.close()
+        assert s == listed[-1].step and s >= newest_seen, context
+        newest_seen = s
+        start = s + 1  # the next run resumes after the newest durable step
+    assert newest_seen >= 0, f"no checkpoint survived any trial (seed={seed})"
+    print(f"seed={seed}: {in_flight_kills}/{trials} kills left a save in flight")
+    # A normal run afterwards takes over the dead writer's lock and leftovers.
+    with aj.CheckpointManager(directory, max_to_keep=3) as mgr:
+        sharding = _target()["a"].sharding
+        exp = _expected(start)
+        mgr.save(start, {"a": jax.device_put(exp["a"], sharding),
+                         "b": jax.device_put(exp["b"], sharding), "step": start})
+        mgr.wait_until_finished()
+        assert _check(mgr.restore(target=_target())) == start
+    assert not [n for n in os.listdir(directory) if n.startswith(".asyncckpt-tmp-")]
+
+
+class _DiskFullWriter(files_lib.DurableWriter):
+    """The real writer, except that chunk files of the array `w` hit a full disk."""
+
+    def write(self, name, chunks):
+        if "/w/" in name:
+            raise OSError(errno.ENOSPC, "No space left on device", name)
+        return super().write(name, chunks)
+
+
+class _FlushErrorWriter(files_lib.DurableWriter):
+    """The real writer, except that making the files durable hits an I/O error."""
+
+    def finish(self):
+        super().finish()
+        raise OSError(errno.EIO, "Input/output error", self.root)
+
+
+@pytest.mark.parametrize("writer", [_DiskFullWriter, _FlushErrorWriter])
+def test_io_error_raises_on_the_next_call_and_keeps_earlier_checkpoints(
+    ckpt_dir, monkeypatch, writer
+):
+    state = {"w": jnp.arange(64.0), "step": 1}
+    mgr = aj.CheckpointManager(ckpt_dir, max_to_keep=1)
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    monkeypatch.setattr(_job, "DurableWriter", writer)
+    assert mgr.save(2, {"w": jnp.zeros(64), "step": 2})  # staging succeeds; the write fails
+    time.sleep(0.2)
+    with pytest.raises(OSError) as err:
+        mgr.save(3, {"w": jnp.zeros(64), "step": 3})  # the next call reports it
+    assert err.value.errno in (errno.ENOSPC, errno.EIO)
+    monkeypatch.undo()
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [1]
+    assert sorted(os.listdir(ckpt_dir)) == [".asyncckpt.lock", "1"]  # no temporary left
+    got = mgr.restore(target={"w": np.zeros(64, np.float32), "step": 0})
+    np.testing.assert_array_equal(got["w"], np.arange(64.0, dtype=np.float32))
+    # The manager still works; a failed step can be saved again with force.
+    assert mgr.save(2, {"w": jnp.ones(64), "step": 2}, force=True)
+    mgr.close()
+    assert mgr.all_steps() == [2]
+
+
+def test_background_error_is_raised_by_close(ckpt_dir, monkeypatch):
+    mgr = aj.CheckpointManager(ckpt_dir)
+    monkeypatch.setattr(_job, "DurableWriter", _DiskFullWriter)
+    mgr.save(1, {"w": jnp.ones(8)})
+    with pytest.raises(OSError, match="No space left"):
+        mgr.close()
+    assert mgr.all_steps() == []
+
+
+def _three_checkpoints(ckpt_dir) -> None:
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": jnp.full((1000,), float(step)), "step": step},
+                     custom_metadata={"total_run_calls": step * 10})
+
+
+def _flip_byte(path, offset: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corruption_is_detected_named_and_skipped(ckpt_dir, caplog, damage):
+    _three_checkpoints(ckpt_dir)
+    chunk = ckpt_dir / "3" / "default" / "w" / "0"
+    if damage == "flip":
+        _flip_byte(chunk)
+    else:
+        os.truncate(chunk, os.path.getsize(chunk) - 7)
+    target = {"w": np.zeros(1000, np.float32), "step": 0}
+    mgr = aj.CheckpointManager(ckpt_dir)
+    with pytest.raises(CorruptCheckpointError) as err:
+        mgr.restore(3, target=target)
+    assert err.value.file == str(chunk)
+    assert "3/default/w/0" in str(err.value)
+    with caplog.at_level(logging.WARNING):
+        got = mgr.restore(target=target)
+    assert got["step"] == 2
+    np.testing.assert_array_equal(got["w"], np.full(1000, 2.0, np.float32))
+    assert "step 3" in caplog.text and "3/default/w/0" in caplog.text
+    # Turning checksums off keeps the size check: a truncated chunk is still caught.
+    quick = aj.CheckpointManager(ckpt_dir, restore_options=RestoreOptions(verify_checksums=False))
+    if damage == "truncate":
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            quick.restore(3, target=target)
+    else:
+        assert quick.restore(3, target=target)["step"] == 3  # the flipped byte goes unseen
+    mgr.close()
+    quick.close()
+
+    cli = [sys.executable, "-m", "asyncckpt", "verify", str(ckpt_dir)]
+    out = subprocess.run(cli, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "FAIL  3" in out.stdout and "OK    2" in out.stdout
+    one = subprocess.run([*cli, "2"], capture_output=True, text=True, env=subprocess_env(),
+                         timeout=120)
+    assert one.returncode == 0, one.stdout
+
+
+def test_damaged_manifest_is_detected(ckpt_dir):
+    _three_checkpoints(ckpt_dir)
+    manifest = ckpt_dir / "3" / "asyncckpt.manifest.json"
+    manifest.write_text(manifest.read_text().replace('"step": 3', '"step": 4'))
+    mgr = aj.CheckpointManager(ckpt_dir)
+    with pytest.raises(CorruptCheckpointError, match="manifest"):
+        mgr.restore(3)
+    assert mgr.restore()["step"] == 2
+    mgr.close()
+
+
+def test_cli_list_inspect_verify_on_jax_checkpoints(ckpt_dir):
+    _three_checkpoints(ckpt_dir)
+    (ckpt_dir / "4.orbax-checkpoint-tmp-99").mkdir()
+    env = subprocess_env()
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "asyncckpt", *args], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    listed = run("list", str(ckpt_dir))
+    assert listed.returncode == 0
+    rows = [line.split() for line in listed.stdout.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "jax"), ("2", "jax"), ("3", "jax")]
+    verified = run("verify", str(ckpt_dir))
+    assert verified.returncode == 0 and "3/3 checkpoint(s) verified" in verified.stdout
+    inspected = run("inspect", str(ckpt_dir), "2")
+    assert inspected.returncode == 0, inspected.stderr
+    assert "w " in inspected.stdout and "[1000]" in inspected.stdout and "4000" in inspected.stdout
+    assert "total_run_calls" in inspected.stdout
+    manifest = json.loads((ckpt_dir / "2" / "asyncckpt.manifest.json").read_text())
+    assert manifest["framework"] == "jax" and manifest["step"] == 2
+    assert manifest["stats"]["nbytes"] > 0 and manifest["asyncckpt_version"]
+    names = {f["name"] for f in manifest["files"]}
+    expected = {"default/w/0", "default/w/.zarray", "default/_METADATA", "_CHECKPOINT_METADATA"}
+    assert expected <= names
+    assert all(f["crc32"] is not None for f in manifest["files"])
+
+
+LOCK_HOLDER = """
+import sys, time
+import jax.numpy as jnp
+import asyncckpt.jax as aj
+mgr = aj.CheckpointManager(sys.argv[1])
+mgr.save(1, {"w": jnp.ones(3)})
+mgr.wait_until_finished()
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_second_writer_is_refused_and_dead_writers_lock_is_taken_over(ckpt_dir, tmp_path, caplog):
+    script = write_script(tmp_path, "holder.py", LOCK_HOLDER)
+    proc = start_python(script, str(ckpt_dir))
+    try:
+        assert proc.stdout.readline().strip() == "holding", proc.stderr.read()
+        mgr = aj.CheckpointManager(ckpt_dir)
+        with pytest.raises(DirectoryLockedError) as err:
+            mgr.save(2, {"w": jnp.zeros(3)})
+        assert f"pid {proc.pid}" in str(err.value)
+        assert mgr.restore(target={"w": np.zeros(3, np.float32)})["w"].sum() == 3
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    with caplog.at_level(logging.WARNING):
+        assert mgr.save(2, {"w": jnp.zeros(3)})  # the holder is dead: its lock is taken over
+    assert "Taking over" in caplog.text and str(proc.pid) in caplog.text
+    mgr.close()
+    assert mgr.all_steps() == [1, 2]
