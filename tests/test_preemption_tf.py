@@ -315,4 +315,4 @@ def test_an_error_in_one_tf_worker_stops_the_other(tmp_path):
     # coordination service aborts it with worker 1's error.
     assert rc0 != 0, err0[-3000:]
     error_line = next(line for line in out0.splitlines() if line.startswith("ERROR"))
-    assert "bad batch on worker 1" in error_line or "PeerFailedError" in error_line, out0
+    assert "bad batch on worker 1" in error_line, out0  # aborted, or PeerFailedError

@@ -377,8 +377,12 @@ class PreemptionCheckpointHandler:
         self._stop_watching()
         self._target.after_final_save()
         self._finished = True
-        left = f"{record.deadline - time.time():.1f} s before the deadline" if record.deadline \
-            else "no deadline"
+        if record.deadline is None:
+            left = "no deadline"
+        elif record.deadline > record.durable_at:
+            left = f"{record.deadline - record.durable_at:.2f} s before the deadline"
+        else:
+            left = f"{record.durable_at - record.deadline:.2f} s after the notice, which gave none"
         logger.warning("[worker %d] final checkpoint at run %d durable (%s); exiting",
                        me, record.run, left)
         self._config.exit_fn()
