@@ -382,7 +382,7 @@ class PreemptionCheckpointHandler:
         elif record.deadline > record.durable_at:
             left = f"{record.deadline - record.durable_at:.2f} s before the deadline"
         else:
-            left = f"{record.durable_at - record.deadline:.2f} s after the notice, which gave none"
+            left = f"{record.durable_at - record.deadline:.2f} s after the deadline"
         logger.warning("[worker %d] final checkpoint at run %d durable (%s); exiting",
                        me, record.run, left)
         self._config.exit_fn()
