@@ -131,7 +131,10 @@ class CheckpointManager:
         self._restore_options = restore_options or RestoreOptions()
         self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s)
         self._primary = self._coord is None or self._coord.primary
-        self._engine = AsyncEngine(options=self._options, name="asyncckpt.jax")
+        name = "asyncckpt.jax" if self._coord is None else (
+            f"asyncckpt.jax[p{self._coord.process_index}]"  # log lines name the process
+        )
+        self._engine = AsyncEngine(options=self._options, name=name)
         self._snapshotter = Snapshotter(primary=self._primary)
         self._dir_lock = DirectoryLock(self._directory)
         self._token: str | None = None
