@@ -231,10 +231,19 @@ def test_grace_clock_uses_measured_write_time_and_persists_it():
         assert margin >= 1.5 * (0.3 + 3 * 0.01) + 0.5
         estimates = clock.estimates()
         assert estimates["write_s"] >= 0.3 and estimates["step_s"] == pytest.approx(0.01)
-        # A save in flight delays the final one: it is part of the margin.
+        # A save in flight delays the final one: it is part of the margin, by
+        # what is left of its write.
         engine.save(lambda slot: _SlowJob(0.3), label="job")
-        assert clock.margin() >= margin + 1.5 * 0.3 * 0.99
+        deadline = time.monotonic() + 30
+        while engine.busy_for is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        in_flight = clock.margin()
+        assert margin < in_flight <= margin + 1.5 * clock.write_seconds() + 1e-9
+        time.sleep(0.1)
+        assert clock.margin() < in_flight  # the write moved on
         engine.sync()
+        assert engine.busy_for is None and clock.margin() == pytest.approx(margin, rel=0.05)
     with AsyncEngine(name="t2") as engine2:
         restarted = grace_lib.GraceClock(engine2)
         restarted.seed(estimates)

@@ -148,6 +148,7 @@ class AsyncEngine:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._estimator = WriteTimeEstimator()
+        self._busy_since: float | None = None
         self._history: deque[SaveStats] = deque(maxlen=256)
         _ENGINES.add(self)
         _install_exit_hook()
@@ -180,6 +181,17 @@ class AsyncEngine:
     def estimated_write_seconds(self) -> float | None:
         """Smoothed background seconds (write + commit) of recent saves."""
         return self._estimator.seconds
+
+    @property
+    def busy_for(self) -> float | None:
+        """Seconds the writer has spent on the save it is writing now; None when idle.
+
+        With ``pending`` and ``estimator`` it tells how long the saves in
+        flight still need (the preemption handler's grace margin).
+        """
+        with self._cond:
+            since = self._busy_since
+        return None if since is None else time.perf_counter() - since
 
     @property
     def staging_bytes(self) -> int:
@@ -268,6 +280,8 @@ class AsyncEngine:
         released = False
         try:
             t1 = time.perf_counter()
+            with self._cond:
+                self._busy_since = t1
             job.write()
             write_s = time.perf_counter() - t1
             self._pool.release(w.slot)
@@ -317,6 +331,7 @@ class AsyncEngine:
             w.handle.committed.set_exception(e)
         finally:
             with self._cond:
+                self._busy_since = None
                 self._inflight -= 1
                 self._cond.notify_all()
 

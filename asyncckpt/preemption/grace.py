@@ -11,8 +11,10 @@ boundary ``t`` with ``t + margin >= t0 + G``, where::
   engine's slowly decaying peak (``WriteTimeEstimator.peak_seconds``), so one
   slow save on a shared disk is remembered;
 * ``B``: blocking time of a save (host copy), the peak of recent saves;
-* ``Q``: saves still in flight, each counted as ``W``: the engine writes in
-  order, so the final save waits for them;
+* ``Q``: what the saves still in flight need (the engine writes in order, so
+  the final save waits for them): ``W`` for each queued save, and for the one
+  being written ``W`` minus the time it has run (at least ``W / 4``: a write
+  already past its estimate is slow, not nearly done);
 * ``S``: step time, a decaying peak of the time between step boundaries;
 * ``k = 3`` steps: the check runs once per step (the deadline can be crossed
   just after one), and the agreed step is at most one step after the boundary
@@ -163,6 +165,16 @@ class GraceClock:
             return max(recent)
         return self._seeded_blocking or 0.0
 
+    def queued_seconds(self, write: float) -> float:
+        """Seconds the saves in flight still need before a new one can start."""
+        pending = self.engine.pending
+        if pending == 0:
+            return 0.0
+        busy = self.engine.busy_for
+        if busy is None:  # staged, the writer has not picked it up yet
+            return pending * write
+        return (pending - 1) * write + max(write - busy, write / 4)
+
     def margin(self) -> float | None:
         """Seconds before the deadline the final round must start; None if unknown."""
         write = self.write_seconds()
@@ -171,7 +183,7 @@ class GraceClock:
         return margin_seconds(
             write_s=write,
             blocking_s=self.blocking_seconds(),
-            queued_s=self.engine.pending * write,
+            queued_s=self.queued_seconds(write),
             step_s=self.steps.peak or 0.0,
             options=self.options,
         )
