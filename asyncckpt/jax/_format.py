@@ -23,7 +23,7 @@ import base64
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,17 +259,32 @@ def is_ocdbt(item_dir: str) -> bool:
     return os.path.exists(os.path.join(item_dir, OCDBT_MANIFEST))
 
 
+# Reads one chunk file's raw bytes (None if the file does not exist).
+ChunkSource = Callable[[str], "np.ndarray | None"]
+
+
+def read_file_bytes(path: str) -> np.ndarray | None:
+    """A whole file as a uint8 array (None if it does not exist)."""
+    try:
+        return np.fromfile(path, dtype=np.uint8)
+    except FileNotFoundError:
+        return None
+
+
 class ZarrArray:
     """Reads regions of one uncompressed zarr v2 array written in this layout.
 
     Args:
         array_dir: The parameter's directory (holding ``.zarray``).
         checkpoint: Checkpoint path, for error messages.
+        source: Reads a chunk file's bytes; restores pass one that verifies
+            and caches what it reads.
     """
 
-    def __init__(self, array_dir: str, *, checkpoint: str):
+    def __init__(self, array_dir: str, *, checkpoint: str, source: ChunkSource = read_file_bytes):
         self.dir = array_dir
         self._checkpoint = checkpoint
+        self._source = source
         meta_path = os.path.join(array_dir, ZARRAY)
         try:
             with open(meta_path, encoding="utf-8") as f:
@@ -293,7 +308,12 @@ class ZarrArray:
                 checkpoint=checkpoint,
                 file=meta_path,
             ) from e
-        if len(self.chunks) != len(self.shape) or order != "C" or filters:
+        if (
+            len(self.chunks) != len(self.shape)
+            or any(c < 1 for c in self.chunks)
+            or order != "C"
+            or filters
+        ):
             raise CorruptCheckpointError(
                 f"zarr metadata {meta_path!r} describes a layout asyncckpt does not read "
                 f"(chunks {self.chunks} for shape {self.shape}, order {order}, filters {filters})",
@@ -305,26 +325,49 @@ class ZarrArray:
     def compressed(self) -> bool:
         return self.compressor is not None
 
+    def chunk_path(self, coords: Sequence[int]) -> str:
+        return os.path.join(self.dir, chunk_name(coords))
+
+    def _bounds(self, index: tuple[slice, ...] | None) -> list[tuple[int, int]]:
+        bounds = []
+        for dim, s in zip(self.shape, index or [slice(None)] * len(self.shape), strict=True):
+            start, stop, step = s.indices(dim)
+            if step != 1:
+                raise ValueError(f"strided restore index {s} is not supported")
+            bounds.append((start, max(start, stop)))
+        return bounds
+
+    def _coords(self, bounds: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+        if any(b <= a for a, b in bounds):
+            return []
+        ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(bounds, self.chunks,
+                                                                       strict=True)]
+        return [tuple(r[i] for r, i in zip(ranges, idx, strict=True))
+                for idx in np.ndindex(*(len(r) for r in ranges))]
+
+    def chunk_paths(self, index: tuple[slice, ...] | None = None) -> list[str]:
+        """The chunk files holding ``array[index]``."""
+        return [self.chunk_path(c) for c in self._coords(self._bounds(index))]
+
     def _read_chunk(self, coords: tuple[int, ...]) -> np.ndarray:
-        path = os.path.join(self.dir, chunk_name(coords))
+        path = self.chunk_path(coords)
         count = math.prod(self.chunks)
-        try:
-            data = np.fromfile(path, dtype=self.dtype)
-        except FileNotFoundError:
+        data = self._source(path)
+        if data is None:
             # zarr: a missing chunk holds the fill value everywhere.
             fill = 0 if self.fill_value is None else self.fill_value
             return np.full(self.chunks, fill, dtype=self.dtype)
-        if data.size != count:
+        if data.nbytes != count * self.dtype.itemsize:
             raise CorruptCheckpointError(
                 f"checkpoint {self._checkpoint!r} is corrupt: chunk {path!r} holds "
                 f"{data.nbytes} bytes, its array needs {count * self.dtype.itemsize}",
                 checkpoint=self._checkpoint,
                 file=path,
             )
-        return data.reshape(self.chunks)
+        return data.view(self.dtype).reshape(self.chunks)
 
     def read(self, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """Reads ``array[index]`` (unit-stride slices) into a new host array."""
+        """Reads ``array[index]`` (unit-stride slices) into a host array."""
         if self.compressed:
             raise CorruptCheckpointError(
                 f"{self.dir!r} is compressed ({self.compressor}); asyncckpt reads "
@@ -332,35 +375,25 @@ class ZarrArray:
                 checkpoint=self._checkpoint,
             )
         if not self.shape:
-            return self._read_chunk(())
-        bounds = []
-        for dim, s in zip(self.shape, index or [slice(None)] * len(self.shape), strict=True):
-            start, stop, step = s.indices(dim)
-            if step != 1:
-                raise ValueError(f"strided restore index {s} is not supported")
-            bounds.append((start, stop))
+            return self._read_chunk(()).copy()
+        bounds = self._bounds(index)
         out_shape = tuple(b - a for a, b in bounds)
-        # The common case: the region is exactly one chunk (same sharding as saved).
-        first = tuple(a // c if c else 0 for (a, _), c in zip(bounds, self.chunks, strict=True))
-        if all(
-            a == i * c and b == min(a + c, d)
-            for (a, b), i, c, d in zip(bounds, first, self.chunks, self.shape, strict=True)
-        ) and all(b > a for a, b in bounds):
-            chunk = self._read_chunk(first)
-            return chunk[tuple(slice(0, n) for n in out_shape)]
+        coords = self._coords(bounds)
+        if len(coords) == 1:
+            (c,) = coords
+            region = tuple(
+                slice(a - i * n, b - i * n) for (a, b), i, n in zip(bounds, c, self.chunks,
+                                                                     strict=True)
+            )
+            if all(a == i * n for (a, _), i, n in zip(bounds, c, self.chunks, strict=True)):
+                return self._read_chunk(c)[region]  # the common case: one whole chunk
         out = np.empty(out_shape, dtype=self.dtype)
-        if 0 in out_shape:
-            return out
-        ranges = [
-            range(a // c, (b - 1) // c + 1) for (a, b), c in zip(bounds, self.chunks, strict=True)
-        ]
-        for coords in np.ndindex(*(len(r) for r in ranges)):
-            cidx = tuple(r[i] for r, i in zip(ranges, coords, strict=True))
-            chunk = self._read_chunk(cidx)
+        for c in coords:
+            chunk = self._read_chunk(c)
             src, dst = [], []
-            for (a, b), i, c in zip(bounds, cidx, self.chunks, strict=True):
-                lo, hi = max(a, i * c), min(b, (i + 1) * c)
-                src.append(slice(lo - i * c, hi - i * c))
+            for (a, b), i, n in zip(bounds, c, self.chunks, strict=True):
+                lo, hi = max(a, i * n), min(b, (i + 1) * n)
+                src.append(slice(lo - i * n, hi - i * n))
                 dst.append(slice(lo - a, hi - a))
             out[tuple(dst)] = chunk[tuple(src)]
         return out

@@ -1,25 +1,31 @@
 """Verified restore of a step directory into a target pytree, any sharding.
 
-The files are first checked against the manifest (sizes always, CRC32s by
-default); then each leaf's chunks are read with plain file reads into host
-memory and placed on the target's sharding with
-``jax.make_array_from_callback``: each device asks for its own region, which
-may span several saved chunks or a part of one, so a checkpoint written on
-one mesh restores onto any other (another device count, another process
-count). Checkpoints written by orbax itself with compression or OCDBT are
-handed to orbax.
+Every file's size is checked against the manifest first. Then the chunk
+files this process needs are read in parallel, each CRC32-checked as it is
+read (one pass over the bytes, not one to verify and one to load), and the
+other files of the manifest are checked too, so every process of a run
+reaches the same verdict. Only then are the arrays placed on the target's
+sharding with ``jax.make_array_from_callback``: each device asks for its own
+region, which may span several saved chunks or a part of one, so a
+checkpoint written on one mesh restores onto any other (another device
+count, another process count). Checkpoints written by orbax itself with
+compression or OCDBT are handed to orbax.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
 import numpy as np
 
 from asyncckpt import layout
+from asyncckpt.engine.files import FileRecord, crc32_file
 from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedObjectError
 from asyncckpt.jax import _format as fmt
@@ -28,25 +34,99 @@ from asyncckpt.jax import _tree
 logger = logging.getLogger(__name__)
 
 
-def verify_step(step_dir: str, *, checksums: bool) -> Manifest | None:
-    """Checks a step directory against its manifest.
+_READERS = 8  # parallel file reads: enough to keep a disk's queue full
 
-    Returns:
-        The manifest, or None for a checkpoint without one (written by orbax),
-        which is accepted unverified.
 
-    Raises:
-        CorruptCheckpointError: naming the file that is missing, truncated or
-            corrupt, or the damaged manifest.
+class ChunkStore:
+    """Reads chunk files once, in parallel, checking each against the manifest.
+
+    Args:
+        step_dir: The checkpoint.
+        manifest: Its manifest, or None for a checkpoint written by orbax.
+        checksums: Check CRC32s (sizes are checked in any case).
     """
-    try:
-        manifest = read_manifest(layout.jax_manifest_path(step_dir))
-    except FileNotFoundError:
-        logger.info("%s has no asyncckpt manifest (written by orbax?); restoring unverified",
-                    step_dir)
-        return None
-    verify_files(step_dir, manifest.files, checksums=checksums, checkpoint=step_dir)
-    return manifest
+
+    def __init__(self, step_dir: str, manifest: Manifest | None, *, checksums: bool):
+        self._dir = step_dir
+        self._records = {r.name: r for r in manifest.files} if manifest else {}
+        self._checksums = checksums
+        self._data: dict[str, np.ndarray | None] = {}
+
+    def _record(self, path: str) -> FileRecord | None:
+        return self._records.get(os.path.relpath(path, self._dir).replace(os.sep, "/"))
+
+    def _load(self, path: str) -> np.ndarray | None:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = np.empty(size, dtype=np.uint8)
+                view = memoryview(buf)
+                got = 0
+                while got < size and (n := f.readinto(view[got:])):
+                    got += n
+        except FileNotFoundError:
+            if self._record(path) is not None:
+                raise CorruptCheckpointError(
+                    f"checkpoint {self._dir!r} is incomplete: file {path!r} is missing",
+                    checkpoint=self._dir, file=path,
+                ) from None
+            return None
+        rec = self._record(path)
+        if rec is not None:
+            if got != rec.size:
+                raise CorruptCheckpointError(
+                    f"checkpoint {self._dir!r} is corrupt: file {path!r} has {got} bytes, "
+                    f"the manifest records {rec.size} (truncated or overwritten)",
+                    checkpoint=self._dir, file=path,
+                )
+            if self._checksums and rec.crc32 is not None:
+                crc = zlib.crc32(buf)
+                if crc != rec.crc32:
+                    raise CorruptCheckpointError(
+                        f"checkpoint {self._dir!r} is corrupt: file {path!r} fails its CRC32 "
+                        f"check (stored {rec.crc32:#010x}, computed {crc:#010x})",
+                        checkpoint=self._dir, file=path,
+                    )
+        return buf[:got]
+
+    def prefetch(self, paths: Iterable[str]) -> None:
+        """Reads (and checks) these files in parallel and keeps their bytes."""
+        todo = sorted(set(paths) - set(self._data))
+        if not todo:
+            return
+        with ThreadPoolExecutor(min(_READERS, len(todo)),
+                                thread_name_prefix="asyncckpt-read") as pool:
+            for path, data in zip(todo, pool.map(self._load, todo), strict=True):
+                self._data[path] = data
+
+    def check_the_rest(self) -> None:
+        """CRC32-checks every manifest file not read here (other processes' chunks)."""
+        if not self._checksums or not self._records:
+            return
+        read = {os.path.relpath(p, self._dir).replace(os.sep, "/") for p in self._data}
+        rest = [r for name, r in sorted(self._records.items()) if name not in read]
+        if not rest:
+            return
+
+        def check(rec: FileRecord) -> None:
+            path = os.path.join(self._dir, *rec.name.split("/"))
+            _, crc = crc32_file(path)
+            if rec.crc32 is not None and crc != rec.crc32:
+                raise CorruptCheckpointError(
+                    f"checkpoint {self._dir!r} is corrupt: file {path!r} fails its CRC32 "
+                    f"check (stored {rec.crc32:#010x}, computed {crc:#010x})",
+                    checkpoint=self._dir, file=path,
+                )
+
+        with ThreadPoolExecutor(min(_READERS, len(rest)),
+                                thread_name_prefix="asyncckpt-verify") as pool:
+            list(pool.map(check, rest))
+
+    def __call__(self, path: str) -> np.ndarray | None:
+        """A chunk's bytes: prefetched, or read (and checked) now."""
+        if path not in self._data:
+            self._data[path] = self._load(path)
+        return self._data[path]
 
 
 def _needs_orbax(item_dir: str, entries: list[fmt.TreeEntry]) -> bool:
@@ -77,8 +157,8 @@ def _restore_with_orbax(item_dir: str, target: Any) -> Any:
         return checkpointer.restore(item_dir, target)
 
 
-def restore_tree(step_dir: str, target: Any = None) -> Any:
-    """Reads the pytree of a (verified) step directory.
+def restore_tree(step_dir: str, target: Any = None, *, checksums: bool = True) -> Any:
+    """Verifies and reads the pytree of a step directory.
 
     Args:
         step_dir: The checkpoint's directory.
@@ -86,82 +166,128 @@ def restore_tree(step_dir: str, target: Any = None) -> Any:
             into: ``jax.ShapeDtypeStruct`` (with a sharding) or ``jax.Array``
             (onto its sharding), NumPy arrays and scalars, Python scalars.
             None restores nested dicts/lists, arrays on the default device.
+        checksums: Check CRC32s against the manifest (sizes are always checked).
 
     Raises:
+        CorruptCheckpointError: a file is missing, truncated or corrupt (named),
+            or the manifest is damaged; nothing is placed on devices then.
         ValueError: ``target``'s structure or a leaf's shape does not match.
         UnsupportedObjectError: a target leaf of a type that cannot be restored.
-        CorruptCheckpointError: a file is missing or damaged.
     """
+    try:
+        manifest = read_manifest(layout.jax_manifest_path(step_dir))
+        verify_files(step_dir, manifest.files, checksums=False, checkpoint=step_dir)
+    except FileNotFoundError:
+        logger.info("%s has no asyncckpt manifest (written by orbax?); restoring unverified",
+                    step_dir)
+        manifest = None
     item_dir = os.path.join(step_dir, fmt.ITEM)
     entries = fmt.read_tree_metadata(item_dir)
     if _needs_orbax(item_dir, entries):
+        if manifest is not None:
+            verify_files(step_dir, manifest.files, checksums=checksums, checkpoint=step_dir)
         return _restore_with_orbax(item_dir, target)
+    store = ChunkStore(step_dir, manifest, checksums=checksums)
     if target is None:
-        return _tree.build_tree(
-            (e.path, _read_leaf(item_dir, e, None, step_dir)) for e in entries
-        )
-    leaves, treedef = _tree.flatten(target)
+        pairs = [(e, None) for e in entries]
+        treedef = None
+    else:
+        leaves, treedef = _tree.flatten(target)
+        pairs = list(zip(_match(step_dir, entries, target), leaves, strict=True))
+    arrays = {
+        e.path.param: fmt.ZarrArray(os.path.join(item_dir, e.path.param),
+                                    checkpoint=step_dir, source=store)
+        for e, _ in pairs if not e.skipped
+    }
+    for e, leaf in pairs:  # check every leaf before reading any bytes
+        if not e.skipped:
+            _check_target(e, arrays[e.path.param], leaf, step_dir)
+    store.prefetch(
+        path for e, leaf in pairs if not e.skipped
+        for path in _chunks_needed(arrays[e.path.param], leaf)
+    )
+    store.check_the_rest()
+    values = [_read_leaf(e, arrays.get(e.path.param), leaf) for e, leaf in pairs]
+    if treedef is None:
+        return _tree.build_tree((e.path, v) for (e, _), v in zip(pairs, values, strict=True))
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _match(step_dir: str, entries: list[fmt.TreeEntry], target: Any) -> list[fmt.TreeEntry]:
+    """The checkpoint entry of each target leaf, or a clear error."""
     paths = _tree.leaf_paths(target)
     by_param = {e.path.param: e for e in entries}
     missing = [p.display for p in paths if p.param not in by_param]
     wanted = {p.param for p in paths}
     extra = [e.path.display for e in entries if e.path.param not in wanted]
     if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"not in the checkpoint: {', '.join(missing[:10])}")
+        if extra:
+            parts.append(f"in the checkpoint but not in the target: {', '.join(extra[:10])}")
         raise ValueError(
-            f"the target's structure does not match checkpoint {step_dir!r}: "
-            + "; ".join(
-                part for part in (
-                    f"not in the checkpoint: {', '.join(missing[:10])}" if missing else "",
-                    f"in the checkpoint but not in the target: {', '.join(extra[:10])}"
-                    if extra else "",
-                ) if part
-            )
+            f"the target's structure does not match checkpoint {step_dir!r}: " + "; ".join(parts)
         )
-    values = [
-        _read_leaf(item_dir, by_param[p.param], leaf, step_dir)
-        for p, leaf in zip(paths, leaves, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, values)
+    return [by_param[p.param] for p in paths]
 
 
-def _read_leaf(item_dir: str, entry: fmt.TreeEntry, target: Any, step_dir: str) -> Any:
+def _chunks_needed(array: fmt.ZarrArray, target: Any) -> list[str]:
+    """The chunk files this process reads for one leaf."""
+    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and target.sharding is not None:
+        regions = target.sharding.addressable_devices_indices_map(array.shape).values()
+        return [p for index in {_key(i, array.shape): i for i in regions}.values()
+                for p in array.chunk_paths(index)]
+    return array.chunk_paths(None)
+
+
+def _key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+
+
+def _check_target(entry: fmt.TreeEntry, array: fmt.ZarrArray, target: Any,
+                  step_dir: str) -> None:
     display = entry.path.display
-    if entry.skipped:
-        if target is None or _tree.is_empty_leaf(target):
-            return _tree.empty_value(entry.value_type) if target is None else target
-        raise ValueError(
-            f"leaf {display}: the checkpoint holds an empty {entry.value_type} there, "
-            f"the target a {type(target).__name__}"
-        )
-    array = fmt.ZarrArray(os.path.join(item_dir, entry.path.param), checkpoint=step_dir)
     if target is None:
-        if entry.value_type == fmt.SCALAR:
-            return array.read().item()
-        if entry.value_type == fmt.NUMPY_ARRAY:
-            return array.read()
-        return jax.device_put(array.read())
-    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
+        return
+    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
         _check_shape(display, array.shape, tuple(target.shape), step_dir)
-        return _to_device(array, np.dtype(target.dtype), target.sharding)
-    if isinstance(target, np.ndarray):
-        _check_shape(display, array.shape, target.shape, step_dir)
-        return array.read().astype(target.dtype, copy=False)
-    if isinstance(target, np.generic):
+    elif isinstance(target, np.generic) or type(target) in (bool, int, float):
         _check_shape(display, array.shape, (), step_dir)
-        return target.dtype.type(array.read()[()])
-    if type(target) in (bool, int, float):
-        _check_shape(display, array.shape, (), step_dir)
-        return type(target)(array.read().item())
-    if _tree.is_empty_leaf(target):
+    elif _tree.is_empty_leaf(target):
         raise ValueError(
             f"leaf {display}: the checkpoint holds an array of shape {array.shape} there, "
             f"the target an empty {type(target).__name__}"
         )
-    raise UnsupportedObjectError(
-        f"target leaf {display} is a {type(target).__module__}.{type(target).__qualname__}; "
-        "give a jax.ShapeDtypeStruct (with a sharding), a jax.Array, a NumPy array or a "
-        "scalar for each leaf"
-    )
+    else:
+        raise UnsupportedObjectError(
+            f"target leaf {display} is a {type(target).__module__}."
+            f"{type(target).__qualname__}; give a jax.ShapeDtypeStruct (with a sharding), a "
+            "jax.Array, a NumPy array or a scalar for each leaf"
+        )
+
+
+def _read_leaf(entry: fmt.TreeEntry, array: fmt.ZarrArray | None, target: Any) -> Any:
+    if entry.skipped or array is None:
+        if target is None or _tree.is_empty_leaf(target):
+            return _tree.empty_value(entry.value_type) if target is None else target
+        raise ValueError(
+            f"leaf {entry.path.display}: the checkpoint holds an empty {entry.value_type} "
+            f"there, the target a {type(target).__name__}"
+        )
+    if target is None:
+        if entry.value_type == fmt.SCALAR:
+            return array.read().item()
+        if entry.value_type == fmt.NUMPY_ARRAY:
+            return array.read().copy()
+        return jax.device_put(array.read())
+    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
+        return _to_device(array, np.dtype(target.dtype), target.sharding)
+    if isinstance(target, np.ndarray):
+        return array.read().astype(target.dtype, copy=True)
+    if isinstance(target, np.generic):
+        return target.dtype.type(array.read()[()])
+    return type(target)(array.read().item())
 
 
 def _check_shape(display: str, saved: tuple, wanted: tuple, step_dir: str) -> None:
@@ -175,16 +301,16 @@ def _check_shape(display: str, saved: tuple, wanted: tuple, step_dir: str) -> No
 def _to_device(array: fmt.ZarrArray, dtype: np.dtype, sharding: Any) -> jax.Array:
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    read: dict[tuple, np.ndarray] = {}
+    seen: set[tuple] = set()
 
     def region(index: tuple[slice, ...]) -> np.ndarray:
-        key = tuple(s.indices(d)[:2] for s, d in zip(index, array.shape, strict=True))
-        if key in read:
-            # A replicated region: a private copy, since on CPU a device
-            # buffer may alias the host array it was made from.
-            return read[key].copy()
+        key = _key(index, array.shape)
         data = array.read(index).astype(dtype, copy=False)
-        read[key] = data
+        if key in seen:
+            # A replicated region: a private copy per device, since on CPU a
+            # device buffer may alias the host array it is made from.
+            data = data.copy()
+        seen.add(key)
         return data
 
     return jax.make_array_from_callback(array.shape, sharding, region)

@@ -23,7 +23,7 @@ from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, En
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator
 from asyncckpt.jax._job import JaxSaveJob
-from asyncckpt.jax._restore import restore_tree, verify_step
+from asyncckpt.jax._restore import restore_tree
 from asyncckpt.jax._snapshot import Snapshotter
 from asyncckpt.options import AsyncOptions, RestoreOptions
 
@@ -451,22 +451,19 @@ class CheckpointManager:
         checksums = self._restore_options.verify_checksums
         if step is not None:
             chosen = self._existing_step(step)
-            verify_step(self.step_dir(chosen), checksums=checksums)
-        else:
-            chosen = self._newest_valid(checksums)
-        return restore_tree(self.step_dir(chosen), target)
-
-    def _newest_valid(self, checksums: bool) -> int:
+            return restore_tree(self.step_dir(chosen), target, checksums=checksums)
         steps = self.all_steps()
         if not steps:
             raise CheckpointNotFoundError(f"no checkpoints in {self._directory!r}")
         failures = []
-        for step in reversed(steps):
+        for candidate in reversed(steps):
             try:
-                verify_step(self.step_dir(step), checksums=checksums)
-                return step
+                return restore_tree(self.step_dir(candidate), target, checksums=checksums)
             except CorruptCheckpointError as e:
-                logger.warning("skipping checkpoint step %d in %s: %s", step, self._directory, e)
+                # Every file is checked before anything is placed on a device,
+                # and every process checks every file: all processes skip alike.
+                logger.warning("skipping checkpoint step %d in %s: %s",
+                               candidate, self._directory, e)
                 failures.append(e)
         raise CorruptCheckpointError(
             f"none of the {len(steps)} checkpoint(s) in {self._directory!r} verifies; "
