@@ -143,8 +143,8 @@ def test_first_notice_wins_and_a_later_one_does_not_reopen_the_protocol():
     assert [final for _, final in cluster.saves[0]] == [False, True]
 
 
-def test_grace_period_trains_until_the_margin_then_saves_once_more():
-    grace, margin = 1.5, 0.5
+def test_long_grace_period_saves_at_once_trains_until_the_margin_then_saves_again():
+    grace, margin = 2.5, 0.5  # at least 4 margins: a save at the notice too
     with Cluster(2, margin=margin) as cluster:
         cluster.wait_progress(5)
         n, g = notice(grace, "user")
@@ -154,6 +154,21 @@ def test_grace_period_trains_until_the_margin_then_saves_once_more():
     assert is_final and final > first
     deadline = cluster.agreements[0].deadline()
     assert deadline == pytest.approx(n.wall_time + grace)
+
+
+def test_short_grace_period_trains_until_the_margin_and_saves_once():
+    grace, margin = 1.2, 0.5  # under 4 margins: a save at the notice would only delay
+    with Cluster(2, margin=margin) as cluster:
+        cluster.wait_progress(5)
+        at_notice = min(cluster.progress)
+        n, g = notice(grace, "user")
+        cluster.agreements[0].notice(n, g)
+        cluster.threads[0].join(60)
+        ended = time.time()
+    assert cluster.saves[0] == cluster.saves[1]
+    ((run, final),) = cluster.saves[0]
+    assert final and run > at_notice + 5  # trained in the grace period
+    assert ended >= n.wall_time + grace - margin
 
 
 def test_grace_shorter_than_the_margin_saves_at_once():

@@ -24,8 +24,9 @@ handler's namespace ``ns``):
    round it knows of has no target yet (it parks, the watcher is not blocked
    by it), so no worker overshoots the target. At the target it saves; if
    the round is final it flushes and exits.
-4. **Grace period.** After a non-final round 0 (a save made at once, in case
-   the notice undersells the time left), training continues. At each
+4. **Grace period.** After a non-final round 0 (with a save made at once, in
+   case the notice overstates the time left, when the grace period is long
+   enough to afford it), training continues. At each
    boundary a worker compares ``now + margin`` with the earliest deadline it
    knows (the cluster's, or an earlier one of its own later notice); the
    first worker to cross it opens round 1 (final) the same way.
@@ -93,6 +94,11 @@ class StepAgreement:
             while unknown (see ``grace.GraceClock.margin``).
         unknown_write_fraction: Share of the grace period after which the
             final round starts when ``margin_fn`` has no answer.
+        save_at_notice_ratio: Round 0 saves (before the grace period is
+            used for training) only if the grace period is at least this many
+            margins long, or if no margin is known yet (the save measures
+            one). Shorter grace periods go straight to the final save, which
+            a save at the notice would only delay.
         options: Protocol timing.
     """
 
@@ -104,6 +110,7 @@ class StepAgreement:
         runs: int,
         margin_fn: Callable[[], float | None],
         unknown_write_fraction: float = 0.5,
+        save_at_notice_ratio: float = 4.0,
         options: AgreementOptions | None = None,
     ):
         self.coordinator = coordinator
@@ -111,6 +118,7 @@ class StepAgreement:
         self.options = options or AgreementOptions()
         self._margin_fn = margin_fn
         self._unknown_fraction = unknown_write_fraction
+        self._save_ratio = save_at_notice_ratio
         self._cond = threading.Condition()
         self._runs = runs
         self._checked = -1  # last boundary passed without stopping
@@ -118,6 +126,7 @@ class StepAgreement:
         self._seen_at = [0.0] * ROUNDS
         self._target: list[int | None] = [None] * ROUNDS
         self._final = [False] * ROUNDS
+        self._save_at_notice = True
         self._done = [False] * ROUNDS
         self._notice: dict | None = None  # the cluster's winning notice
         self._local_deadline: float | None = None
@@ -214,13 +223,15 @@ class StepAgreement:
             margin = self._margin_fn()
             left = deadline - time.time()
             final = left <= 0 or (margin is not None and left <= margin)
-            self.coordinator.claim_json(self._key("round", 0, "go"), {"final": final,
-                                                                    "by": self.me})
+            save = final or margin is None or left >= self._save_ratio * margin
+            self.coordinator.claim_json(self._key("round", 0, "go"),
+                                        {"final": final, "save": save, "by": self.me})
             logger.warning(
                 "[worker %d] first notice in the cluster: %s (margin %s, %.1f s left)",
                 self.me,
                 "saving and exiting at the next step" if final
-                else "saving now, then training on until the final save",
+                else "saving now, then training on until the final save" if save
+                else "training on until the final save",
                 "unknown" if margin is None else f"{margin:.2f} s",
                 left,
             )
@@ -291,8 +302,9 @@ class StepAgreement:
         t0 = self._target[0]
         if t0 is not None and not self._done[0] and runs >= t0:
             self._done[0] = True
-            self._checked = runs
-            return Decision.SAVE
+            if self._save_at_notice:
+                self._checked = runs
+                return Decision.SAVE
         return None
 
     def _time_to_finish_locked(self) -> bool:
@@ -331,6 +343,8 @@ class StepAgreement:
                 with self._cond:
                     self._target[n] = target
                     self._final[n] = bool(go["final"])
+                    if n == 0:
+                        self._save_at_notice = bool(go.get("save", True))
                     self._cond.notify_all()
                 logger.warning("[worker %d] round %d: all workers save at step %d%s",
                                self.me, n, target, " and exit" if go["final"] else "")

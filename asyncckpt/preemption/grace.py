@@ -27,6 +27,8 @@ TensorFlow's handler uses ``G - 6 * mean step time``: it ignores the write,
 so a final save that takes longer than six steps misses the deadline, and it
 starts from zero after a restart. Here every estimate is stored in the
 checkpoint and seeds the next run. If ``G <= margin`` the save starts at once.
+A save is also made at the notice itself when ``G >= 4 * margin`` (a guard for
+long grace periods; in a short one it would only delay the final save).
 Without any measured write (a first run that never saved), the final round
 starts once ``unknown_write_fraction`` of the grace period has passed, or as
 soon as the save made at the notice has been measured.
@@ -53,6 +55,11 @@ class GraceOptions:
         slack_s: Fixed seconds added for coordination and exit.
         unknown_write_fraction: Share of the grace period to train for when no
             write time has ever been measured.
+        save_at_notice_ratio: Save at the notice as well only if the grace
+            period is at least this many margins long (0: always, ``inf``:
+            never). That save guards a long grace period against a notice
+            that overstates the time left; in a short one it would only
+            delay the final save, which waits for it.
         peak_decay: Per-step decay of the step-time peak.
     """
 
@@ -60,6 +67,7 @@ class GraceOptions:
     step_allowance: float = 3.0
     slack_s: float = 0.5
     unknown_write_fraction: float = 0.5
+    save_at_notice_ratio: float = 4.0
     peak_decay: float = 0.99
 
     def __post_init__(self) -> None:
@@ -69,6 +77,8 @@ class GraceOptions:
             raise ValueError("step_allowance and slack_s must be >= 0")
         if not 0 <= self.unknown_write_fraction <= 1:
             raise ValueError("unknown_write_fraction must be within [0, 1]")
+        if self.save_at_notice_ratio < 0:
+            raise ValueError("save_at_notice_ratio must be >= 0")
 
 
 def margin_seconds(

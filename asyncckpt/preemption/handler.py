@@ -155,6 +155,7 @@ class PreemptionCheckpointHandler:
             runs=runs,
             margin_fn=self._clock.margin,
             unknown_write_fraction=self._clock.options.unknown_write_fraction,
+            save_at_notice_ratio=self._clock.options.save_at_notice_ratio,
             options=agreement_options,
         )
         self._notices: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
