@@ -8,6 +8,7 @@ protocol which blocked one worker's training thread on another's).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -265,9 +266,12 @@ def test_grace_clock_uses_measured_write_time_and_persists_it():
         assert restarted.margin() == pytest.approx(margin, rel=0.05)
 
 
-def test_importing_the_package_imports_no_framework():
-    code = ("import sys, asyncckpt.preemption; "
-            "print('tensorflow' in sys.modules, 'jax' in sys.modules)")
+def test_importing_and_detecting_imports_no_framework():
+    code = ("import os, sys, asyncckpt.preemption as p; "
+            "os.environ['GCE_METADATA_HOST'] = '127.0.0.1:9'; "
+            "print(p.detect_platform(refresh=True).value, "
+            "'tensorflow' in sys.modules, 'jax' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_PLATFORM"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    assert out.split() == ["False", "False"]
+                         check=True, env=env).stdout
+    assert out.split() == ["other", "False", "False"]

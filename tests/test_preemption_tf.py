@@ -321,3 +321,70 @@ def test_an_error_in_one_tf_worker_stops_the_other(tmp_path):
     assert rc0 != 0, err0[-3000:]
     error_line = next(line for line in out0.splitlines() if line.startswith("ERROR"))
     assert "bad batch on worker 1" in error_line, out0  # aborted, or PeerFailedError
+
+
+# -- in-process: multi-step loops, save_fn -------------------------------------------
+
+
+def _in_process_handler(manager, **config):
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    config.setdefault("platform", "other")
+    config.setdefault("poll_interval_s", 0.01)
+    return PreemptionCheckpointHandler(manager, termination_config=TerminationConfig(**config))
+
+
+def test_save_checkpoint_if_preempted_in_a_multi_step_loop(ckpt_dir):
+    import threading
+
+    import asyncckpt.tf as at
+
+    steps_per_call = 5
+    v = tf.Variable(0, dtype=tf.int64)
+    notice = threading.Event()
+    exits = []
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
+    with _in_process_handler(mgr, termination_watcher_fn=notice.is_set,
+                             exit_fn=lambda: exits.append(1)) as handler:
+        while not handler.preempted:
+            for _ in range(steps_per_call):
+                v.assign_add(1)
+            handler.save_checkpoint_if_preempted()
+            if handler.total_run_calls == 4:
+                notice.set()
+        (save,) = handler.saves
+    mgr.close()
+    assert exits == [1] and save.final and save.run >= 4
+    assert int(tf.train.load_variable(f"{ckpt_dir}/ckpt-{save.run}",
+                                      "v/.ATTRIBUTES/VARIABLE_VALUE")) == steps_per_call * save.run
+    # A new handler on the same directory resumes the count with the state.
+    v2 = tf.Variable(0, dtype=tf.int64)
+    mgr2 = at.CheckpointManager(tf.train.Checkpoint(v=v2), str(ckpt_dir), max_to_keep=2)
+    with _in_process_handler(mgr2, exit_fn=lambda: None) as handler2:
+        assert handler2.total_run_calls == save.run
+        assert int(v2.numpy()) == steps_per_call * save.run
+    mgr2.close()
+
+
+def test_save_fn_replaces_the_managers_save(ckpt_dir):
+    import threading
+
+    import asyncckpt.tf as at
+
+    v = tf.Variable(1.0)
+    notice = threading.Event()
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
+    calls = []
+
+    def save_fn():
+        calls.append(mgr.save(checkpoint_number=1000 + len(calls)))
+
+    with _in_process_handler(mgr, termination_watcher_fn=notice.is_set, exit_fn=lambda: None,
+                             save_fn=save_fn) as handler:
+        while not handler.preempted:
+            handler.run(v.assign_add, 1.0)
+            notice.set()
+    mgr.close()
+    assert calls == [f"{ckpt_dir}/ckpt-1000"]
+    # Durable before exit_fn ran: the state file names it.
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == calls[0]

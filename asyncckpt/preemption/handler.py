@@ -159,6 +159,9 @@ class PreemptionCheckpointHandler:
             options=agreement_options,
         )
         self._notices: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
+        # Held while a notice is being handled, so the training thread can
+        # wait for one the dispatcher has taken but not finished.
+        self._notice_lock = threading.Lock()
         self._watchers: list = []
         self._dispatcher: threading.Thread | None = None
         self._jax_noticed = False
@@ -196,10 +199,33 @@ class PreemptionCheckpointHandler:
 
     def _dispatch(self) -> None:
         while (notice := self._notices.get()) is not None:
-            try:
-                self._agreement.notice(notice, self._config.grace_for(notice.source))
-            except Exception:
-                logger.exception("could not handle the termination notice %s", notice)
+            with self._notice_lock:
+                self._handle_notice(notice)
+
+    def _handle_notice(self, notice: Notice) -> None:
+        try:
+            self._agreement.notice(notice, self._config.grace_for(notice.source))
+        except Exception:
+            logger.exception("could not handle the termination notice %s", notice)
+
+    def _drain_notices(self) -> None:
+        """Training thread, at a boundary: handles every notice received so far.
+
+        A SIGTERM caught during the last step is in the queue (or being handled
+        by the dispatcher): handling it here, before deciding, makes the save
+        happen at this boundary instead of one step later when the dispatcher
+        thread is slow to run (a loaded machine).
+        """
+        with self._notice_lock:
+            while True:
+                try:
+                    notice = self._notices.get_nowait()
+                except queue.Empty:
+                    return
+                if notice is None:  # the stop request: leave it to the dispatcher
+                    self._notices.put(None)
+                    return
+                self._handle_notice(notice)
 
     def _stop_watching(self) -> None:
         jax_owns_sigterm = _jax_sync_point() is not None
@@ -326,6 +352,7 @@ class PreemptionCheckpointHandler:
         if self._finished or self._closed:
             self._last_boundary = now
             return
+        self._drain_notices()
         self._poll_jax(self._agreement.runs)
         decision = self._agreement.at_boundary()
         if decision is not Decision.CONTINUE:
