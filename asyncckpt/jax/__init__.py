@@ -12,6 +12,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "asyncckpt.jax needs JAX: pip install 'asyncckpt[jax]' (or pip install jax)"
     ) from e
 
+from asyncckpt.jax._distributed import CoordinationError
 from asyncckpt.jax.manager import CheckpointManager, StepMetadata
 
-__all__ = ["CheckpointManager", "StepMetadata"]
+__all__ = ["CheckpointManager", "CoordinationError", "StepMetadata"]

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncckpt.engine.files import FileRecord
+from asyncckpt.errors import AsyncCkptError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ _manager_ids = itertools.count()
 _manager_ids_lock = threading.Lock()
 
 
-class CoordinationError(RuntimeError):
+class CoordinationError(AsyncCkptError, RuntimeError):
     """Another process failed its part of a save, or did not answer in time."""
 
 
