@@ -163,3 +163,41 @@ def test_an_error_in_one_jax_process_is_raised_in_the_other(tmp_path):
     assert rc1 != 0 and "ERROR ValueError bad batch on process 1" in out1, err1[-3000:]
     assert rc0 != 0, err0[-3000:]
     assert "ERROR PeerFailedError worker 1 failed: ValueError: bad batch on process 1" in out0
+
+
+def test_multi_step_loop_saves_the_given_state_and_restores_the_run_count(tmp_path):
+    import threading
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import asyncckpt.jax as aj
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    notice = threading.Event()
+    config = TerminationConfig(platform="other", exit_fn=lambda: None, poll_interval_s=0.01,
+                               termination_watcher_fn=notice.is_set)
+    directory = tmp_path / "ckpt"
+    steps_per_call = 3
+    with aj.CheckpointManager(directory) as manager, \
+            PreemptionCheckpointHandler(manager, termination_config=config) as handler:
+        assert handler.restore({"w": np.zeros(4, np.float32)}) is None
+        state = {"w": jnp.zeros(4), "step": 0}
+        while not handler.preempted:
+            for _ in range(steps_per_call):
+                state = {"w": state["w"] + 1, "step": state["step"] + 1}
+            handler.save_checkpoint_if_preempted(state)
+            if handler.total_run_calls == 3:
+                notice.set()
+        (save,) = handler.saves
+        run = save.run
+        assert run >= 3 and manager.all_steps() == [run]
+    quiet = TerminationConfig(platform="other", exit_fn=lambda: None)
+    with aj.CheckpointManager(directory) as manager, \
+            PreemptionCheckpointHandler(manager, termination_config=quiet) as handler:
+        restored = handler.restore({"w": np.zeros(4, np.float32), "step": 0})
+        assert handler.total_run_calls == run
+        assert int(restored["step"]) == steps_per_call * run
+        np.testing.assert_array_equal(restored["w"], np.full(4, steps_per_call * run))
+        meta = handler.checkpoint_metadata()["asyncckpt_preemption"]
+        assert meta["total_run_calls"] == run and "write_s" in meta["estimates"]
