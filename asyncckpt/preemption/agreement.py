@@ -76,10 +76,13 @@ class AgreementOptions:
         poll_s: Slice of the watcher's waits (bounds how late it notices a
             stop request or a peer's error).
         timeout_s: Longest wait for another worker's part of a round.
+        barrier_timeout_s: Longest wait, after this worker's final save is
+            durable, for the others to confirm theirs before exiting anyway.
     """
 
     poll_s: float = 0.5
     timeout_s: float = 300.0
+    barrier_timeout_s: float = 120.0
 
 
 class StepAgreement:

@@ -93,10 +93,6 @@ class Coordinator(abc.ABC):
         """
         del exc
 
-    def get_json(self, key: str, timeout_s: float) -> dict | None:
-        value = self.get(key, timeout_s)
-        return None if value is None else json.loads(value)
-
     def claim_json(self, key: str, value: dict) -> bool:
         return self.claim(key, json.dumps(value, sort_keys=True))
 

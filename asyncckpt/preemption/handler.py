@@ -399,7 +399,8 @@ class PreemptionCheckpointHandler:
     def _finish(self, record: PreemptionSave) -> None:
         me = self._coordinator.worker_id
         try:
-            self._agreement.barrier("saved", timeout_s=max(60.0, self._agreement.options.timeout_s))
+            self._agreement.barrier("saved",
+                                    timeout_s=self._agreement.options.barrier_timeout_s)
         except CoordinationTimeoutError as e:
             logger.error("[worker %d] not every worker confirmed its final save: %s", me, e)
         self._stop_watching()
