@@ -183,6 +183,11 @@ def _plan_jax_leaf(
     display = path.display
     if leaf.is_deleted():
         raise UnsupportedObjectError(f"leaf {display} is a deleted (donated) jax.Array")
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+        raise UnsupportedObjectError(
+            f"leaf {display} has the extended dtype {leaf.dtype} (a typed PRNG key?); save "
+            "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data on restore"
+        )
     dtype = np.dtype(leaf.dtype)
     zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
     chunk = _chunk_grid(leaf, display)
