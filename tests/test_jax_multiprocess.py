@@ -90,6 +90,20 @@ except Exception as e:
 _job.DurableWriter = files_lib.DurableWriter
 out["steps_after_failure"] = mgr.all_steps()
 
+# Staging that fails on process 1 only fails the save on process 0 too (no timeout).
+bad = state(5)
+if pid == 1:
+    bad["oops"] = "not an array"
+import time
+t0 = time.monotonic()
+try:
+    mgr.save(5, bad)
+    mgr.wait_until_finished()
+    out["staging_failure"] = None
+except Exception as e:
+    out["staging_failure"] = f"{type(e).__name__}: {e}"
+out["staging_failure_s"] = time.monotonic() - t0
+
 # Restore onto another mesh spanning both processes: axes swapped, "w" sharded by rows only.
 mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
 e = expected(3)
@@ -146,6 +160,10 @@ def test_two_processes_save_and_restore(tmp_path):
     assert "No space left on device" in p1["failure"], p1["failure"]
     assert "process 1" in p0["failure"] and "No space left" in p0["failure"], p0["failure"]
     assert p0["steps_after_failure"] == [2, 3]
+    assert p1["staging_failure"].startswith("UnsupportedObjectError"), p1["staging_failure"]
+    assert p0["staging_failure"].startswith("CoordinationError"), p0["staging_failure"]
+    assert "UnsupportedObjectError" in p0["staging_failure"]
+    assert p0["staging_failure_s"] < 30  # told by process 1, not a timeout (60 s here)
     leftovers = [n for n in os.listdir(directory) if n.startswith(".asyncckpt-tmp-")]
     assert not leftovers
 

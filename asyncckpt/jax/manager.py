@@ -156,11 +156,17 @@ class CheckpointManager:
 
     def _candidate_from_disk(self, step: int) -> retention.Candidate:
         meta = self._read_metadata(step)
+        try:
+            metric = self._metric(meta.metrics)
+        except Exception as e:  # metrics of an older run that best_fn does not expect
+            logger.warning("best_fn failed on the metrics of step %d (%r): ranking it as a "
+                           "checkpoint without metrics", step, e)
+            metric = None
         return retention.Candidate(
             key=str(step),
             step=step,
             timestamp=meta.created if meta.created is not None else 0.0,
-            metric=self._metric(meta.metrics),
+            metric=metric,
         )
 
     def _metric(self, metrics: dict | None) -> float | None:
@@ -332,9 +338,11 @@ class CheckpointManager:
             self._in_flight.add(step)
         try:
             handle = self._engine.save(stage, label=str(step), step=step)
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self._in_flight.discard(step)
+            if self._coord is not None and save_key is not None:
+                self._report_staging_failure(save_key, e)
             raise
         handle.committed.add_done_callback(lambda _f: self._settle(step))
         self._seq += 1
@@ -360,6 +368,18 @@ class CheckpointManager:
         else:
             self._token = self._coord.join(prepare)
         return self._token
+
+    def _report_staging_failure(self, save_key: str, error: BaseException) -> None:
+        """Multi-process: fail this save on the other processes too, instead of a timeout."""
+        assert self._coord is not None
+        try:
+            if self._primary:
+                self._coord.announce(save_key, error=error)
+            else:
+                self._coord.report_done(save_key, None, error=error)
+        except Exception:
+            logger.exception("could not tell the other processes that staging failed")
+        self._seq += 1  # the others used this save's keys too
 
     def _settle(self, step: int) -> None:
         with self._lock:
