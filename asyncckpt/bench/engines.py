@@ -23,6 +23,16 @@ def _rows_per_tensor(nbytes: int, tensors: int) -> int:
     return max(1, nbytes // tensors // 4 // MATRIX_COLS)
 
 
+def _rotation() -> np.ndarray:
+    """A fixed orthogonal matrix: the step changes every value, never its scale.
+
+    So values stay finite however long a benchmark trains, and the data stays
+    as incompressible as the random start (no engine gains from compression).
+    """
+    q, _ = np.linalg.qr(np.random.default_rng(2).standard_normal((MATRIX_COLS, MATRIX_COLS)))
+    return q.astype(np.float32)
+
+
 class TFState:
     """TensorFlow variables holding ``nbytes`` of float32, and a training step."""
 
@@ -36,13 +46,13 @@ class TFState:
             for i in range(tensors)
         }
         self.nbytes = rows * MATRIX_COLS * 4 * tensors
-        mix = tf.constant(np.eye(MATRIX_COLS, dtype=np.float32) * 1e-3)
+        mix = tf.constant(_rotation())
         variables = list(self.variables.values())
 
         @tf.function
         def step():
             for v in variables:  # a matmul and an in-place update of every tensor
-                v.assign_add(tf.matmul(v, mix))
+                v.assign(tf.matmul(v, mix))
 
         self._step = step
         step()
@@ -65,17 +75,18 @@ class JAXState:
         rows -= rows % len(devices)
         rows = max(rows, len(devices))
         sharding = NamedSharding(mesh, PartitionSpec("d"))
-        self.tree = {
-            f"w{i}": jax.device_put(
-                jnp.full((rows, MATRIX_COLS), float(i), jnp.float32), sharding
-            )
-            for i in range(tensors)
-        }
+        # Random values made on the devices, already sharded.
+        normal = jax.jit(
+            lambda key: jax.random.normal(key, (rows, MATRIX_COLS), jnp.float32),
+            out_shardings=sharding,
+        )
+        keys = jax.random.split(jax.random.key(0), tensors)
+        self.tree = {f"w{i}": normal(keys[i]) for i in range(tensors)}
         self.nbytes = rows * MATRIX_COLS * 4 * tensors
-        mix = jnp.eye(MATRIX_COLS, dtype=jnp.float32) * 1e-3
+        mix = jnp.asarray(_rotation())
 
         def update(tree):
-            return {k: v + v @ mix for k, v in tree.items()}
+            return {k: v @ mix for k, v in tree.items()}
 
         self._update = jax.jit(update, donate_argnums=0)
         self.step()
