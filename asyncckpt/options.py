@@ -28,18 +28,29 @@ class AsyncOptions:
             corruption.
         exit_timeout_s: At interpreter exit, how long to wait for in-flight
             saves to become durable before giving up (with a log line).
+        writer_nice: How much lower than the training threads the background
+            writer runs (Linux thread niceness, 0 to 19; ignored elsewhere).
+            Writing a checkpoint costs CPU (the kernel's copy into the page
+            cache, checksums, serialization); at equal priority it takes that
+            time from training steps that use every core, at a lower one it
+            uses what training leaves idle and takes longer instead. 0 keeps
+            the writer at the training threads' priority.
     """
 
     num_slots: int = 2
     fsync: bool = True
     checksums: bool = True
     exit_timeout_s: float = 600.0
+    writer_nice: int = 10
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_slots, int) or self.num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {self.num_slots!r}")
         if self.exit_timeout_s < 0:
             raise ValueError(f"exit_timeout_s must be >= 0, got {self.exit_timeout_s!r}")
+        if (not isinstance(self.writer_nice, int) or isinstance(self.writer_nice, bool)
+                or not 0 <= self.writer_nice <= 19):
+            raise ValueError(f"writer_nice must be an int from 0 to 19, got {self.writer_nice!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

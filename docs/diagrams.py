@@ -41,15 +41,20 @@ def pipeline() -> None:
         slot_busy.append((s, start + write - s))
     for n, (s, dur) in enumerate(slot_busy):
         ax.broken_barh([(s, dur)], (-0.35 + 0.35 * (n % 2), 0.3), color="#fdae6b")
-    ax.set_yticks(list(lanes.values()))
-    ax.set_yticklabels(list(lanes))
-    ax.set_xlabel("time")
-    ax.set_xticks([])
     ax.set_title("save = short host copy (orange) on the training thread; "
                  "write (green) and commit (purple) in the background", fontsize=9)
     ax.set_xlim(0, max(t, writer_free) + 0.2)
+    finish(fig, ax, lanes, "time", "pipeline.png")
+
+
+def finish(fig, ax, lanes: dict[str, float], xlabel: str, name: str) -> None:
+    """Labels the lanes of a timeline, hides time ticks and saves it as docs/img/<name>."""
+    ax.set_yticks(list(lanes.values()))
+    ax.set_yticklabels(list(lanes))
+    ax.set_xticks([])
+    ax.set_xlabel(xlabel)
     fig.tight_layout()
-    fig.savefig(os.path.join(HERE, "img", "pipeline.png"), dpi=110)
+    fig.savefig(os.path.join(HERE, "img", name), dpi=110)
     plt.close(fig)
 
 

@@ -8,8 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from diagrams import HERE, finish
 
 STEP, COPY, WRITE = 1.0, 0.15, 2.4
 TRAIN, PARK, SAVE, BG, KV = "#9ecae1", "#fdd0a2", "#e6550d", "#31a354", "#756bb1"
@@ -65,16 +64,10 @@ def timeline() -> None:
                 arrowprops={"arrowstyle": "<->", "linewidth": 0.8})
     ax.text((final_round + deadline) / 2, 5.8,
             "margin = 1.5 (W + B + Q + 3 S) + 0.5 s", ha="center", va="bottom", fontsize=8)
-    ax.set_yticks(list(lanes.values()))
-    ax.set_yticklabels(list(lanes))
     ax.set_ylim(-0.4, 6.9)
     ax.set_xlim(0, deadline + 1.8)
-    ax.set_xticks([])
-    ax.set_xlabel("time (numbers: steps; orange: state copy at the agreed step; "
-                  "green: background write)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(HERE, "img", "preemption.png"), dpi=110)
-    plt.close(fig)
+    finish(fig, ax, lanes, "time (numbers: steps; orange: state copy at the agreed step; "
+           "green: background write)", "preemption.png")
 
 
 if __name__ == "__main__":

@@ -299,3 +299,43 @@ def test_bad_policy_and_options_are_refused():
         AsyncOptions(num_slots=0)
     with pytest.raises(TypeError):
         AsyncOptions(2)  # type: ignore[misc]  # keyword-only
+
+
+def _niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+class _PriorityProbe(_Job):
+    """Records the niceness of the writer thread and of the fsync thread it starts."""
+
+    def write(self):
+        self.writer_nice = _niceness()
+        super().write()
+        seen = []
+        probe = threading.Thread(target=lambda: seen.append(_niceness()))
+        probe.start()
+        probe.join()
+        self.child_nice = seen[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize("nice", [0, 7])
+def test_writer_runs_below_the_training_threads_priority(tmp_path, nice):
+    before = _niceness()
+    jobs = []
+
+    def stage(slot):
+        jobs.append(_PriorityProbe(str(tmp_path), f"n{nice}", b"x" * 100))
+        return jobs[-1]
+
+    with AsyncEngine(options=AsyncOptions(writer_nice=nice)) as engine:
+        engine.save(stage, label=f"n{nice}").committed.result(30)
+    assert _niceness() == before  # the caller's thread keeps its priority
+    assert jobs[0].writer_nice == min(19, before + nice)
+    assert jobs[0].child_nice == jobs[0].writer_nice  # threads the writer starts inherit it
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.5, True])
+def test_writer_nice_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="writer_nice"):
+        AsyncOptions(writer_nice=bad)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -265,6 +266,45 @@ class AsyncckptJAX(Engine):
 
     def close(self) -> None:
         self.manager.close()
+
+
+class BackgroundRawWrite(Engine):
+    """The floor of the training-loop overhead: a bare write + fsync of the state's bytes.
+
+    Each save writes ``nbytes`` from a preallocated buffer on a thread at the
+    priority asyncckpt's writer uses by default: what writing the bytes costs
+    a training loop on this machine before any checkpoint format or checksum.
+    """
+
+    name = "floor: raw write in background"
+    framework = "any"
+
+    def __init__(self, state, workdir: str):
+        super().__init__(state, workdir)
+        from asyncckpt.options import AsyncOptions
+
+        self._nice = AsyncOptions().writer_nice
+        self._floors = Floors(state.nbytes, 1, workdir)
+        self._thread: threading.Thread | None = None
+
+    def save(self) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._write, name="raw-write")
+        self._thread.start()
+
+    def _write(self) -> None:
+        from asyncckpt.engine.writer import lower_thread_priority
+
+        lower_thread_priority(self._nice)
+        self._floors.raw_write()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def restore(self) -> None:
+        self._floors.raw_read()
 
 
 ENGINES: dict[str, type[Engine]] = {

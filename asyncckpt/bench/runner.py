@@ -264,11 +264,12 @@ def _train_framework(fw: str, nbytes: int, names: list[str], workdir: str, saves
     state = eng.TFState(nbytes, tensors) if fw == "tf" else eng.JAXState(nbytes, tensors)
     engines: dict[str, eng.Engine] = {}
     errors: dict[str, str] = {}
-    for n in names:
-        sub = os.path.join(workdir, n.replace(" ", "_"))
+    for n in [eng.BackgroundRawWrite.name, *names]:
+        sub = os.path.join(workdir, n.replace(" ", "_").replace(":", ""))
         eng.clear_dir(sub)
         try:
-            engines[n] = eng.ENGINES[n](state, sub)
+            cls = eng.ENGINES.get(n, eng.BackgroundRawWrite)
+            engines[n] = cls(state, sub)
         except Exception as e:
             errors[n] = f"{type(e).__name__}: {e}"
     _train_loop(state, None, 3, 1)  # warm-up

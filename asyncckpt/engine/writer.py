@@ -10,7 +10,9 @@ timings, error propagation and the flush at interpreter exit.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -52,6 +54,23 @@ class SaveJob(Protocol):
 
 
 StageFn = Callable[[Slot], SaveJob]
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raises the calling thread's niceness by ``nice`` (Linux only; best effort).
+
+    On Linux each thread has its own niceness and threads it starts inherit
+    it, so the writer's helpers (the fsync thread) run at the same priority.
+    Lowering one's own priority needs no privilege; where it is refused or
+    the platform has no per-thread priority, the writer runs unchanged.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except OSError as e:
+        logger.debug("could not lower the writer thread's priority: %s", e)
 
 
 class SaveHandle:
@@ -272,6 +291,7 @@ class AsyncEngine:
             self._thread.start()
 
     def _run(self) -> None:
+        lower_thread_priority(self.options.writer_nice)
         while (work := self._queue.get()) is not None:
             self._process(work)
 
