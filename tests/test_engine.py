@@ -306,7 +306,7 @@ def _niceness() -> int:
 
 
 class _PriorityProbe(_Job):
-    """Records the niceness of the writer thread and of the fsync thread it starts."""
+    """Records the niceness of the writer thread and of a thread it starts (as the fsync one is)."""
 
     def write(self):
         self.writer_nice = _niceness()
