@@ -11,12 +11,15 @@ a checkpoint (``.asyncckpt-tmp-*``), flushed, and then published by rename:
 
 A process killed at any moment leaves either the old state or the new
 checkpoint, plus at most a temporary directory that ``cleanup_stale_temps``
-removes on the next start.
+removes on the next start (re-saving an existing TensorFlow prefix keeps the
+old files in a backup until the new index is in place; see
+``publish_files``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -82,35 +85,148 @@ def publish_files(
     names: Sequence[str],
     *,
     fsync: bool,
+    replaces: Sequence[str] = (),
 ) -> None:
     """Moves files from ``tmp_dir`` into ``dest_dir``; the last name commits.
 
-    If the commit file already exists in ``dest_dir`` (a checkpoint written
-    again under the same prefix), it is removed first, so a reader sees either
-    no checkpoint or the complete new one, never a mix of old and new files.
+    When a checkpoint is written again at the same place (a TensorFlow prefix
+    saved twice), ``replaces`` names the old checkpoint's files. The old
+    checkpoint is never removed before the new one is published: its files
+    are first hard-linked into a backup (``.asyncckpt-tmp-prev-*``), the new
+    files replace them one by one, marker last, and the backup and the old
+    files the new checkpoint did not overwrite are removed only after that
+    commit. If the publish fails, the old checkpoint is put back at once; if
+    the process is killed in between, ``cleanup_stale_temps`` (run by the
+    managers before their first save) puts it back, or, when the new marker
+    was already in place, finishes removing the old files.
 
     Args:
         tmp_dir: Directory holding the written files.
         dest_dir: Directory to publish into.
         names: File names in publish order; the last one is the commit marker.
         fsync: Whether to fsync ``dest_dir`` around the commit.
+        replaces: Names (in ``dest_dir``) of an older checkpoint's files that
+            this one supersedes; missing ones are ignored.
     """
     if not names:
         raise ValueError("nothing to publish")
-    marker = os.path.join(dest_dir, names[-1])
-    if os.path.lexists(marker):
-        os.unlink(marker)
+    old = [n for n in replaces if os.path.lexists(os.path.join(dest_dir, n))]
+    backup = _make_backup(dest_dir, old, names, fsync=fsync) if old else None
+    try:
+        for name in names[:-1]:
+            os.replace(os.path.join(tmp_dir, name), os.path.join(dest_dir, name))
+        if fsync:
+            # Data files must be durable under their final names before the marker.
+            fsync_path(dest_dir)
+        os.replace(os.path.join(tmp_dir, names[-1]), os.path.join(dest_dir, names[-1]))
         if fsync:
             fsync_path(dest_dir)
-    for name in names[:-1]:
-        os.replace(os.path.join(tmp_dir, name), os.path.join(dest_dir, name))
-    if fsync:
-        # Data files must be durable under their final names before the marker.
-        fsync_path(dest_dir)
-    os.replace(os.path.join(tmp_dir, names[-1]), marker)
-    if fsync:
-        fsync_path(dest_dir)
+    except BaseException:
+        if backup is not None:
+            _roll_back(backup, dest_dir)
+        raise
     remove_tree(tmp_dir)
+    if backup is not None:
+        _finish_replacement(backup, dest_dir, fsync=fsync)
+
+
+_BACKUP_PREFIX = TEMP_PREFIX + "prev-"
+_BACKUP_RECORD = "asyncckpt-replacing.json"
+
+
+def _make_backup(dest_dir: str, old: Sequence[str], new: Sequence[str], *, fsync: bool) -> str:
+    """Hard-links (or copies) an old checkpoint's files into a backup directory."""
+    backup = os.path.join(dest_dir, f"{_BACKUP_PREFIX}{new[-1]}-{uuid.uuid4().hex[:12]}")
+    os.makedirs(backup)
+    for name in old:
+        src, dst = os.path.join(dest_dir, name), os.path.join(backup, name)
+        try:
+            os.link(src, dst)
+        except OSError:  # no hard links on this filesystem
+            shutil.copy2(src, dst)
+    record = {"old": list(old), "new": list(new), "marker": new[-1]}
+    with open(os.path.join(backup, _BACKUP_RECORD), "w", encoding="utf-8") as f:
+        json.dump(record, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    if fsync:
+        fsync_path(backup)
+        fsync_path(dest_dir)
+    return backup
+
+
+def _read_backup(backup: str) -> dict | None:
+    try:
+        with open(os.path.join(backup, _BACKUP_RECORD), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None  # killed while making the backup: nothing was replaced yet
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        if os.path.samefile(a, b):
+            return True
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
+
+
+def _roll_back(backup: str, dest_dir: str) -> None:
+    """Puts the old checkpoint back (marker last) and removes the backup."""
+    record = _read_backup(backup)
+    if record is not None:
+        old, marker = record["old"], record["marker"]
+        for name in record["new"]:
+            if name not in old:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(dest_dir, name))
+        # Linked back, not moved: a kill during this leaves the backup whole.
+        for name in sorted(old, key=lambda n: n == marker):
+            _link_over(os.path.join(backup, name), os.path.join(dest_dir, name))
+    remove_tree(backup)
+
+
+def _link_over(src: str, dst: str) -> None:
+    """Makes ``dst`` a copy of ``src`` in one atomic replace; ``src`` stays."""
+    tmp = os.path.join(os.path.dirname(dst), f"{TEMP_PREFIX}restore-{uuid.uuid4().hex[:12]}")
+    try:
+        os.link(src, tmp)
+    except FileNotFoundError:
+        return
+    except OSError:
+        shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _finish_replacement(backup: str, dest_dir: str, *, fsync: bool) -> None:
+    """After the new marker is in place: old files not overwritten go, then the backup."""
+    record = _read_backup(backup)
+    if record is not None:
+        for name in record["old"]:
+            if name not in record["new"]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(dest_dir, name))
+        if fsync:
+            fsync_path(dest_dir)
+    remove_tree(backup)
+
+
+def _recover_backup(backup: str, dest_dir: str) -> None:
+    """Completes a replacement a killed process left half done."""
+    record = _read_backup(backup)
+    if record is None:
+        remove_tree(backup)
+        return
+    marker = record["marker"]
+    current, previous = os.path.join(dest_dir, marker), os.path.join(backup, marker)
+    if marker in record["old"] and (not os.path.lexists(current) or _same_file(current, previous)):
+        logger.warning("putting back %s: an interrupted save had begun to replace it", marker)
+        _roll_back(backup, dest_dir)
+    else:
+        _finish_replacement(backup, dest_dir, fsync=True)
 
 
 def write_text_atomic(path: str, text: str, *, fsync: bool) -> None:
@@ -147,8 +263,12 @@ def cleanup_stale_temps(directory: str) -> list[str]:
         entries = os.listdir(directory)
     except FileNotFoundError:
         return removed
+    # First put back (or finish replacing) checkpoints a killed re-save left.
     for name in entries:
-        if is_temp_name(name):
+        if name.startswith(_BACKUP_PREFIX):
+            _recover_backup(os.path.join(directory, name), directory)
+    for name in entries:
+        if is_temp_name(name) and not name.startswith(_BACKUP_PREFIX):
             path = os.path.join(directory, name)
             remove_tree(path)
             removed.append(path)

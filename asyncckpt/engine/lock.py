@@ -1,8 +1,12 @@
-"""One writer per checkpoint directory.
+"""One writing process per checkpoint directory.
 
 Two processes saving into one directory would delete each other's checkpoints
 through retention and race on the state files. A manager takes this lock
-before its first save. The lock is an ``flock`` on ``.asyncckpt.lock`` (the
+before its first save. Within one process the lock is shared: managers of one
+directory (a restart modelled in the same process, or a dropped manager and
+its replacement) each hold it, counted per real path, and the ``flock`` is
+taken once per process and dropped when the last holder releases it (or is
+garbage-collected). The lock is an ``flock`` on ``.asyncckpt.lock`` (the
 kernel drops it when the holder dies, so a crashed run never blocks the next
 one); the file also names the holder's pid and host for the error message.
 On filesystems without ``flock`` a pid-liveness check on the same host stands
@@ -18,7 +22,10 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+import weakref
+from dataclasses import dataclass
 
 from asyncckpt.errors import DirectoryLockedError
 
@@ -46,8 +53,52 @@ def _read_holder(fd: int) -> dict:
         return {}
 
 
+@dataclass(eq=False)
+class _Shared:
+    """The process's hold on one directory: the locked descriptor and its holders."""
+
+    fd: int
+    holders: int
+
+
+_registry: dict[str, _Shared] = {}
+_registry_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A fork() child does not hold its parent's directories.
+
+    Closing the inherited descriptors leaves the parent's ``flock`` in place
+    (it belongs to the open file, which the parent still has open).
+    """
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    for shared in _registry.values():
+        with contextlib.suppress(OSError):
+            os.close(shared.fd)
+    _registry.clear()
+
+
+def _drop_holder(key: str, shared: _Shared) -> None:
+    with _registry_lock:
+        if _registry.get(key) is not shared:
+            return  # forked child, or already gone
+        shared.holders -= 1
+        if shared.holders > 0:
+            return
+        del _registry[key]
+    with contextlib.suppress(OSError):
+        os.ftruncate(shared.fd, 0)
+    os.close(shared.fd)  # closing the last descriptor releases the flock
+
+
 class DirectoryLock:
-    """Exclusive writer lock on a checkpoint directory.
+    """Writer lock on a checkpoint directory: exclusive between processes,
+    shared (reference-counted) between the holders of one process.
+
+    A holder that is garbage-collected without ``release()`` gives its share
+    back (``weakref.finalize``), so a dropped manager never keeps another
+    process out for the rest of this one's life.
 
     Args:
         directory: The checkpoint directory (created if missing).
@@ -56,42 +107,54 @@ class DirectoryLock:
     def __init__(self, directory: str):
         self.directory = os.fspath(directory)
         self.path = os.path.join(self.directory, LOCK_NAME)
-        self._fd: int | None = None
+        self._release: weakref.finalize | None = None
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._release is not None and self._release.alive
 
     def acquire(self) -> None:
-        """Takes the lock, or raises if a live process holds it.
+        """Takes the lock, or raises if another live process holds it.
 
         Raises:
             DirectoryLockedError: naming the holder's pid and host.
         """
-        if self._fd is not None:
+        if self.held:
             return
         os.makedirs(self.directory, exist_ok=True)
+        key = os.path.realpath(self.directory)
+        with _registry_lock:
+            shared = _registry.get(key)
+            if shared is not None:
+                shared.holders += 1
+            else:
+                shared = _Shared(self._lock_file(), 1)
+                _registry[key] = shared
+        self._release = weakref.finalize(self, _drop_holder, key, shared)
+
+    def _lock_file(self) -> int:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             previous = self._lock(fd)
+            if previous.get("pid") and (
+                previous.get("pid") != os.getpid()
+                or previous.get("host") != socket.gethostname()
+            ):
+                logger.warning(
+                    "Taking over the checkpoint lock of %s left by pid %s on host %s, "
+                    "which no longer holds it",
+                    self.directory,
+                    previous.get("pid"),
+                    previous.get("host"),
+                )
+            holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+            os.fsync(fd)
         except BaseException:
             os.close(fd)
             raise
-        if previous.get("pid") and (
-            previous.get("pid") != os.getpid() or previous.get("host") != socket.gethostname()
-        ):
-            logger.warning(
-                "Taking over the checkpoint lock of %s left by pid %s on host %s, "
-                "which no longer holds it",
-                self.directory,
-                previous.get("pid"),
-                previous.get("host"),
-            )
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
+        return fd
 
     def _lock(self, fd: int) -> dict:
         try:
@@ -123,13 +186,13 @@ class DirectoryLock:
         )
 
     def release(self) -> None:
-        """Drops the lock (the file stays, empty, to keep its inode stable)."""
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-        os.close(fd)  # closing the descriptor releases the flock
+        """Gives this holder's share back; the last one in the process unlocks.
+
+        The file stays, empty, to keep its inode stable.
+        """
+        if self._release is not None:
+            self._release()
+            self._release = None
 
     def __enter__(self) -> DirectoryLock:
         self.acquire()

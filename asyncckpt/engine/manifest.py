@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -160,3 +161,118 @@ def verify_files(
                     checkpoint=checkpoint,
                     file=path,
                 )
+
+
+# -- Whose checkpoint is it? ------------------------------------------------------
+#
+# A checkpoint asyncckpt wrote always has a manifest; one without a manifest is
+# either another library's (restored unverified, as before) or one of ours that
+# lost it, which is corruption. Two records, kept apart from the manifest, tell
+# them apart:
+#
+# * a directory checkpoint (JAX/orbax layout) carries ``OWNER_MARKER`` inside
+#   itself, published by the same rename as the rest (and listed in the
+#   manifest, so losing the marker alone is caught by the manifest);
+# * a TensorFlow checkpoint is a set of files named by a prefix, in a directory
+#   other tools write into too; ``OWNED_RECORD`` in that directory lists the
+#   prefixes asyncckpt published there with the size of their commit marker
+#   (the index), so a checkpoint written over by another tool is not claimed.
+
+OWNER_MARKER = "asyncckpt.owner.json"
+OWNED_RECORD = ".asyncckpt-owned.json"
+_owned_lock = threading.Lock()
+
+
+def owner_marker_bytes() -> bytes:
+    """Contents of the ``OWNER_MARKER`` file a directory checkpoint carries."""
+    return json.dumps({"writer": "asyncckpt", "version": __version__}).encode()
+
+
+def has_owner_marker(root: str) -> bool:
+    """Whether the directory checkpoint at ``root`` was written by asyncckpt."""
+    return os.path.exists(os.path.join(root, OWNER_MARKER))
+
+
+def _read_owned(directory: str) -> dict[str, int]:
+    try:
+        with open(os.path.join(directory, OWNED_RECORD), encoding="utf-8") as f:
+            body = json.load(f)
+        owned = body.get("checkpoints", {})
+        return {str(k): int(v) for k, v in owned.items()} if isinstance(owned, dict) else {}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def record_owned(directory: str, name: str, *, marker_suffix: str, fsync: bool) -> None:
+    """Records that asyncckpt published the checkpoint ``name`` in ``directory``.
+
+    Call after the publish (a checkpoint committed but not yet recorded still
+    has its manifest). Entries whose marker file is gone are dropped, so the
+    record stays as small as the directory. Updates are serialized within
+    the process; two processes updating one directory at once (which the
+    directory lock prevents for managers) may drop each other's entry, which
+    only makes that checkpoint look foreign if it also loses its manifest.
+
+    Args:
+        directory: Directory holding the checkpoint's files.
+        name: The checkpoint's name (TensorFlow prefix basename).
+        marker_suffix: Suffix of the commit marker (``.index``), whose size
+            is recorded.
+        fsync: Whether to make the record durable.
+    """
+    from asyncckpt.engine.commit import write_text_atomic
+
+    with _owned_lock:
+        owned = _read_owned(directory)
+        owned[name] = os.path.getsize(os.path.join(directory, name + marker_suffix))
+        owned = {
+            n: size for n, size in owned.items()
+            if os.path.exists(os.path.join(directory, n + marker_suffix))
+        }
+        text = json.dumps({"format": 1, "checkpoints": owned}, sort_keys=True)
+        write_text_atomic(os.path.join(directory, OWNED_RECORD), text, fsync=fsync)
+
+
+def is_owned(prefix: str, *, marker_suffix: str) -> bool:
+    """Whether asyncckpt published the prefix-named checkpoint at ``prefix``.
+
+    True only while the commit marker still has the size recorded at the
+    publish: a checkpoint another tool wrote over under the same name is not
+    claimed.
+    """
+    directory, name = os.path.split(os.path.abspath(prefix))
+    size = _read_owned(directory).get(name)
+    try:
+        return size is not None and os.path.getsize(prefix + marker_suffix) == size
+    except OSError:
+        return False
+
+
+def load_manifest(path: str, *, checkpoint: str, owned: bool) -> Manifest | None:
+    """Reads a checkpoint's manifest; a missing one is corruption if asyncckpt wrote it.
+
+    Args:
+        path: Where the manifest should be.
+        checkpoint: The checkpoint, for error messages.
+        owned: Whether asyncckpt wrote the checkpoint (``has_owner_marker`` /
+            ``is_owned``).
+
+    Returns:
+        The manifest, or None for a checkpoint another library wrote (which
+        has none and is restored unverified).
+
+    Raises:
+        CorruptCheckpointError: The manifest is damaged, or missing from a
+            checkpoint asyncckpt wrote.
+    """
+    try:
+        return read_manifest(path)
+    except FileNotFoundError:
+        if owned:
+            raise CorruptCheckpointError(
+                f"checkpoint {checkpoint!r} was written by asyncckpt but its manifest "
+                f"{path!r} is missing: its files cannot be verified",
+                checkpoint=checkpoint,
+                file=path,
+            ) from None
+        return None

@@ -28,6 +28,9 @@ class SaveStats:
         durable_s: Seconds from the ``save()`` call until the checkpoint was
             committed, queueing behind earlier saves included.
         started_at: Wall-clock time (``time.time()``) of the ``save()`` call.
+        post_commit_error: ``repr`` of an error raised after the checkpoint
+            was published (state file, retention, callbacks), which does not
+            make the save fail; None when there was none.
     """
 
     label: str
@@ -39,6 +42,7 @@ class SaveStats:
     commit_s: float
     durable_s: float
     started_at: float
+    post_commit_error: str | None = None
 
     @property
     def background_s(self) -> float:

@@ -64,6 +64,13 @@ def _pool() -> ThreadPoolExecutor:
         return _copy_pool
 
 
+def _after_fork_in_child() -> None:
+    """A fork() child has none of the parent's copy threads: start afresh."""
+    global _copy_pool, _copy_pool_lock
+    _copy_pool = None
+    _copy_pool_lock = threading.Lock()
+
+
 def _flat_bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 

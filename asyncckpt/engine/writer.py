@@ -4,7 +4,18 @@
 to copy the state into a free staging slot; a single background thread then
 writes, commits and releases each save in order. Framework adapters supply the
 format-specific parts as a ``SaveJob``; the engine owns threading, ordering,
-timings, error propagation and the flush at interpreter exit.
+timings and error delivery. The flush at exit and ``fork()`` are handled in
+``engine/_process.py``.
+
+Errors contract (see ``AsyncEngine``): a background failure is raised to every
+thread waiting in ``sync()``/``close()`` when it happens, and to every later
+call on any thread until it has been raised on the engine's *owner* thread,
+the thread that last called ``save()``.
+
+Lifecycle: while idle the writer thread holds only the queue, never the
+engine, so an engine (and its staging memory) that its owner drops is freed;
+saves already queued hold the engine until they are durable, then a
+``weakref.finalize`` posts the stop sentinel and the thread exits.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from asyncckpt.engine import _process
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
 from asyncckpt.engine.slots import Slot, StagingPool
 from asyncckpt.errors import EngineClosedError
@@ -35,8 +48,11 @@ class SaveJob(Protocol):
 
     Call order, all on the background thread: ``write`` (files into a
     temporary location, from the slot's buffers), then ``commit`` (make the
-    files durable and visible, update any index or retention), or ``abort``
-    after a failure in either.
+    files durable and publish them; returning means published), or ``abort``
+    after a failure in either. Then, if the job has it, ``after_commit(stats)``
+    (state files, retention, callbacks): publishing is the line, so an error
+    raised there is logged and counted (``AsyncEngine.post_commit_errors``,
+    ``SaveStats.post_commit_error``) and never fails the save.
     """
 
     label: str
@@ -104,8 +120,10 @@ class SaveHandle:
         return f"SaveHandle({self.label!r}, {state})"
 
 
-@dataclass
+
+@dataclass(eq=False)
 class _Work:
+    engine: AsyncEngine  # keeps a dropped engine alive until this save is durable
     job: SaveJob
     slot: Slot
     handle: SaveHandle
@@ -115,41 +133,48 @@ class _Work:
     slot_wait_s: float
 
 
-_ENGINES: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
-_EXIT_HOOK_LOCK = threading.Lock()
-_exit_hook_installed = False
-
-
-def _flush_at_exit() -> None:
-    """Waits (bounded) for in-flight saves when the main thread ends."""
-    for engine in list(_ENGINES):
-        engine._flush_for_exit()
-
-
-def _install_exit_hook() -> None:
-    global _exit_hook_installed
-    with _EXIT_HOOK_LOCK:
-        if _exit_hook_installed:
+def _writer_loop(work_queue: queue.SimpleQueue, nice: int) -> None:
+    """The writer thread: holds the queue, and an engine only while it has work."""
+    lower_thread_priority(nice)
+    while True:
+        work = work_queue.get()
+        if work is None:
             return
-        # threading's exit hooks run when the main thread finishes, before
-        # interpreter teardown and before `atexit`, while TensorFlow and JAX
-        # are still fully usable by the writer thread.
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            register(_flush_at_exit)
-        else:  # pragma: no cover - every CPython >= 3.9 has it
-            import atexit
+        engine = work.engine
+        error = engine._process(work)
+        if error is not None:
+            # The traceback's frames (finished now) would keep the job, its
+            # slot and its owner alive for as long as the error is stored.
+            _clear_frames(error)
+        del work, engine, error
 
-            atexit.register(_flush_at_exit)
-        _exit_hook_installed = True
+
+def _clear_frames(error: BaseException) -> None:
+    """Drops the local variables of an error's frames (and of its causes')."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
 
 
 class AsyncEngine:
     """Stages saves into host slots and writes them on a background thread.
 
-    Errors from the background are re-raised on the next ``save()``, on
-    ``sync()`` and on ``close()``. At interpreter exit, in-flight saves are
-    given ``options.exit_timeout_s`` seconds to become durable.
+    Errors: a background failure is raised by every ``sync()``/``close()``
+    waiting when it happens, and by every later ``save()``, ``sync()``,
+    ``close()`` or ``raise_pending_error()`` on any thread, until it has been
+    raised on the *owner* thread: the thread that last called ``save()`` (the
+    training loop; before any save, the thread that made the engine). Once
+    the owner has seen it, it is cleared and the engine keeps working. A
+    ``save()`` raises every failure that had happened when it was called or
+    while it waited for a free slot; a failure that happens after that (while
+    it copies, or later) is raced and reported by the next call.
+
+    At interpreter exit, in-flight saves are given ``options.exit_timeout_s``
+    seconds to become durable. An engine dropped without ``close()`` still
+    completes its queued saves; then its thread exits and its memory is freed.
 
     Args:
         options: Staging and durability options.
@@ -162,15 +187,25 @@ class AsyncEngine:
         self._pool = StagingPool(self.options.num_slots)
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
-        self._inflight = 0
-        self._errors: list[BaseException] = []
+        self._inflight = 0  # queued for the writer, not yet committed or failed
+        self._staging = 0  # save() calls between their open check and their enqueue
         self._closed = False
+        self._forked = False
         self._thread: threading.Thread | None = None
+        self._finalizer: weakref.finalize | None = None
+        # Errors: (sequence number, error), oldest first. The owner thread
+        # has seen every error numbered below _owner_seen; _waiters holds the
+        # error count at the start of each sync()/close() still waiting.
+        self._errors: list[tuple[int, BaseException]] = []
+        self._error_count = 0
+        self._owner_seen = 0
+        self._owner = threading.get_ident()
+        self._waiters: list[int] = []
+        self._post_commit_errors = 0
         self._estimator = WriteTimeEstimator()
         self._busy_since: float | None = None
         self._history: deque[SaveStats] = deque(maxlen=256)
-        _ENGINES.add(self)
-        _install_exit_hook()
+        _process.register(self)
 
     # -- properties -------------------------------------------------------
 
@@ -218,6 +253,13 @@ class AsyncEngine:
         return self._pool.nbytes
 
     @property
+    def post_commit_errors(self) -> int:
+        """Errors raised after a checkpoint was published (state file, retention,
+        callbacks): logged and counted here, never a failed save."""
+        with self._cond:
+            return self._post_commit_errors
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -247,26 +289,43 @@ class AsyncEngine:
             durable.
 
         Raises:
-            Exception: A failure of an earlier background save, re-raised here.
+            EngineClosedError: after ``close()``, or in a ``fork()`` child.
+            Exception: A background failure that happened before this call
+                or while it waited for a slot (nothing is saved then).
         """
-        self._check_open()
-        self.raise_pending_error()
-        t0 = time.perf_counter()
-        started_at = time.time()
-        slot, slot_wait_s = self._pool.acquire(timeout=slot_timeout)
-        try:
-            job = stage(slot)
-            slot.trim()
-        except BaseException:
-            self._pool.release(slot)
-            raise
-        blocking_s = time.perf_counter() - t0
-        handle = SaveHandle(label, step)
-        handle.staged.set_result(None)
         with self._cond:
-            self._inflight += 1
-        self._ensure_thread()
-        self._queue.put(_Work(job, slot, handle, t0, started_at, blocking_s, slot_wait_s))
+            self._check_open()
+            self._owner = threading.get_ident()
+            self._staging += 1
+        try:
+            self._deliver(None)
+            t0 = time.perf_counter()
+            started_at = time.time()
+            slot, slot_wait_s = self._pool.acquire(timeout=slot_timeout)
+            try:
+                # With every slot busy, this call waited for the writer: a save
+                # that failed meanwhile has happened before this one starts.
+                self._deliver(None)
+                job = stage(slot)
+                slot.trim()
+            except BaseException:
+                self._pool.release(slot)
+                raise
+            blocking_s = time.perf_counter() - t0
+            handle = SaveHandle(label, step)
+            handle.staged.set_result(None)
+            work = _Work(self, job, slot, handle, t0, started_at, blocking_s, slot_wait_s)
+            with self._cond:
+                # Under the lock that close() takes to post its sentinel, so the
+                # sentinel can never overtake this save, and only one writer starts.
+                self._inflight += 1
+                self._ensure_thread()
+                self._queue.put(work)
+            del work
+        finally:
+            with self._cond:
+                self._staging -= 1
+                self._cond.notify_all()
         logger.debug(
             "[%s] staged %s: %.1f MiB in %.2f ms (%.2f ms waiting for a slot)",
             self.name,
@@ -278,26 +337,37 @@ class AsyncEngine:
         return handle
 
     def _check_open(self) -> None:
+        if self._forked:
+            raise EngineClosedError(
+                f"{self.name}: this engine was inherited through fork(); its saves belong "
+                "to the parent process. Create a new one in the child."
+            )
         if self._closed:
             raise EngineClosedError(f"{self.name}: cannot save after close()")
 
     def _ensure_thread(self) -> None:
-        if self._thread is None:
-            # Daemon, so a forgotten close() never hangs interpreter exit; the
-            # exit hook gives in-flight saves a bounded time to finish instead.
-            self._thread = threading.Thread(
-                target=self._run, name=f"{self.name}-writer", daemon=True
-            )
-            self._thread.start()
+        """Starts the writer; called with ``_cond`` held."""
+        if self._thread is not None:
+            return
+        # Daemon, so a forgotten close() never hangs interpreter exit; the
+        # exit watcher gives in-flight saves a bounded time to finish instead.
+        # The thread gets the queue, not the engine (see _writer_loop).
+        self._thread = threading.Thread(
+            target=_writer_loop,
+            args=(self._queue, self.options.writer_nice),
+            name=f"{self.name}-writer",
+            daemon=True,
+        )
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, self._queue.put, None)
+        self._finalizer.atexit = False
+        _process.ensure_exit_watcher()
 
-    def _run(self) -> None:
-        lower_thread_priority(self.options.writer_nice)
-        while (work := self._queue.get()) is not None:
-            self._process(work)
-
-    def _process(self, w: _Work) -> None:
+    def _process(self, w: _Work) -> BaseException | None:
+        """Writes, commits and settles one save; returns its error, if any."""
         job = w.job
         released = False
+        error: BaseException | None = None
         try:
             t1 = time.perf_counter()
             with self._cond:
@@ -319,8 +389,14 @@ class AsyncEngine:
             )
             t2 = time.perf_counter()
             job.commit(stats)
+        except BaseException as e:
+            error = e
+            self._fail(w, e, released=released)
+        else:
+            # Published: from here on nothing can turn this save into a failure.
             now = time.perf_counter()
             stats = replace(stats, commit_s=now - t2, durable_s=now - w.t0)
+            stats = self._after_commit(job, stats)
             self._estimator.update(stats.background_s, stats.nbytes)
             with self._cond:
                 self._history.append(stats)
@@ -336,40 +412,87 @@ class AsyncEngine:
                 stats.throughput_bytes_per_s / 2**20,
             )
             w.handle.committed.set_result(stats)
-        except BaseException as e:
-            logger.error("[%s] background save of %s failed: %r", self.name, job.label, e)
-            try:
-                job.abort()
-            except BaseException:
-                logger.exception("[%s] cleaning up after the failed save of %s",
-                                 self.name, job.label)
-            if not released:
-                self._pool.release(w.slot)
-            e.add_note(f"asyncckpt: raised by the background save of {job.label!r}")
-            with self._cond:
-                self._errors.append(e)
-            w.handle.committed.set_exception(e)
         finally:
             with self._cond:
                 self._busy_since = None
                 self._inflight -= 1
                 self._cond.notify_all()
+        return error
+
+    def _after_commit(self, job: SaveJob, stats: SaveStats) -> SaveStats:
+        after = getattr(job, "after_commit", None)
+        if after is None:
+            return stats
+        try:
+            after(stats)
+        except Exception as e:
+            with self._cond:
+                self._post_commit_errors += 1
+            logger.error(
+                "[%s] %s is committed, but the work after the commit failed (it is retried "
+                "by the next save where the front end supports it): %r",
+                self.name, job.label, e, exc_info=e,
+            )
+            _clear_frames(e)
+            return replace(stats, post_commit_error=repr(e))
+        return stats
+
+    def _fail(self, w: _Work, e: BaseException, *, released: bool) -> None:
+        job = w.job
+        logger.error("[%s] background save of %s failed: %r", self.name, job.label, e)
+        try:
+            job.abort()
+        except BaseException:
+            logger.exception("[%s] cleaning up after the failed save of %s",
+                             self.name, job.label)
+        e.add_note(f"asyncckpt: raised by the background save of {job.label!r}")
+        # Recorded before the slot is released, so a save() waiting for the
+        # slot sees this failure.
+        with self._cond:
+            self._errors.append((self._error_count, e))
+            self._error_count += 1
+            self._cond.notify_all()
+        if not released:
+            self._pool.release(w.slot)
+        w.handle.committed.set_exception(e)
 
     # -- waiting and errors -------------------------------------------------
 
-    def raise_pending_error(self) -> None:
-        """Re-raises the first background failure not yet reported, if any."""
+    def _deliver(self, since: int | None) -> None:
+        """Raises the failures this call must see (see the class docstring).
+
+        Args:
+            since: Error count when a waiting call started (it sees every
+                failure from then on), or None for a call that does not wait.
+        """
         with self._cond:
-            if not self._errors:
-                return
-            first, later = self._errors[0], self._errors[1:]
-            self._errors.clear()
+            if since is not None:
+                self._waiters.remove(since)
+            start = self._owner_seen if since is None else min(self._owner_seen, since)
+            due = [e for n, e in self._errors if n >= start]
+            if threading.get_ident() == self._owner:
+                self._owner_seen = self._error_count
+            keep_from = min([self._owner_seen, *self._waiters])
+            self._errors = [(n, e) for n, e in self._errors if n >= keep_from]
+        if not due:
+            return
+        first, later = due[0], due[1:]
         if later:
-            first.add_note(
-                f"asyncckpt: {len(later)} later background save(s) failed too: "
-                + "; ".join(repr(e) for e in later)
-            )
+            note = (f"asyncckpt: {len(later)} later background save(s) failed too: "
+                    + "; ".join(repr(e) for e in later))
+            if note not in getattr(first, "__notes__", ()):
+                first.add_note(note)
         raise first
+
+    def raise_pending_error(self) -> None:
+        """Re-raises the first background failure not yet seen by the owner, if any."""
+        self._deliver(None)
+
+    def _start_wait(self) -> int:
+        with self._cond:
+            since = self._error_count
+            self._waiters.append(since)
+            return since
 
     def _wait_idle(self, timeout: float | None) -> bool:
         with self._cond:
@@ -380,40 +503,55 @@ class AsyncEngine:
 
         Raises:
             TimeoutError: Saves are still in flight after ``timeout`` seconds.
-            Exception: A background failure not yet reported.
+            Exception: A background failure (see the errors contract above).
         """
+        since = self._start_wait()
         if not self._wait_idle(timeout):
+            self._deliver(since)
             raise TimeoutError(
                 f"{self.name}: {self.pending} save(s) still in flight after {timeout} s"
             )
-        self.raise_pending_error()
+        self._deliver(since)
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes in-flight saves, stops the writer and frees host buffers.
 
+        Safe to call from several threads and more than once; a ``save()``
+        racing it either is written before the writer stops or raises
+        ``EngineClosedError``.
+
         Raises:
             TimeoutError: Saves did not finish within ``timeout`` seconds (the
                 engine stays open so the caller can retry).
-            Exception: A background failure not yet reported.
+            Exception: A background failure (see the errors contract above).
         """
-        if self._closed:
-            return
-        if not self._wait_idle(timeout):
-            raise TimeoutError(
-                f"{self.name}: {self.pending} save(s) still in flight after {timeout} s"
-            )
-        self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-        self._pool.close()
-        _ENGINES.discard(self)
-        self.raise_pending_error()
+        since = self._start_wait()
+        with self._cond:
+            first = not self._closed
+            if first and not self._cond.wait_for(
+                lambda: self._inflight == 0 and self._staging == 0, timeout=timeout
+            ):
+                pending = self._inflight
+                self._waiters.remove(since)
+                raise TimeoutError(
+                    f"{self.name}: {pending} save(s) still in flight after {timeout} s"
+                )
+            self._closed = True
+            thread, self._thread = self._thread, None
+            if first and thread is not None:
+                self._queue.put(None)
+        if first:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._pool.close()
+            _process.unregister(self)
+        self._deliver(since)
 
     def _flush_for_exit(self) -> None:
         n = self.pending
-        if self._closed or n == 0:
+        if self._closed or self._forked or n == 0:
             return
         timeout = self.options.exit_timeout_s
         logger.warning(
@@ -438,6 +576,20 @@ class AsyncEngine:
                 timeout,
                 self.pending,
             )
+
+    def _mark_forked(self) -> None:
+        """In a fork() child: this engine's saves and thread belong to the parent."""
+        # The parent's writer may have held the lock at the fork: replace it.
+        self._cond = threading.Condition()
+        self._forked = True
+        self._closed = True
+        self._inflight = 0
+        self._staging = 0
+        self._thread = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        self._queue = queue.SimpleQueue()  # the parent's queued saves are not ours
 
     def __enter__(self) -> AsyncEngine:
         return self

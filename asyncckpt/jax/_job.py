@@ -5,7 +5,9 @@ Runs on the engine's writer thread. ``write`` puts this process's chunk files
 directory, straight from the slot's buffers, with CRC32s computed as they are
 written; ``commit`` waits for the files to be durable, lets the processes
 agree (see ``_distributed``), writes the manifest and publishes the step
-directory with one rename.
+directory with one rename; ``after_commit`` then runs the manager's callback
+(retention) and tells the other processes, where an error no longer fails
+the save.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest
+from asyncckpt.engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator
@@ -81,6 +83,8 @@ class JaxSaveJob:
         self._writer: DurableWriter | None = None
         self._reported = False
         self._announced = False
+        self._published = False
+        self._extra: dict = {}
         self._error: BaseException | None = None
 
     @property
@@ -118,6 +122,8 @@ class JaxSaveJob:
                     commit_ns=time.time_ns(),
                 )
                 writer.write(fmt.STEP_METADATA, (step_meta.encode(),))
+                # Says "asyncckpt wrote this": without its manifest it is corrupt.
+                writer.write(OWNER_MARKER, (owner_marker_bytes(),))
         finally:
             self._staged = None  # the slot is reused once this returns
 
@@ -139,13 +145,11 @@ class JaxSaveJob:
             self._reported = True
             self._coord.wait_committed(self._save_key, self.step)
             self._tmp = None  # published (and owned) by the primary
-            if self._on_committed is not None:
-                self._on_committed(self.step, stats, {})
             return
         if self._coord is not None:
             assert self._save_key is not None
             records = records + self._coord.gather(self._save_key)
-        extra = {
+        self._extra = {
             "num_processes": 1 if self._coord is None else self._coord.process_count,
             "metrics": self._metrics,
             "custom_metadata": self._custom or {},
@@ -156,7 +160,7 @@ class JaxSaveJob:
             step=self.step,
             files=tuple(sorted(records, key=lambda r: r.name)),
             stats=stats.to_dict(),
-            extra=extra,
+            extra=self._extra,
         )
         commit_lib.write_text_atomic(
             os.path.join(self._tmp, layout.JAX_MANIFEST_NAME),
@@ -165,15 +169,19 @@ class JaxSaveJob:
         )
         commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync)
         self._tmp = None
+        self._published = True
+
+    def after_commit(self, stats: SaveStats) -> None:
+        """Published: the manager's callback (retention), then tell the others."""
         try:
             # Retention first, so every process sees the same steps once told.
             if self._on_committed is not None:
-                self._on_committed(self.step, stats, extra)
+                self._on_committed(self.step, stats, self._extra)
         finally:
-            if self._coord is not None:
+            if self._published and self._coord is not None:
                 assert self._save_key is not None
-                self._coord.announce(self._save_key)  # published: committed either way
-                self._announced = True
+                self._announced = True  # published: committed either way
+                self._coord.announce(self._save_key)
 
     # -- abort: leave no temporary behind, and let the other processes know --------
 

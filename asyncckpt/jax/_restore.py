@@ -26,7 +26,7 @@ import numpy as np
 
 from asyncckpt import layout
 from asyncckpt.engine.files import FileRecord, crc32_file
-from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt.engine.manifest import Manifest, has_owner_marker, load_manifest, verify_files
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedObjectError
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _tree
@@ -174,13 +174,13 @@ def restore_tree(step_dir: str, target: Any = None, *, checksums: bool = True) -
         ValueError: ``target``'s structure or a leaf's shape does not match.
         UnsupportedObjectError: a target leaf of a type that cannot be restored.
     """
-    try:
-        manifest = read_manifest(layout.jax_manifest_path(step_dir))
+    manifest = load_manifest(layout.jax_manifest_path(step_dir), checkpoint=step_dir,
+                             owned=has_owner_marker(step_dir))  # asyncckpt's: must have one
+    if manifest is not None:
         verify_files(step_dir, manifest.files, checksums=False, checkpoint=step_dir)
-    except FileNotFoundError:
+    else:
         logger.info("%s has no asyncckpt manifest (written by orbax?); restoring unverified",
                     step_dir)
-        manifest = None
     item_dir = os.path.join(step_dir, fmt.ITEM)
     entries = fmt.read_tree_metadata(item_dir)
     if _needs_orbax(item_dir, entries):

@@ -1,4 +1,9 @@
-"""The background half of a TensorFlow save: write, verify-able commit, callback."""
+"""The background half of a TensorFlow save: write, verify-able commit, callback.
+
+``commit`` ends with the publish (the index rename); what follows it, the
+ownership record and the ``on_committed`` callback (state file, retention),
+runs in ``after_commit``, where an error no longer fails the save.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from collections.abc import Callable
 from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest
+from asyncckpt.engine.manifest import Manifest, record_owned
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.options import AsyncOptions
 from asyncckpt.tf._staging import StagedState, write_bundle
@@ -74,6 +79,7 @@ class TFSaveJob:
         self._extra = extra or {}
         self._dir = os.path.dirname(os.path.abspath(prefix))
         self._tmp: str | None = None
+        self._writer: DurableWriter | None = None
 
     def write(self) -> None:
         self._tmp = commit_lib.make_temp_dir(self._dir, self.label)
@@ -87,10 +93,12 @@ class TFSaveJob:
         writer = DurableWriter(
             self._tmp, fsync=self._options.fsync, checksums=self._options.checksums
         )
+        self._writer = writer  # abort() stops its fsync thread if anything below fails
         names = sorted(os.listdir(self._tmp))
         for name in names:
             writer.add_existing(name)
         records = writer.finish()
+        self._writer = None
         manifest = Manifest(
             framework="tensorflow",
             label=self.label,
@@ -103,20 +111,30 @@ class TFSaveJob:
         commit_lib.write_text_atomic(
             os.path.join(self._tmp, mname), manifest.to_json(), fsync=self._options.fsync
         )
-        index = self.label + ".index"
+        index = self.label + layout.TF_INDEX_SUFFIX
         data = [n for n in names if n != index]
-        # Writing again under an existing prefix: retire the old checkpoint
-        # (marker first) so no reader ever pairs an old index with new data.
-        delete_checkpoint(os.path.join(self._dir, self.label))
+        # Writing again under an existing prefix: the old checkpoint stays
+        # (backed up) until the new index is in place; see publish_files.
+        old = [os.path.basename(p) for p in checkpoint_files(os.path.join(self._dir, self.label))]
         commit_lib.publish_files(
-            self._tmp, self._dir, [*data, mname, index], fsync=self._options.fsync
+            self._tmp, self._dir, [*data, mname, index], fsync=self._options.fsync, replaces=old
         )
         self._tmp = None
-        if self._on_committed is not None:
-            self._on_committed(self.prefix, stats)
+
+    def after_commit(self, stats: SaveStats) -> None:
+        """Published: record it as asyncckpt's, then run the callback."""
+        try:
+            record_owned(self._dir, self.label, marker_suffix=layout.TF_INDEX_SUFFIX,
+                         fsync=self._options.fsync)
+        finally:
+            if self._on_committed is not None:
+                self._on_committed(self.prefix, stats)
 
     def abort(self) -> None:
         self._state = None
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
         if self._tmp is not None:
             commit_lib.remove_tree(self._tmp)
             self._tmp = None

@@ -7,7 +7,7 @@ import os
 import threading
 
 from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.manifest import read_manifest, verify_files
+from asyncckpt.engine.manifest import is_owned, load_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError
@@ -28,20 +28,21 @@ def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
 
     Returns:
         True if a manifest was found and every file matches it; False for a
-        checkpoint without a manifest (written by plain TensorFlow), which is
+        checkpoint without a manifest written by plain TensorFlow, which is
         accepted as is.
 
     Raises:
         CheckpointNotFoundError: No checkpoint exists at ``prefix``.
-        CorruptCheckpointError: A file is missing, truncated or corrupt.
+        CorruptCheckpointError: A file is missing, truncated or corrupt, or
+            the manifest of a checkpoint asyncckpt wrote is missing.
     """
     if not os.path.exists(prefix + ".index"):
         raise CheckpointNotFoundError(
             f"no TensorFlow checkpoint at {prefix!r} (missing {prefix + '.index'!r})"
         )
-    try:
-        manifest = read_manifest(manifest_path(prefix))
-    except FileNotFoundError:
+    owned = is_owned(prefix, marker_suffix=".index")  # then a missing manifest is corruption
+    manifest = load_manifest(manifest_path(prefix), checkpoint=prefix, owned=owned)
+    if manifest is None:
         logger.debug("%s has no asyncckpt manifest; restoring without verification", prefix)
         return False
     verify_files(
