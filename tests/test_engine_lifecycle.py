@@ -1,0 +1,250 @@
+"""Lifecycle: dropped engines, the shared directory lock, fork() and the exit flush."""
+
+from __future__ import annotations
+
+import gc
+import os
+import tracemalloc
+import weakref
+
+import numpy as np
+import pytest
+
+from asyncckpt import AsyncOptions, DirectoryLockedError
+from asyncckpt.engine import AsyncEngine, DurableWriter, make_temp_dir, publish_dir
+from asyncckpt.engine.lock import DirectoryLock
+from tests.helpers import run_python, start_python, write_script
+
+_MB = 1 << 20
+
+
+class _SlotJob:
+    """Writes the slot's staged buffer as a directory checkpoint."""
+
+    def __init__(self, root, name, buf):
+        self.label, self.step, self.nbytes = name, None, buf.nbytes
+        self._root, self._buf = root, buf
+
+    def write(self):
+        self.tmp = make_temp_dir(self._root, self.label)
+        self._writer = DurableWriter(self.tmp, fsync=False, checksums=True)
+        self._writer.write("data.bin", [self._buf])
+        self._buf = None
+
+    def commit(self, stats):
+        self._writer.finish()
+        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=False)
+
+    def abort(self):
+        pass
+
+
+def _stage(root, name, state):
+    def stage(slot):
+        buf = slot.buffer("x", state.shape, state.dtype)
+        np.copyto(buf, state)
+        return _SlotJob(root, name, buf)
+    return stage
+
+
+def test_dropped_engines_finish_their_saves_then_free_thread_and_memory(tmp_path):
+    state = np.random.default_rng(0).random(64 * _MB // 8)  # 64 MiB
+    tracemalloc.start()
+    try:
+        gc.collect()
+        baseline = tracemalloc.get_traced_memory()[0]
+        threads, engines = [], []
+        for i in range(3):
+            engine = AsyncEngine(options=AsyncOptions(num_slots=1), name=f"dropped{i}")
+            engine.save(_stage(str(tmp_path), f"c{i}", state), label=f"c{i}")
+            threads.append(engine._thread)
+            engines.append(weakref.ref(engine))
+            del engine  # dropped with its save in flight, never closed
+        for t in threads:
+            t.join(60)
+        gc.collect()
+        leaked = tracemalloc.get_traced_memory()[0] - baseline
+    finally:
+        tracemalloc.stop()
+    assert not any(t.is_alive() for t in threads)  # every writer thread exited
+    assert all(ref() is None for ref in engines)  # engines (and their pools) freed
+    assert leaked < 16 * _MB, f"{leaked / _MB:.0f} MiB of staging memory still held"
+    for i in range(3):  # the saves in flight when they were dropped were completed
+        data = (tmp_path / f"c{i}" / "data.bin").read_bytes()
+        assert data == state.tobytes()
+
+
+def test_dropped_tf_checkpoints_are_freed(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    import asyncckpt.tf as atf
+
+    threads, refs = [], []
+    for i in range(3):
+        ckpt = atf.Checkpoint(v=tf.Variable(tf.fill([16 * _MB // 4], float(i))))
+        path = ckpt.save(str(tmp_path / f"run{i}" / "ckpt"))
+        threads.append(ckpt.engine._thread)
+        refs.append(weakref.ref(ckpt.engine))
+        del ckpt
+    for t in threads:
+        t.join(60)
+    gc.collect()
+    assert not any(t.is_alive() for t in threads)
+    assert all(r() is None for r in refs)
+    restored = tf.Variable(tf.zeros([16 * _MB // 4]))
+    tf.train.Checkpoint(v=restored).restore(path).assert_consumed()
+    assert float(restored[0]) == 2.0
+
+
+_TRY_LOCK = """
+import sys
+from asyncckpt import DirectoryLockedError
+from asyncckpt.engine.lock import DirectoryLock
+try:
+    DirectoryLock(sys.argv[1]).acquire()
+except DirectoryLockedError as e:
+    print("refused:", e)
+    sys.exit(3)
+print("acquired")
+"""
+
+
+def _other_process_can_lock(tmp_path, directory) -> bool:
+    script = write_script(tmp_path, "try_lock.py", _TRY_LOCK)
+    proc = run_python(script, str(directory), timeout=120)
+    assert proc.returncode in (0, 3), proc.stderr
+    return proc.returncode == 0
+
+
+def test_directory_lock_is_shared_in_process_and_exclusive_between_processes(tmp_path):
+    d = tmp_path / "ckpts"
+    first, second = DirectoryLock(str(d)), DirectoryLock(str(d / ".." / "ckpts"))
+    first.acquire()
+    second.acquire()  # same real path, same process: shared
+    assert first.held and second.held
+    assert not _other_process_can_lock(tmp_path, d)
+    first.release()
+    assert second.held
+    assert not _other_process_can_lock(tmp_path, d)  # still held by the other holder
+    second.release()
+    assert _other_process_can_lock(tmp_path, d)
+
+
+def test_a_dropped_holder_gives_its_share_back(tmp_path):
+    d = tmp_path / "ckpts"
+    lock = DirectoryLock(str(d))
+    lock.acquire()
+    assert not _other_process_can_lock(tmp_path, d)
+    del lock
+    gc.collect()
+    assert _other_process_can_lock(tmp_path, d)
+
+
+def test_another_process_is_refused_with_the_holder_named(tmp_path):
+    d = tmp_path / "ckpts"
+    script = write_script(tmp_path, "hold.py", """
+        import sys, threading
+        from asyncckpt.engine.lock import DirectoryLock
+        lock = DirectoryLock(sys.argv[1])
+        lock.acquire()
+        print("held", flush=True)
+        threading.Event().wait()  # until killed
+    """)
+    holder = start_python(script, str(d))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DirectoryLockedError, match=f"pid {holder.pid}"):
+            DirectoryLock(str(d)).acquire()
+    finally:
+        holder.kill()
+        holder.wait(60)
+    with DirectoryLock(str(d)) as lock:  # the kernel dropped the dead holder's lock
+        assert lock.held
+
+
+_FORK = """
+import os, sys, threading
+from asyncckpt import AsyncOptions, EngineClosedError
+from asyncckpt.engine import AsyncEngine, DurableWriter, make_temp_dir, publish_dir
+
+root = sys.argv[1]
+gate = threading.Event()
+
+class GatedJob:
+    def __init__(self, name):
+        self.label, self.step, self.nbytes = name, None, 1
+    def write(self):
+        assert gate.wait(600)
+        self.tmp = make_temp_dir(root, self.label)
+        self.w = DurableWriter(self.tmp, fsync=True, checksums=True)
+        self.w.write("data.bin", [b"x"])
+    def commit(self, stats):
+        self.w.finish()
+        publish_dir(self.tmp, os.path.join(root, self.label), fsync=True)
+    def abort(self):
+        pass
+
+engine = AsyncEngine(options=AsyncOptions(exit_timeout_s=600))
+engine.save(lambda slot: GatedJob("parent"), label="parent")
+pid = os.fork()
+if pid == 0:
+    try:
+        engine.save(lambda slot: GatedJob("child"), label="child")
+    except EngineClosedError:
+        print("child: inherited engine refused", flush=True)
+    sys.exit(0)  # a normal interpreter exit: exit hooks run
+waiter = threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True)
+waiter.start()
+waiter.join(120)  # the child must not wait for the parent's save (600 s)
+print("child exited:", not waiter.is_alive(), flush=True)
+print("files while gated:", sorted(os.listdir(root)), flush=True)
+gate.set()
+engine.close()
+print("files:", sorted(os.listdir(root)), flush=True)
+"""
+
+
+def test_fork_child_exits_at_once_and_never_writes_the_parents_saves(tmp_path):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    script = write_script(tmp_path, "fork.py", _FORK)
+    proc = run_python(script, str(root), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "child: inherited engine refused" in proc.stdout
+    assert "child exited: True" in proc.stdout
+    assert "files while gated: []" in proc.stdout
+    assert "files: ['parent']" in proc.stdout
+
+
+_EXIT_TF = """
+import sys, threading
+import tensorflow as tf
+import asyncckpt.tf as atf
+from asyncckpt.tf import checkpoint as checkpoint_module
+from asyncckpt.tf._job import TFSaveJob
+
+class AfterMainJob(TFSaveJob):
+    # Writes only once the main thread has finished: the exit flush does it.
+    def write(self):
+        threading.main_thread().join()
+        print("writing after the main thread finished", flush=True)
+        super().write()
+
+checkpoint_module.TFSaveJob = AfterMainJob
+ckpt = atf.Checkpoint(v=tf.Variable(tf.range(1000, dtype=tf.float32)))
+print("saved", ckpt.save(sys.argv[1]), flush=True)
+# No sync(), no close(): the main thread ends here.
+"""
+
+
+def test_exit_flush_writes_with_tensorflow_after_the_main_thread_ends(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    script = write_script(tmp_path, "exit_tf.py", _EXIT_TF)
+    proc = run_python(script, str(tmp_path / "run" / "ckpt"), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "writing after the main thread finished" in proc.stdout
+    assert "interpreter exiting: waiting" in proc.stderr
+    path = str(tmp_path / "run" / "ckpt-1")
+    restored = tf.Variable(tf.zeros(1000))
+    tf.train.Checkpoint(v=restored).restore(path).assert_consumed()
+    assert float(restored[999]) == 999.0
+    assert tf.train.latest_checkpoint(str(tmp_path / "run")) == path
