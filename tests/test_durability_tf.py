@@ -142,8 +142,8 @@ def test_io_error_during_commit_keeps_earlier_checkpoints(ckpt_dir, monkeypatch)
     assert mgr.checkpoints == [good]
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == good
     assert sorted(os.listdir(ckpt_dir)) == sorted(
-        ["checkpoint", ".asyncckpt.lock", "ckpt-1.index", "ckpt-1.data-00000-of-00001",
-         "ckpt-1.asyncckpt-manifest.json"]
+        ["checkpoint", ".asyncckpt.lock", ".asyncckpt-owned.json", "ckpt-1.index",
+         "ckpt-1.data-00000-of-00001", "ckpt-1.asyncckpt-manifest.json"]
     )
     fresh = tf.Variable(tf.zeros(10))
     at.Checkpoint(v=fresh).restore(good)
@@ -264,10 +264,8 @@ def test_second_writer_is_refused_and_dead_writers_lock_is_taken_over(ckpt_dir, 
     assert "Taking over" in caplog.text and str(proc.pid) in caplog.text
     mgr.sync()
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == path
-    # A second manager in the same process is refused too, until the first closes.
+    # A second manager in the same process shares the directory's lock.
     other = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
-    with pytest.raises(DirectoryLockedError):
-        other.save()
     mgr.close()
     other.save()
     other.close()

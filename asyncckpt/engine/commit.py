@@ -191,6 +191,9 @@ def _roll_back(backup: str, dest_dir: str) -> None:
 
 def _link_over(src: str, dst: str) -> None:
     """Makes ``dst`` a copy of ``src`` in one atomic replace; ``src`` stays."""
+    with contextlib.suppress(OSError):
+        if os.path.samefile(src, dst):
+            return  # never replaced (and rename() between two links of a file is a no-op)
     tmp = os.path.join(os.path.dirname(dst), f"{TEMP_PREFIX}restore-{uuid.uuid4().hex[:12]}")
     try:
         os.link(src, tmp)
