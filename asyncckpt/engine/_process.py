@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -55,9 +56,31 @@ def _watch_main_thread() -> None:
         engines = list(ENGINES)
     for engine in engines:
         try:
-            engine._flush_for_exit()
+            flush_for_exit(engine)
         except Exception:  # pragma: no cover - logged, never blocks exit
             logger.exception("flushing checkpoint saves at exit")
+
+
+def flush_for_exit(engine: AsyncEngine) -> None:
+    """Waits (bounded by ``exit_timeout_s``) for an engine's saves in flight."""
+    n = engine.pending
+    if engine.closed or engine._forked or n == 0:
+        return
+    timeout = engine.options.exit_timeout_s
+    logger.warning(
+        "[%s] interpreter exiting: waiting up to %.0f s for %d in-flight checkpoint save(s) "
+        "to become durable", engine.name, timeout, n,
+    )
+    start = time.perf_counter()
+    if engine._wait_idle(timeout):
+        logger.warning("[%s] in-flight checkpoint save(s) durable after %.2f s; exiting",
+                       engine.name, time.perf_counter() - start)
+    else:
+        logger.error(
+            "[%s] gave up after %.0f s with %d save(s) still in flight; they are not "
+            "committed and will not be listed as checkpoints",
+            engine.name, timeout, engine.pending,
+        )
 
 
 def ensure_exit_watcher() -> None:

@@ -549,34 +549,6 @@ class AsyncEngine:
             _process.unregister(self)
         self._deliver(since)
 
-    def _flush_for_exit(self) -> None:
-        n = self.pending
-        if self._closed or self._forked or n == 0:
-            return
-        timeout = self.options.exit_timeout_s
-        logger.warning(
-            "[%s] interpreter exiting: waiting up to %.0f s for %d in-flight checkpoint save(s) "
-            "to become durable",
-            self.name,
-            timeout,
-            n,
-        )
-        start = time.perf_counter()
-        if self._wait_idle(timeout):
-            logger.warning(
-                "[%s] in-flight checkpoint save(s) durable after %.2f s; exiting",
-                self.name,
-                time.perf_counter() - start,
-            )
-        else:
-            logger.error(
-                "[%s] gave up after %.0f s with %d save(s) still in flight; they are not "
-                "committed and will not be listed as checkpoints",
-                self.name,
-                timeout,
-                self.pending,
-            )
-
     def _mark_forked(self) -> None:
         """In a fork() child: this engine's saves and thread belong to the parent."""
         # The parent's writer may have held the lock at the fork: replace it.
