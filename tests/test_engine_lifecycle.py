@@ -248,3 +248,68 @@ def test_exit_flush_writes_with_tensorflow_after_the_main_thread_ends(tmp_path):
     tf.train.Checkpoint(v=restored).restore(path).assert_consumed()
     assert float(restored[999]) == 999.0
     assert tf.train.latest_checkpoint(str(tmp_path / "run")) == path
+
+
+def _collected(ref, thread) -> bool:
+    """Collects garbage until ``ref`` is dead and ``thread`` has exited (bounded).
+
+    Objects in reference cycles (a manager and its callbacks) go only when
+    the collector runs, which the test cannot otherwise wait for.
+    """
+    for _ in range(100):
+        gc.collect()
+        thread.join(0.1)
+        if ref() is None and not thread.is_alive():
+            return True
+    return False
+
+
+def test_dropped_jax_manager_completes_its_save_and_lets_go(tmp_path):
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import asyncckpt.jax as aj
+
+    mgr = aj.CheckpointManager(tmp_path / "run")
+    mgr.save(1, {"w": jnp.arange(1 << 20, dtype=jnp.float32)})
+    thread, ref = mgr.engine._thread, weakref.ref(mgr.engine)
+    del mgr  # never closed, save in flight
+    assert _collected(ref, thread)
+    assert _other_process_can_lock(tmp_path, tmp_path / "run")
+    with aj.CheckpointManager(tmp_path / "run") as again:  # a restart in the same process
+        assert again.all_steps() == [1]
+        assert float(again.restore(1)["w"][-1]) == (1 << 20) - 1
+
+
+def test_a_finished_save_holds_no_reference_to_its_job(tmp_path):
+    state = np.arange(1000.0)
+    jobs = []
+
+    def stage(slot):
+        job = _stage(str(tmp_path), "c", state)(slot)
+        jobs.append(weakref.ref(job))
+        return job
+
+    bad_jobs = []
+
+    class _Failing(_SlotJob):
+        def write(self):
+            raise OSError(5, "Input/output error")
+
+    def failing(slot):
+        job = _Failing(str(tmp_path), "bad", state)
+        bad_jobs.append(weakref.ref(job))
+        return job
+
+    with AsyncEngine() as engine:
+        handle = engine.save(stage, label="c")
+        handle.result(30)
+        engine.sync()
+        failed = engine.save(failing, label="bad")
+        assert failed.committed.exception(30) is not None
+        with pytest.raises(OSError):
+            engine.sync()
+        engine.save(lambda slot: _SlotJob(str(tmp_path), "d", state), label="d").result(30)
+        engine.sync()  # the writer is idle now, its last save done
+        # Alive engine, handles kept, error delivered: the jobs are gone.
+        assert jobs[0]() is None and bad_jobs[0]() is None
