@@ -16,7 +16,14 @@ from asyncckpt.engine.commit import (
     write_text_atomic,
 )
 from asyncckpt.engine.files import DurableWriter, FileRecord
-from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt.engine.manifest import (
+    Manifest,
+    has_owner_marker,
+    is_owned,
+    load_manifest,
+    read_manifest,
+    verify_files,
+)
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
 from asyncckpt.engine.retention import Candidate, Decision, RetentionPolicy
 from asyncckpt.engine.slots import Slot, StagingPool
@@ -38,7 +45,10 @@ __all__ = [
     "WriteTimeEstimator",
     "cleanup_stale_temps",
     "ensure_writable_dir",
+    "has_owner_marker",
+    "is_owned",
     "is_temp_name",
+    "load_manifest",
     "make_temp_dir",
     "publish_dir",
     "publish_files",
