@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 
-from asyncckpt.engine import Manifest, cleanup_stale_temps, make_temp_dir, publish_files
+from asyncckpt.engine import (
+    AsyncEngine,
+    Manifest,
+    cleanup_stale_temps,
+    commit,
+    make_temp_dir,
+    publish_dir,
+    publish_files,
+)
 from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import read_manifest, verify_files
 from tests.helpers import run_python, write_script
@@ -81,3 +90,39 @@ def test_resave_replaces_the_old_checkpoint_and_leaves_no_backup(tmp_path):
     publish_files(tmp, directory, names, fsync=True, replaces=[*names, "ck.extra"])
     assert _verify(directory, "ck") == b"NEW-" * 10
     assert sorted(os.listdir(tmp_path)) == ["ck.data", "ck.index", "ck.manifest"]
+
+
+class _GatedDirJob:
+    """Writes its temporary directory, then waits for the test before committing."""
+
+    def __init__(self, root, name, written, gate):
+        self.label, self.step, self.nbytes = name, None, 1
+        self._root, self._written, self._gate = root, written, gate
+
+    def write(self):
+        self.tmp = make_temp_dir(self._root, self.label)
+        with open(os.path.join(self.tmp, "data.bin"), "wb") as f:
+            f.write(b"x")
+        self._written.set()
+        assert self._gate.wait(60)
+
+    def commit(self, stats):
+        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=False)
+
+    def abort(self):
+        pass
+
+
+def test_cleanup_leaves_temporaries_this_process_is_writing(tmp_path):
+    """Another manager of the directory in this process starts while a save is in flight."""
+    written, gate = threading.Event(), threading.Event()
+    stale = make_temp_dir(str(tmp_path), "dead")  # as if left by a killed run...
+    commit.forget_temp(stale)  # ...that is, by no one in this process
+    with AsyncEngine() as engine:
+        handle = engine.save(lambda s: _GatedDirJob(str(tmp_path), "7", written, gate), label="7")
+        assert written.wait(60)
+        removed = cleanup_stale_temps(str(tmp_path))
+        gate.set()
+        handle.result(60)
+    assert removed == [stale]
+    assert (tmp_path / "7" / "data.bin").read_bytes() == b"x"

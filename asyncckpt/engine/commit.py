@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Sequence
 
@@ -31,6 +32,34 @@ from asyncckpt.engine.files import fsync_path
 logger = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".asyncckpt-tmp-"
+
+# Temporaries this process is using now. Several managers of one process may
+# share a directory (the directory lock is per process), so a cleanup by one
+# of them must not remove another's save in flight.
+_live: set[str] = set()
+_live_lock = threading.Lock()
+
+
+def _claim(path: str) -> str:
+    with _live_lock:
+        _live.add(os.path.abspath(path))
+    return path
+
+
+def _settle(path: str) -> None:
+    with _live_lock:
+        _live.discard(os.path.abspath(path))
+
+
+def forget_temp(path: str) -> None:
+    """This process no longer uses the temporary at ``path`` (another one
+    published or removes it), so a cleanup may treat it as any other."""
+    _settle(path)
+
+
+def _is_live(path: str) -> bool:
+    with _live_lock:
+        return os.path.abspath(path) in _live
 
 
 def is_temp_name(name: str) -> bool:
@@ -49,7 +78,7 @@ def make_temp_dir(parent: str, name: str, *, token: str | None = None) -> str:
             random one is used when None.
     """
     token = token or uuid.uuid4().hex[:12]
-    path = os.path.join(parent, f"{TEMP_PREFIX}{name}-{token}")
+    path = _claim(os.path.join(parent, f"{TEMP_PREFIX}{name}-{token}"))
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -63,6 +92,7 @@ def remove_tree(path: str) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
+    _settle(path)
 
 
 def publish_dir(tmp_dir: str, final_dir: str, *, fsync: bool) -> None:
@@ -75,6 +105,7 @@ def publish_dir(tmp_dir: str, final_dir: str, *, fsync: bool) -> None:
     if os.path.lexists(final_dir):
         raise FileExistsError(f"checkpoint {final_dir!r} already exists")
     os.rename(tmp_dir, final_dir)
+    _settle(tmp_dir)
     if fsync:
         fsync_path(os.path.dirname(os.path.abspath(final_dir)))
 
@@ -136,7 +167,7 @@ _BACKUP_RECORD = "asyncckpt-replacing.json"
 
 def _make_backup(dest_dir: str, old: Sequence[str], new: Sequence[str], *, fsync: bool) -> str:
     """Hard-links (or copies) an old checkpoint's files into a backup directory."""
-    backup = os.path.join(dest_dir, f"{_BACKUP_PREFIX}{new[-1]}-{uuid.uuid4().hex[:12]}")
+    backup = _claim(os.path.join(dest_dir, f"{_BACKUP_PREFIX}{new[-1]}-{uuid.uuid4().hex[:12]}"))
     os.makedirs(backup)
     for name in old:
         src, dst = os.path.join(dest_dir, name), os.path.join(backup, name)
@@ -194,14 +225,19 @@ def _link_over(src: str, dst: str) -> None:
     with contextlib.suppress(OSError):
         if os.path.samefile(src, dst):
             return  # never replaced (and rename() between two links of a file is a no-op)
-    tmp = os.path.join(os.path.dirname(dst), f"{TEMP_PREFIX}restore-{uuid.uuid4().hex[:12]}")
+    tmp = _claim(
+        os.path.join(os.path.dirname(dst), f"{TEMP_PREFIX}restore-{uuid.uuid4().hex[:12]}")
+    )
     try:
-        os.link(src, tmp)
-    except FileNotFoundError:
-        return
-    except OSError:
-        shutil.copy2(src, tmp)
-    os.replace(tmp, dst)
+        try:
+            os.link(src, tmp)
+        except FileNotFoundError:
+            return
+        except OSError:
+            shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
+    finally:
+        _settle(tmp)
 
 
 def _finish_replacement(backup: str, dest_dir: str, *, fsync: bool) -> None:
@@ -235,7 +271,9 @@ def _recover_backup(backup: str, dest_dir: str) -> None:
 def write_text_atomic(path: str, text: str, *, fsync: bool) -> None:
     """Replaces a small text file atomically (write, fsync, rename)."""
     parent = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(parent, f"{TEMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:8]}")
+    tmp = _claim(
+        os.path.join(parent, f"{TEMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:8]}")
+    )
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -247,6 +285,8 @@ def write_text_atomic(path: str, text: str, *, fsync: bool) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    finally:
+        _settle(tmp)
     if fsync:
         fsync_path(parent)
 
@@ -255,8 +295,9 @@ def cleanup_stale_temps(directory: str) -> list[str]:
     """Removes temporaries left in ``directory`` by an interrupted run.
 
     Only call this while holding the directory's writer lock (or before any
-    writer of this run started): it cannot tell a live writer's temporary from
-    a dead one's.
+    writer of this run started): it cannot tell another process's live
+    temporary from a dead one's. Temporaries this process is using (another
+    manager of the same directory in this process) are left alone.
 
     Returns:
         The paths removed.
@@ -268,11 +309,11 @@ def cleanup_stale_temps(directory: str) -> list[str]:
         return removed
     # First put back (or finish replacing) checkpoints a killed re-save left.
     for name in entries:
-        if name.startswith(_BACKUP_PREFIX):
+        if name.startswith(_BACKUP_PREFIX) and not _is_live(os.path.join(directory, name)):
             _recover_backup(os.path.join(directory, name), directory)
     for name in entries:
-        if is_temp_name(name) and not name.startswith(_BACKUP_PREFIX):
-            path = os.path.join(directory, name)
+        path = os.path.join(directory, name)
+        if is_temp_name(name) and not name.startswith(_BACKUP_PREFIX) and not _is_live(path):
             remove_tree(path)
             removed.append(path)
     if removed:
@@ -296,10 +337,13 @@ def ensure_writable_dir(directory: str) -> None:
     """
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f"{TEMP_PREFIX}probe-{uuid.uuid4().hex[:8]}")
-        with open(probe, "wb"):
-            pass
-        os.unlink(probe)
+        probe = _claim(os.path.join(directory, f"{TEMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"))
+        try:
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        finally:
+            _settle(probe)
     except OSError as e:
         if e.errno is None:
             raise OSError(f"cannot write checkpoints into {directory!r}: {e}") from e

@@ -144,6 +144,7 @@ class JaxSaveJob:
             self._coord.report_done(self._save_key, records)
             self._reported = True
             self._coord.wait_committed(self._save_key, self.step)
+            commit_lib.forget_temp(self._tmp)
             self._tmp = None  # published (and owned) by the primary
             return
         if self._coord is not None:
@@ -194,6 +195,8 @@ class JaxSaveJob:
             if not self._primary:
                 if not self._reported:
                     self._coord.report_done(self._save_key, None, error=error)
+                if self._tmp is not None:
+                    commit_lib.forget_temp(self._tmp)
                 return  # the primary removes the shared temporary directory
             if not self._announced:
                 self._coord.announce(self._save_key, error=error)
