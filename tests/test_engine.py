@@ -19,6 +19,7 @@ from asyncckpt.engine import (
     RetentionPolicy,
     StagingPool,
     cleanup_stale_temps,
+    commit,
     make_temp_dir,
     publish_dir,
     publish_files,
@@ -192,7 +193,8 @@ def test_publish_dir_refuses_to_overwrite(tmp_path):
 
 
 def test_cleanup_removes_only_temporaries(tmp_path):
-    make_temp_dir(str(tmp_path), "3")
+    # As a killed run leaves it: a temporary no one in this process is using.
+    commit.forget_temp(make_temp_dir(str(tmp_path), "3"))
     (tmp_path / "3").mkdir()
     (tmp_path / "ckpt-1.index").write_text("x")
     removed = cleanup_stale_temps(str(tmp_path))
