@@ -313,3 +313,45 @@ def test_a_finished_save_holds_no_reference_to_its_job(tmp_path):
         engine.sync()  # the writer is idle now, its last save done
         # Alive engine, handles kept, error delivered: the jobs are gone.
         assert jobs[0]() is None and bad_jobs[0]() is None
+
+
+_EXIT_BEFORE_ATEXIT = """
+import atexit, os, sys, threading
+from asyncckpt.engine import AsyncEngine, make_temp_dir, publish_dir
+
+def refuse(*args):
+    raise RuntimeError("threading._register_atexit is private CPython API")
+
+threading._register_atexit = refuse  # the exit flush must not need it
+
+root = sys.argv[1]
+torn_down = []
+
+class AfterMainJob:
+    def __init__(self):
+        self.label, self.step, self.nbytes = "late", None, 1
+    def write(self):
+        threading.main_thread().join()
+        # Like a framework's own exit hook (jax.distributed.shutdown), registered
+        # after the engine was made: it must not have run yet.
+        assert not torn_down, "atexit hooks ran before the exit flush"
+        self.tmp = make_temp_dir(root, self.label)
+    def commit(self, stats):
+        publish_dir(self.tmp, os.path.join(root, self.label), fsync=True)
+    def abort(self):
+        pass
+
+engine = AsyncEngine()
+engine.save(lambda slot: AfterMainJob(), label="late")
+atexit.register(torn_down.append, True)
+"""
+
+
+def test_exit_flush_runs_before_atexit_hooks_without_private_api(tmp_path):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    script = write_script(tmp_path, "exit_order.py", _EXIT_BEFORE_ATEXIT)
+    proc = run_python(script, str(root), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "background save of 'late' failed" not in proc.stderr, proc.stderr
+    assert (root / "late").is_dir()
