@@ -7,7 +7,9 @@ a ``SaveJob`` that writes those buffers in their framework's file format.
 
 from asyncckpt.engine.commit import (
     cleanup_stale_temps,
+    directory_guard,
     ensure_writable_dir,
+    forget_temp,
     is_temp_name,
     make_temp_dir,
     publish_dir,
@@ -44,7 +46,9 @@ __all__ = [
     "StagingPool",
     "WriteTimeEstimator",
     "cleanup_stale_temps",
+    "directory_guard",
     "ensure_writable_dir",
+    "forget_temp",
     "has_owner_marker",
     "is_owned",
     "is_temp_name",

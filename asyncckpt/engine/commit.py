@@ -62,6 +62,25 @@ def _is_live(path: str) -> bool:
         return os.path.abspath(path) in _live
 
 
+_guards: dict[str, threading.RLock] = {}
+
+
+def directory_guard(directory: str) -> threading.RLock:
+    """The process-wide lock under which checkpoints are published in ``directory``.
+
+    Managers of one directory in one process share its ``DirectoryLock``; they
+    hold this (re-entrant) lock around anything that must not interleave with
+    another's publish, such as removing files that have no commit marker yet.
+    ``publish_files``, ``publish_dir`` and ``cleanup_stale_temps`` take it.
+    """
+    key = os.path.realpath(directory)
+    with _live_lock:
+        guard = _guards.get(key)
+        if guard is None:
+            guard = _guards[key] = threading.RLock()
+        return guard
+
+
 def is_temp_name(name: str) -> bool:
     """Whether a directory entry is an asyncckpt temporary."""
     return name.startswith(TEMP_PREFIX)
@@ -102,9 +121,10 @@ def publish_dir(tmp_dir: str, final_dir: str, *, fsync: bool) -> None:
         FileExistsError: ``final_dir`` already exists; checkpoints are never
             overwritten in place.
     """
-    if os.path.lexists(final_dir):
-        raise FileExistsError(f"checkpoint {final_dir!r} already exists")
-    os.rename(tmp_dir, final_dir)
+    with directory_guard(os.path.dirname(os.path.abspath(final_dir))):
+        if os.path.lexists(final_dir):
+            raise FileExistsError(f"checkpoint {final_dir!r} already exists")
+        os.rename(tmp_dir, final_dir)
     _settle(tmp_dir)
     if fsync:
         fsync_path(os.path.dirname(os.path.abspath(final_dir)))
@@ -141,6 +161,13 @@ def publish_files(
     """
     if not names:
         raise ValueError("nothing to publish")
+    with directory_guard(dest_dir):
+        _publish_files(tmp_dir, dest_dir, names, fsync=fsync, replaces=replaces)
+
+
+def _publish_files(
+    tmp_dir: str, dest_dir: str, names: Sequence[str], *, fsync: bool, replaces: Sequence[str]
+) -> None:
     old = [n for n in replaces if os.path.lexists(os.path.join(dest_dir, n))]
     backup = _make_backup(dest_dir, old, names, fsync=fsync) if old else None
     try:
@@ -302,7 +329,12 @@ def cleanup_stale_temps(directory: str) -> list[str]:
     Returns:
         The paths removed.
     """
-    removed = []
+    with directory_guard(directory):
+        return _cleanup_stale_temps(directory)
+
+
+def _cleanup_stale_temps(directory: str) -> list[str]:
+    removed: list[str] = []
     try:
         entries = os.listdir(directory)
     except FileNotFoundError:
