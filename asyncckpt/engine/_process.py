@@ -10,7 +10,8 @@ main thread has finished; the interpreter then waits for non-daemon threads
 down. So the flush runs while TensorFlow and JAX are fully usable (their own
 ``atexit`` hooks, e.g. ``jax.distributed.shutdown``, have not run yet), using
 only public API. A plain ``atexit`` hook would run after those, in an order
-that depends on import order.
+that depends on import order. Saves made by other non-daemon threads that
+outlive the main thread are flushed once those threads end.
 
 **Fork.** A child made by ``os.fork()`` inherits the parent's engines but not
 their writer threads. ``os.register_at_fork`` marks every inherited engine
@@ -52,13 +53,24 @@ def unregister(engine: AsyncEngine) -> None:
 
 def _watch_main_thread() -> None:
     threading.main_thread().join()
-    with _lock:
-        engines = list(ENGINES)
-    for engine in engines:
-        try:
-            flush_for_exit(engine)
-        except Exception:  # pragma: no cover - logged, never blocks exit
-            logger.exception("flushing checkpoint saves at exit")
+    me = threading.current_thread()
+    while True:
+        with _lock:
+            engines = list(ENGINES)
+        for engine in engines:
+            try:
+                flush_for_exit(engine)
+            except Exception:  # pragma: no cover - logged, never blocks exit
+                logger.exception("flushing checkpoint saves at exit")
+        # Training may run in other non-daemon threads, which the interpreter
+        # waits for anyway: flush again once they are done.
+        others = [t for t in threading.enumerate()
+                  if t is not me and not t.daemon and t.is_alive()
+                  and t is not threading.main_thread()]
+        if not others:
+            return
+        for t in others:
+            t.join()
 
 
 def flush_for_exit(engine: AsyncEngine) -> None:
