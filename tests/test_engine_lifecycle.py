@@ -85,11 +85,8 @@ def test_dropped_tf_checkpoints_are_freed(tmp_path):
         threads.append(ckpt.engine._thread)
         refs.append(weakref.ref(ckpt.engine))
         del ckpt
-    for t in threads:
-        t.join(60)
-    gc.collect()
-    assert not any(t.is_alive() for t in threads)
-    assert all(r() is None for r in refs)
+    for ref, thread in zip(refs, threads, strict=True):
+        assert _collected(ref, thread)
     restored = tf.Variable(tf.zeros([16 * _MB // 4]))
     tf.train.Checkpoint(v=restored).restore(path).assert_consumed()
     assert float(restored[0]) == 2.0
