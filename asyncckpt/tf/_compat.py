@@ -180,6 +180,6 @@ def restore_coordinator(status: object):
     return None
 
 
-def node_names(object_graph_proto) -> dict[int, str]:
-    """Readable paths (``model/layer/kernel``) of an object graph's nodes."""
-    return tf_checkpoint.ObjectGraphProtoPrettyPrinter(object_graph_proto).node_names
+def objects_with_values(objects: list) -> list:
+    """The objects that hold checkpoint values themselves (variables and the like)."""
+    return tf_checkpoint._objects_with_attributes(objects)

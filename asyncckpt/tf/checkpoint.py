@@ -7,7 +7,7 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from asyncckpt import errors
@@ -16,9 +16,10 @@ from asyncckpt.engine.manifest import read_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
-from asyncckpt.tf import _compat, _inflight, _staging
+from asyncckpt.tf import _compat, _inflight, _partial, _staging
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import CommitCallback, TFSaveJob, manifest_path
+from asyncckpt.tf._partial import PartialRestore
 
 logger = logging.getLogger(__name__)
 
@@ -484,6 +485,36 @@ class Checkpoint(tf.train.Checkpoint):
         if _compat.is_name_based_status(status):
             status.add_to_optionally_restored(self.save_counter)
         return status
+
+    def restore_partial(
+        self, save_path, options=None, *, only: Iterable[str] | None = None
+    ) -> PartialRestore:
+        """Restores what matches and says what was skipped.
+
+        Like ``restore(save_path).expect_partial()``, and returns a
+        ``PartialRestore`` naming the checkpoint objects and keys that were
+        not restored and this checkpoint's objects that got no value.
+
+        Args:
+            save_path: As for ``restore``.
+            options: As for ``restore``.
+            only: Restore only these attributes of this checkpoint (for
+                example ``["model"]`` to leave the optimizer as it is);
+                everything else in the file is reported as skipped.
+        """
+        if only is None:
+            target = self
+        else:
+            names = list(only)
+            missing = [n for n in names if self._lookup_dependency(n) is None]
+            if missing:
+                raise ValueError(f"this checkpoint has no attribute(s) {missing} to restore")
+            target = Checkpoint(
+                restore_options=self._asyncckpt.restore_options,
+                **{n: self._lookup_dependency(n) for n in names},
+            )
+        status = target.restore(save_path, options)
+        return _partial.report(status, target)
 
     def read(self, save_path, options=None):
         """Like ``tf.train.Checkpoint.read`` (no ``save_counter`` expected)."""
