@@ -8,7 +8,6 @@ variables and real files.
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 import os
 import pathlib
@@ -156,8 +155,7 @@ def test_weakref_root_is_not_kept_alive_by_the_save_plan(ckpt_dir):
         ckpt.save(str(ckpt_dir / "ckpt"))
     ckpt.sync()
     root_ref, var_ref = weakref.ref(root), weakref.ref(root.v)
-    del root
-    gc.collect()
+    del root  # reference counting alone frees both
     assert root_ref() is None and var_ref() is None
     ckpt.close()
 
@@ -292,7 +290,7 @@ def test_dropped_checkpoint_is_collected_and_its_save_completes(ckpt_dir, gate):
         got = tf.Variable(np.zeros(4, np.float32))
         at.Checkpoint(v=got).restore(path)
         assert got.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
-    gc.collect()
+    # Gone by reference counting alone: nothing (no finished job) refers to them.
     assert [r() for r in refs] == [None, None, None]
 
 
@@ -478,7 +476,17 @@ def test_dropped_managers_are_collected_and_their_saves_complete(ckpt_dir, gate)
         got = tf.Variable([0.0])
         at.Checkpoint(v=got).restore(path)
         assert got.numpy()[0] == 5.0
-    gc.collect()
+    # Gone by reference counting alone: nothing (no finished job) refers to them.
     assert [r() for r in refs] == [None, None, None]
     for path in paths:  # the state files followed, although the managers are gone
         assert tf.train.latest_checkpoint(os.path.dirname(path)) == path
+
+
+def test_manager_in_graph_mode_is_refused_clearly(ckpt_dir):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        v = tf.Variable(1.0)
+        sess.run(v.initializer)
+        mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), ckpt_dir, max_to_keep=1)
+        with pytest.raises(NotImplementedError, match="eager"):
+            mgr.save()
+    assert not list(ckpt_dir.iterdir())
