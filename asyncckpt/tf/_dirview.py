@@ -58,7 +58,7 @@ class SaveTicket:
     committed: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _PendingDelete:
     name: str
     timestamp: float
@@ -72,7 +72,8 @@ class DirectoryView:
     def __init__(self, abs_dir: str, fsync: bool):
         self.abs_dir = abs_dir
         self.fsync = fsync
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # the in-memory view; never held for file work
+        self.io_lock = threading.Lock()  # one commit (state file, deletions) at a time
         self.maybe_delete: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.latest: str | None = None
         self.last_preserved = 0.0
@@ -190,45 +191,58 @@ class DirectoryView:
     def committed(self, ticket: SaveTicket, path: str, stats: SaveStats) -> None:
         """A manager save is durable: write the state file, then apply its deletions.
 
-        Failures here (the state file, deleting old checkpoints) do not fail
-        the save, which is durable already: they are logged, counted in
-        ``retention_failures``, and retried at the next commit; a checkpoint
-        that could not be deleted stays named in the state file.
+        Commits of one directory run one at a time (``io_lock``); the file
+        work runs outside the view's lock, so a ``save()`` call on the
+        training thread never waits for it. Failures here (the state file,
+        deleting old checkpoints) do not fail the save, which is durable
+        already: they are logged, counted in ``retention_failures``, and
+        retried at the next commit; a checkpoint that could not be deleted
+        stays named in the state file.
         """
         del path, stats
-        with self.lock:
-            ticket.committed = True
-            self.durable.add(ticket.name)
-            self.inflight[ticket.name] -= 1
-            if self.inflight[ticket.name] <= 0:
-                del self.inflight[ticket.name]
-            if ticket.seq > self._latest_durable_seq:
-                self._latest_durable_seq = ticket.seq
-                self.latest_durable = ticket.name
-            due = [
-                p for p in self.pending_deletes
-                if p.ticket.committed and p.name not in self.inflight
-            ]
-            keep = [p for p in self.pending_deletes if p not in due]
-            # The state file stops naming a checkpoint before its files go.
-            self._write_state_file(extra=keep)
+        with self.io_lock:
+            with self.lock:
+                ticket.committed = True
+                self.durable.add(ticket.name)
+                self.inflight[ticket.name] -= 1
+                if self.inflight[ticket.name] <= 0:
+                    del self.inflight[ticket.name]
+                if ticket.seq > self._latest_durable_seq:
+                    self._latest_durable_seq = ticket.seq
+                    self.latest_durable = ticket.name
+                due = [
+                    p for p in self.pending_deletes
+                    if p.ticket.committed and p.name not in self.inflight
+                ]
+                # The state file stops naming a checkpoint before its files go.
+                text = self._state_text([p for p in self.pending_deletes if p not in due])
+            self._write_state_file(text)
             failed = []
             for p in due:
+                with self.lock:
+                    if p.name in self.inflight:  # saved again meanwhile: not ours to delete
+                        continue
                 try:
                     delete_checkpoint(os.path.join(self.abs_dir, p.name))
-                    self.durable.discard(p.name)
                     logger.debug("retention deleted %s", p.name)
                 except OSError as e:
                     p.failures += 1
-                    self.retention_failures += 1
                     failed.append(p)
                     logger.error("could not delete old checkpoint %s (will retry at the next "
                                  "save): %r", p.name, e)
-            self.pending_deletes = keep + failed
-            if failed:
-                self._write_state_file(extra=self.pending_deletes)
+            with self.lock:
+                self.retention_failures += len(failed)
+                for p in due:
+                    if p not in failed:
+                        self.durable.discard(p.name)
+                self.pending_deletes = [
+                    p for p in self.pending_deletes if p not in due or p in failed
+                ]
+                text = self._state_text(self.pending_deletes) if failed else None
+            if text is not None:
+                self._write_state_file(text)
 
-    def _write_state_file(self, extra: list[_PendingDelete]) -> None:
+    def _state_text(self, extra: list[_PendingDelete]) -> str:
         # Names only durable checkpoints; checkpoints waiting to be deleted
         # (``extra``) stay listed, oldest first, so no file is ever forgotten.
         entries = [(p.name, p.timestamp) for p in extra if p.name in self.durable]
@@ -236,20 +250,22 @@ class DirectoryView:
         entries += [
             (n, t) for n, t in self.maybe_delete.items() if n in self.durable and n not in listed
         ]
-        latest = self.latest_durable or ""
+        return _compat.checkpoint_state_text(
+            self.abs_dir,
+            self.latest_durable or "",
+            [n for n, _ in entries],
+            [t for _, t in entries],
+            self.last_preserved,
+        )
+
+    def _write_state_file(self, text: str) -> None:
         try:
-            text = _compat.checkpoint_state_text(
-                self.abs_dir,
-                latest,
-                [n for n, _ in entries],
-                [t for _, t in entries],
-                self.last_preserved,
-            )
             commit_lib.write_text_atomic(
                 os.path.join(self.abs_dir, "checkpoint"), text, fsync=self.fsync
             )
         except Exception as e:
-            self.retention_failures += 1
+            with self.lock:
+                self.retention_failures += 1
             logger.error("could not update %s/checkpoint (will retry at the next save): %r",
                          self.abs_dir, e)
 

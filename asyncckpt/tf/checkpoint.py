@@ -505,14 +505,13 @@ class Checkpoint(tf.train.Checkpoint):
         if only is None:
             target = self
         else:
+            root = _compat.graph_view_of(self).root  # what the saved paths start from
             names = list(only)
-            missing = [n for n in names if self._lookup_dependency(n) is None]
+            children = {n: root._lookup_dependency(n) for n in names}
+            missing = [n for n, child in children.items() if child is None]
             if missing:
                 raise ValueError(f"this checkpoint has no attribute(s) {missing} to restore")
-            target = Checkpoint(
-                restore_options=self._asyncckpt.restore_options,
-                **{n: self._lookup_dependency(n) for n in names},
-            )
+            target = Checkpoint(restore_options=self._asyncckpt.restore_options, **children)
         status = target.restore(save_path, options)
         return _partial.report(status, target)
 

@@ -490,3 +490,22 @@ def test_manager_in_graph_mode_is_refused_clearly(ckpt_dir):
         with pytest.raises(NotImplementedError, match="eager"):
             mgr.save()
     assert not list(ckpt_dir.iterdir())
+
+
+def test_partial_restore_of_a_subset_through_a_wrapped_checkpoint(ckpt_dir):
+    model, opt = tf.Module(), tf.Module()
+    model.kernel = tf.Variable([1.0])
+    opt.moment = tf.Variable([2.0])
+    plain = tf.train.Checkpoint(model=model, optimizer=opt)
+    mgr = at.CheckpointManager(plain, ckpt_dir, max_to_keep=1)
+    path = mgr.save()
+    model.kernel.assign([0.0])
+    opt.moment.assign([0.0])
+    wrapped = at.Checkpoint.wrap(plain)
+    assert wrapped.checkpoint is plain and isinstance(wrapped, tf.train.Checkpoint)
+    result = wrapped.restore_partial(path, only=["model"])
+    assert model.kernel.numpy()[0] == 1.0 and opt.moment.numpy()[0] == 0.0
+    assert result.skipped_objects == ("optimizer/moment",)
+    with pytest.raises(ValueError, match="no attribute"):
+        wrapped.restore_partial(path, only=["nope"])
+    mgr.close()
