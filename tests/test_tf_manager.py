@@ -192,3 +192,30 @@ def test_manager_with_relative_directory(tmp_path, monkeypatch):
     fresh = tf.Variable([0.0])
     tf.train.Checkpoint(v=fresh).restore(path)
     assert fresh.numpy()[0] == 3.0
+
+
+def test_a_failed_background_save_gives_its_retention_decision_back(ckpt_dir, monkeypatch):
+    real = _job.write_bundle
+
+    def fail_second(prefix, state):
+        if os.path.basename(prefix) == "ckpt-2":
+            raise OSError(5, "Input/output error")
+        return real(prefix, state)
+
+    monkeypatch.setattr(_job, "write_bundle", fail_second)
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), str(ckpt_dir), 1)
+    first = mgr.save()
+    mgr.sync()
+    second = mgr.save()
+    assert mgr.checkpoints == [second]  # decided at the call, as in TensorFlow
+    with pytest.raises(OSError):
+        mgr.sync()  # the failure is reported (and the save's end handled)
+    # The save never became durable: the view is as before it, nothing deleted.
+    assert mgr.checkpoints == [first] and mgr.latest_checkpoint == first
+    assert os.path.exists(first + ".index")
+    third = mgr.save()
+    mgr.sync()
+    assert mgr.checkpoints == [third]
+    assert not os.path.exists(first + ".index")
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == third
+    mgr.close()
