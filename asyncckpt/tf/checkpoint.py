@@ -43,7 +43,13 @@ class CheckpointNotFoundError(errors.CheckpointNotFoundError, tf.errors.NotFound
 
 
 def _fspath(path) -> str:
-    return os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    """A path from a str, a path-like object or (eagerly) a string tensor, as TF takes."""
+    if isinstance(path, os.PathLike):
+        return os.fspath(path)
+    if tf.is_tensor(path):
+        value = path.numpy()
+        return value.decode() if isinstance(value, bytes) else str(value)
+    return str(path)
 
 
 def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
@@ -61,9 +67,10 @@ def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
     """
     if not os.path.exists(prefix + ".index"):
         raise CheckpointNotFoundError(
-            f"no TensorFlow checkpoint at {prefix!r} (missing {prefix + '.index'!r}). "
-            "Please double-check that the path is correct; you may be missing the "
-            "checkpoint suffix (e.g. the '-1' in 'path/to/ckpt-1')."
+            f"Error when restoring from checkpoint or SavedModel at {prefix!r}: "
+            f"no TensorFlow checkpoint there (missing {prefix + '.index'!r}). Please "
+            "double-check that the path is correct; you may be missing the checkpoint "
+            "suffix (e.g. the '-1' in 'path/to/ckpt-1')."
         )
     try:
         manifest = read_manifest(manifest_path(prefix))

@@ -115,6 +115,19 @@ def test_deepcopy_has_its_own_variables_and_engine(ckpt_dir):
     clone.close()
 
 
+def test_prefix_as_path_or_string_tensor(ckpt_dir):
+    ckpt = at.Checkpoint(v=tf.Variable([2.0]))
+    written = ckpt.write(tf.constant(str(ckpt_dir / "from_tensor")))
+    assert written == str(ckpt_dir / "from_tensor")
+    saved = ckpt.save(ckpt_dir / "from_path")
+    assert saved == str(ckpt_dir / "from_path-1")
+    got = tf.Variable([0.0])
+    at.Checkpoint(v=got).read(pathlib.Path(written))
+    assert got.numpy()[0] == 2.0
+    at.Checkpoint(v=got).restore(pathlib.Path(saved)).assert_consumed()
+    ckpt.close()
+
+
 def test_write_inside_tf_function_uses_tensorflows_own_save(ckpt_dir):
     v = tf.Variable([3.0, 4.0])
     ckpt = at.Checkpoint(v=v)
@@ -173,7 +186,7 @@ def test_restores_a_saved_model_directory(tmp_path):
 def test_missing_path_raises_tensorflows_not_found_error(ckpt_dir):
     ckpt = at.Checkpoint(v=tf.Variable(1.0))
     for call in (ckpt.restore, ckpt.read):
-        with pytest.raises(tf.errors.NotFoundError) as err:
+        with pytest.raises(tf.errors.NotFoundError, match="checkpoint or SavedModel") as err:
             call(str(ckpt_dir / "nope-1"))
         # Also asyncckpt's (and Python's) own "not found".
         assert isinstance(err.value, CheckpointNotFoundError)
