@@ -219,3 +219,41 @@ def test_a_failed_background_save_gives_its_retention_decision_back(ckpt_dir, mo
     assert not os.path.exists(first + ".index")
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == third
     mgr.close()
+
+
+def test_saving_a_name_again_while_another_commits_keeps_the_state_file_valid(
+    ckpt_dir, monkeypatch
+):
+    real = _job.write_bundle
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hold_ckpt_2(prefix, state):
+        if os.path.basename(prefix) == "ckpt-2":
+            entered.set()
+            assert release.wait(60)
+        return real(prefix, state)
+
+    v = tf.Variable([1.0])
+    first = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=3)
+    one, two = first.save(), first.save()
+    first.sync()
+    monkeypatch.setattr(_job, "write_bundle", hold_ckpt_2)
+    assert first.save(checkpoint_number=2) == two  # saved again, held in flight
+    assert entered.wait(30)
+    second = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=3)
+    assert second.save() == one  # a fresh counter saves ckpt-1 again, and commits
+    second.sync()
+    # ckpt-1 is durable; ckpt-2's new files are not: the state file must still
+    # be valid and name the newest durable one last.
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == one
+    # The view is by save call, as in TensorFlow: ckpt-2, then ckpt-1 again.
+    assert second.checkpoints == first.checkpoints == [two, one]
+    assert first.latest_checkpoint == one
+    release.set()
+    first.sync()
+    state = tf.train.get_checkpoint_state(str(ckpt_dir))
+    assert state.model_checkpoint_path == one
+    assert list(state.all_model_checkpoint_paths) == [two, one]
+    first.close()
+    second.close()

@@ -250,6 +250,14 @@ class DirectoryView:
         entries += [
             (n, t) for n, t in self.maybe_delete.items() if n in self.durable and n not in listed
         ]
+        # The newest durable checkpoint goes last, where TensorFlow expects the
+        # latest one (a name saved again may sit later in the view while its
+        # new files are still being written).
+        latest = [e for e in entries if e[0] == self.latest_durable]
+        if not latest and self.latest_durable:
+            # Known but unmanaged (a clock set back): listed, never to be deleted.
+            latest = [(self.latest_durable, self.last_preserved)]
+        entries = [e for e in entries if e[0] != self.latest_durable] + latest
         return _compat.checkpoint_state_text(
             self.abs_dir,
             self.latest_durable or "",
