@@ -223,20 +223,33 @@ class _AsyncState:
         return _AsyncState(self.options, self.restore_options, self.wraps)
 
 
-class _WrappedView:
-    """``Checkpoint.checkpoint``: the ``tf.train.Checkpoint`` whose graph is saved.
+class _Attribute:
+    """A read-only attribute that yields to a tracked attribute of the same name.
 
-    A non-data descriptor, so a user attribute named ``checkpoint`` (tracked
-    like any other) takes precedence over it.
+    A non-data descriptor: ``ckpt.engine = tf.Variable(...)`` stores and
+    tracks a child as ``tf.train.Checkpoint`` would (any name is allowed
+    there), and from then on that child is what the name gives.
     """
+
+    def __init__(self, getter):
+        self._getter = getter
+        self.__doc__ = getter.__doc__
+
+    def __set_name__(self, owner, name):
+        self._name = name
 
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
-        state = instance.__dict__.get("_asyncckpt")
-        if state is not None and state.wraps:
-            return instance.root
-        return instance
+        return self._getter(instance)
+
+
+def _graph_checkpoint(instance):
+    """The ``tf.train.Checkpoint`` whose graph is saved: the wrapped one, or itself."""
+    state = instance.__dict__.get("_asyncckpt")
+    if state is not None and state.wraps:
+        return instance.root
+    return instance
 
 
 class Checkpoint(tf.train.Checkpoint):
@@ -264,7 +277,7 @@ class Checkpoint(tf.train.Checkpoint):
         **kwargs: Trackable objects to save, as for ``tf.train.Checkpoint``.
     """
 
-    checkpoint = _WrappedView()
+    checkpoint = _Attribute(_graph_checkpoint)
 
     def __init__(
         self,
@@ -311,20 +324,24 @@ class Checkpoint(tf.train.Checkpoint):
 
     # -- asyncckpt additions -----------------------------------------------------
 
-    @property
+    # Read-only attributes that yield to tracked children of the same name.
+
+    @_Attribute
     def async_options(self) -> AsyncOptions:
+        """Staging slots, fsync and checksums of the saves."""
         return self._asyncckpt.options
 
-    @property
+    @_Attribute
     def restore_options(self) -> RestoreOptions:
+        """Verification done by ``restore``/``read``."""
         return self._asyncckpt.restore_options
 
-    @property
+    @_Attribute
     def last_save(self) -> SaveHandle | None:
         """Handle of the most recent save (``committed`` resolves when durable)."""
         return self._asyncckpt.last_save
 
-    @property
+    @_Attribute
     def engine(self) -> AsyncEngine:
         """The background engine: stats, ``estimated_write_seconds``, pending count."""
         return self._asyncckpt.engine

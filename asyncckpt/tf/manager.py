@@ -121,8 +121,8 @@ class CheckpointManager:
         self._checkpoint_interval = checkpoint_interval
         self._step_counter = step_counter
         self._last_checkpoint_step = last_checkpoint_step
-        self._verify_checksums = self._ckpt.restore_options.verify_checksums
-        self._view = _dirview.view_for(self._directory, fsync=self._ckpt.async_options.fsync)
+        self._verify_checksums = self._ckpt._asyncckpt.restore_options.verify_checksums
+        self._view = _dirview.view_for(self._directory, fsync=self._ckpt._asyncckpt.options.fsync)
 
     # -- properties of tf.train.CheckpointManager --------------------------
 
@@ -155,12 +155,12 @@ class CheckpointManager:
     @property
     def last_save(self) -> SaveHandle | None:
         """Handle of the most recent save (``committed`` resolves when durable)."""
-        return self._ckpt.last_save
+        return self._ckpt._asyncckpt.last_save
 
     @property
     def engine(self):
         """The background engine (stats, ``estimated_write_seconds``)."""
-        return self._ckpt.engine
+        return self._ckpt._asyncckpt.engine
 
     @property
     def retention_failures(self) -> int:
@@ -197,7 +197,7 @@ class CheckpointManager:
                     return None
             self._last_checkpoint_step = current
         self._take_directory()
-        self._ckpt.engine.raise_pending_error()  # before counting a save that would fail
+        self._ckpt._asyncckpt.engine.raise_pending_error()  # before counting a save that would fail
         counter = self._ckpt.save_counter
         counter.assign_add(1)
         number = _evaluate(counter if checkpoint_number is None else checkpoint_number)

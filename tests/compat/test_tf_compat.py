@@ -76,12 +76,18 @@ def test_attribute_assigned_after_construction_is_saved(ckpt_dir):
     ckpt = at.Checkpoint(v=tf.Variable([1.0]))
     ckpt.step = tf.Variable(5, dtype=tf.int64)
     ckpt.layers = [tf.Variable([2.0, 3.0])]  # tracked data structures too
+    ckpt.checkpoint = tf.Variable([4.0])  # any name, even one asyncckpt uses
+    ckpt.async_options = tf.Variable([5.0])
     path = ckpt.save(str(ckpt_dir / "ckpt"))
     ckpt.sync()
     step, layer = tf.Variable(0, dtype=tf.int64), tf.Variable([0.0, 0.0])
-    fresh = tf.train.Checkpoint(v=tf.Variable([0.0]), step=step, layers=[layer])
+    named, options = tf.Variable([0.0]), tf.Variable([0.0])
+    fresh = tf.train.Checkpoint(
+        v=tf.Variable([0.0]), step=step, layers=[layer], checkpoint=named, async_options=options
+    )
     fresh.restore(path).assert_consumed()
     assert int(step.numpy()) == 5 and layer.numpy().tolist() == [2.0, 3.0]
+    assert named.numpy()[0] == 4.0 and options.numpy()[0] == 5.0
 
 
 def test_nests_in_another_checkpoint(ckpt_dir):
