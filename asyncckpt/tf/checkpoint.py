@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -140,8 +141,6 @@ def _synchronous_tf_options(options):
     """``options`` with TensorFlow's own async switched off (for the fallback path)."""
     if options is None:
         return None
-    import copy
-
     options = copy.copy(options)
     options.enable_async = False
     options.experimental_enable_async_checkpoint = False
@@ -173,6 +172,9 @@ class _OnCommitted:
                     self.internal(path, stats)
 
 
+_STATE_FILE_LOCK = threading.Lock()
+
+
 def _record_latest(path: str, stats: SaveStats, *, fsync: bool) -> None:
     """What ``tf.train.Checkpoint.save`` does after writing: point the state file at it."""
     del stats
@@ -181,9 +183,6 @@ def _record_latest(path: str, stats: SaveStats, *, fsync: bool) -> None:
     with _STATE_FILE_LOCK:
         text = _compat.checkpoint_state_text(directory, rel, [rel], [], 0.0)
         commit_lib.write_text_atomic(os.path.join(directory, "checkpoint"), text, fsync=fsync)
-
-
-_STATE_FILE_LOCK = threading.Lock()
 
 
 # -- per-checkpoint asynchronous state ------------------------------------------
@@ -234,9 +233,6 @@ class _Attribute:
     def __init__(self, getter):
         self._getter = getter
         self.__doc__ = getter.__doc__
-
-    def __set_name__(self, owner, name):
-        self._name = name
 
     def __get__(self, instance, owner=None):
         if instance is None:
