@@ -528,3 +528,28 @@ def test_partial_restore_of_a_subset_through_a_wrapped_checkpoint(ckpt_dir):
     with pytest.raises(ValueError, match="no attribute"):
         wrapped.restore_partial(path, only=["nope"])
     mgr.close()
+
+
+def test_save_in_tensorflows_preemption_save_context_is_durable_on_return(ckpt_dir, gate):
+    from tensorflow.python.checkpoint import checkpoint_context
+
+    ckpt = at.Checkpoint(v=tf.Variable([1.0]))
+    gate.open.clear()
+    done = threading.Event()
+    seen = []
+
+    def final_save():
+        # What tf.distribute's PreemptionCheckpointHandler does before exiting.
+        with checkpoint_context.preemption_save_context():
+            path = ckpt.save(str(ckpt_dir / "ckpt"))
+        seen.append(os.path.exists(path + ".index"))
+        done.set()
+
+    t = threading.Thread(target=final_save)
+    t.start()
+    assert gate.entered.acquire(timeout=30)
+    assert not done.wait(0.5)  # still writing: the save has not returned
+    gate.open.set()
+    t.join(60)
+    assert seen == [True]
+    ckpt.close()
