@@ -264,8 +264,10 @@ def test_second_writer_is_refused_and_dead_writers_lock_is_taken_over(ckpt_dir, 
     assert "Taking over" in caplog.text and str(proc.pid) in caplog.text
     mgr.sync()
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == path
-    # A second manager in the same process shares the directory's lock.
+    # A second manager in the same process shares the directory (and its view).
     other = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
+    second = other.save()
+    assert mgr.checkpoints == other.checkpoints and mgr.latest_checkpoint == second
     mgr.close()
     other.save()
     other.close()

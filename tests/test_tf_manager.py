@@ -64,7 +64,7 @@ def test_drop_in_save_and_restore(ckpt_dir):
     mgr.close()
 
 
-def test_state_file_never_names_a_checkpoint_in_flight(ckpt_dir, gate):
+def test_state_file_never_names_a_checkpoint_in_flight_but_the_view_does(ckpt_dir, gate):
     v = tf.Variable([1.0])
     mgr = at.CheckpointManager(at.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
     first = mgr.save()
@@ -75,8 +75,9 @@ def test_state_file_never_names_a_checkpoint_in_flight(ckpt_dir, gate):
     # The second save is staged and being written, not durable.
     assert not mgr.last_save.done()
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == first
-    assert mgr.latest_checkpoint == first
-    assert mgr.checkpoints == [first]
+    # The in-process view changes at the call, as TensorFlow's does.
+    assert mgr.latest_checkpoint == second
+    assert mgr.checkpoints == [first, second]
     assert not os.path.exists(second + ".index")
     gate.open.set()
     mgr.sync()
@@ -191,3 +192,68 @@ def test_manager_with_relative_directory(tmp_path, monkeypatch):
     fresh = tf.Variable([0.0])
     tf.train.Checkpoint(v=fresh).restore(path)
     assert fresh.numpy()[0] == 3.0
+
+
+def test_a_failed_background_save_gives_its_retention_decision_back(ckpt_dir, monkeypatch):
+    real = _job.write_bundle
+
+    def fail_second(prefix, state):
+        if os.path.basename(prefix) == "ckpt-2":
+            raise OSError(5, "Input/output error")
+        return real(prefix, state)
+
+    monkeypatch.setattr(_job, "write_bundle", fail_second)
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), str(ckpt_dir), 1)
+    first = mgr.save()
+    mgr.sync()
+    second = mgr.save()
+    assert mgr.checkpoints == [second]  # decided at the call, as in TensorFlow
+    with pytest.raises(OSError):
+        mgr.sync()  # the failure is reported (and the save's end handled)
+    # The save never became durable: the view is as before it, nothing deleted.
+    assert mgr.checkpoints == [first] and mgr.latest_checkpoint == first
+    assert os.path.exists(first + ".index")
+    third = mgr.save()
+    mgr.sync()
+    assert mgr.checkpoints == [third]
+    assert not os.path.exists(first + ".index")
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == third
+    mgr.close()
+
+
+def test_saving_a_name_again_while_another_commits_keeps_the_state_file_valid(
+    ckpt_dir, monkeypatch
+):
+    real = _job.write_bundle
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hold_ckpt_2(prefix, state):
+        if os.path.basename(prefix) == "ckpt-2":
+            entered.set()
+            assert release.wait(60)
+        return real(prefix, state)
+
+    v = tf.Variable([1.0])
+    first = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=3)
+    one, two = first.save(), first.save()
+    first.sync()
+    monkeypatch.setattr(_job, "write_bundle", hold_ckpt_2)
+    assert first.save(checkpoint_number=2) == two  # saved again, held in flight
+    assert entered.wait(30)
+    second = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=3)
+    assert second.save() == one  # a fresh counter saves ckpt-1 again, and commits
+    second.sync()
+    # ckpt-1 is durable; ckpt-2's new files are not: the state file must still
+    # be valid and name the newest durable one last.
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == one
+    # The view is by save call, as in TensorFlow: ckpt-2, then ckpt-1 again.
+    assert second.checkpoints == first.checkpoints == [two, one]
+    assert first.latest_checkpoint == one
+    release.set()
+    first.sync()
+    state = tf.train.get_checkpoint_state(str(ckpt_dir))
+    assert state.model_checkpoint_path == one
+    assert list(state.all_model_checkpoint_paths) == [two, one]
+    first.close()
+    second.close()

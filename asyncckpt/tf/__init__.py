@@ -3,7 +3,14 @@
 Importing this subpackage imports TensorFlow; ``import asyncckpt`` alone does not.
 """
 
-from asyncckpt.tf.checkpoint import Checkpoint, verify_checkpoint
+from asyncckpt.tf._partial import PartialRestore
+from asyncckpt.tf.checkpoint import Checkpoint, CheckpointNotFoundError, verify_checkpoint
 from asyncckpt.tf.manager import CheckpointManager
 
-__all__ = ["Checkpoint", "CheckpointManager", "verify_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "PartialRestore",
+    "verify_checkpoint",
+]

@@ -9,6 +9,8 @@ actionable error instead of an AttributeError deep in a save.
 
 from __future__ import annotations
 
+import os
+
 try:
     import tensorflow as tf
 except ImportError as e:  # pragma: no cover - exercised only without TensorFlow
@@ -17,10 +19,18 @@ except ImportError as e:  # pragma: no cover - exercised only without TensorFlow
     ) from e
 
 try:
-    from tensorflow.python.checkpoint import checkpoint_management, save_util, tensor_callable
+    from tensorflow.python.checkpoint import checkpoint as tf_checkpoint
+    from tensorflow.python.checkpoint import (
+        checkpoint_context,
+        checkpoint_management,
+        save_util,
+        tensor_callable,
+    )
+    from tensorflow.python.checkpoint.sharding import sharding_policies
     from tensorflow.python.eager import context
     from tensorflow.python.eager import executor as eager_executor
     from tensorflow.python.ops import gen_io_ops
+    from tensorflow.python.saved_model import path_helpers
     from tensorflow.python.trackable import base as trackable_base
     from tensorflow.python.training.saving import saveable_object
 except ImportError as e:  # pragma: no cover - only on an untested TensorFlow
@@ -57,15 +67,24 @@ def serialize_graph(checkpoint: tf.train.Checkpoint):
     return tensors, registered, proto
 
 
-def list_trackables(checkpoint: tf.train.Checkpoint) -> list:
-    """Every object reachable from the checkpoint, breadth first."""
-    objects, _ = graph_view_of(checkpoint).breadth_first_traversal()
-    return objects
+def traverse(checkpoint: tf.train.Checkpoint) -> tuple[list, dict]:
+    """Every object reachable from the checkpoint, breadth first, and its name path.
+
+    The second item maps each object to its shortest path from the root, a
+    list of references with a ``name``.
+    """
+    return graph_view_of(checkpoint).breadth_first_traversal()
 
 
-def save_v2(prefix: str, names: list[str], slices: list[str], tensors: list) -> None:
-    """Writes one TensorFlow tensor bundle (``prefix.index`` + one data file)."""
-    with tf.device("CPU:0"):
+def save_v2(
+    prefix: str, names: list[str], slices: list[str], tensors: list, io_device: str | None = None
+) -> None:
+    """Writes one TensorFlow tensor bundle (``prefix.index`` + one data file).
+
+    ``io_device`` is ``CheckpointOptions.experimental_io_device`` (the device
+    whose host runs the write); None means the local CPU, as in TensorFlow.
+    """
+    with tf.device(io_device or "CPU:0"):
         gen_io_ops.save_v2(
             prefix=prefix, tensor_names=names, shape_and_slices=slices, tensors=tensors
         )
@@ -121,3 +140,46 @@ def is_tpu_embedding(obj: object) -> bool:
         if cls is not None and isinstance(obj, cls):
             return True
     return False
+
+
+def executing_eagerly() -> bool:
+    """False inside a ``tf.function`` or in TF1 graph mode (no host copy possible)."""
+    return context.executing_eagerly()
+
+
+def in_preemption_save_context() -> bool:
+    """Whether TensorFlow's PreemptionCheckpointHandler is making its final save."""
+    return checkpoint_context.in_preemption_save_context()
+
+
+def is_default_sharding(callback: object) -> bool:
+    """Whether a sharding callback is TensorFlow's default (one data file per task)."""
+    return callback is None or isinstance(callback, sharding_policies.ShardByTaskPolicy)
+
+
+def saved_model_variables_path(path: str) -> str | None:
+    """The variables prefix inside a SavedModel directory, or None if ``path`` is not one."""
+    if not os.path.isdir(path):
+        return None
+    if os.path.exists(path_helpers.get_saved_model_pb_path(path)) or os.path.exists(
+        path_helpers.get_saved_model_pbtxt_path(path)
+    ):
+        return path_helpers.get_variables_path(path)
+    return None
+
+
+def is_name_based_status(status: object) -> bool:
+    """Whether a load status comes from a TF1 name-based checkpoint."""
+    return isinstance(status, tf_checkpoint.NameBasedSaverStatus)
+
+
+def restore_coordinator(status: object):
+    """The restore coordinator behind a ``CheckpointLoadStatus``, or None."""
+    if isinstance(status, tf_checkpoint.CheckpointLoadStatus):
+        return status._checkpoint
+    return None
+
+
+def objects_with_values(objects: list) -> list:
+    """The objects that hold checkpoint values themselves (variables and the like)."""
+    return tf_checkpoint._objects_with_attributes(objects)

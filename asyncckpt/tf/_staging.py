@@ -11,6 +11,7 @@ the files are TensorFlow-native.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,7 @@ class StagedState:
 
     tensors: tuple[StagedTensor, ...]
     object_graph: bytes
+    io_device: str | None = None  # CheckpointOptions.experimental_io_device
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +80,7 @@ def _retrieve_embeddings(objects: list) -> None:
             hook(obj)
 
 
-def _to_host(value: object, key: str, owner: object) -> tf.Tensor | None:
+def _to_host(value: object, key: str, owner: str) -> tf.Tensor | None:
     """Evaluates one serialized value to a tensor readable from the host."""
     if isinstance(value, _compat.SaveSpec):
         value = value.tensor
@@ -91,17 +93,17 @@ def _to_host(value: object, key: str, owner: object) -> tf.Tensor | None:
             value = tf.convert_to_tensor(value)
         except (TypeError, ValueError) as e:
             raise UnsupportedObjectError(
-                f"asyncckpt cannot stage checkpoint value {key!r} of {_describe(owner)}: "
+                f"asyncckpt cannot stage checkpoint value {key!r} of {owner}: "
                 f"{type(value).__name__} is not a tensor"
             ) from e
     _check_dtype(value.dtype, key, owner)
     return value
 
 
-def _check_dtype(dtype: tf.DType, key: str, owner: object) -> None:
+def _check_dtype(dtype: tf.DType, key: str, owner: str) -> None:
     if dtype in _UNSUPPORTED_DTYPES:
         raise UnsupportedObjectError(
-            f"asyncckpt cannot stage checkpoint value {key!r} of {_describe(owner)}: "
+            f"asyncckpt cannot stage checkpoint value {key!r} of {owner}: "
             f"its dtype is {dtype.name}, an opaque handle that has no host copy "
             "(for example a tf.data iterator). Leave this object out of the asyncckpt "
             "checkpoint and save it with tf.train.Checkpoint."
@@ -112,8 +114,15 @@ def _check_dtype(dtype: tf.DType, key: str, owner: object) -> None:
 class _Entry:
     key: str
     slice_spec: str
-    owner: object
+    owner: str  # the owning object's type, for error messages (no reference to it)
     value: object  # a tensor, or a SaveSpec/Callable that reads one
+
+
+def _weak_refs(objects: list, on_death) -> list[weakref.ref] | None:
+    try:
+        return [weakref.ref(o, on_death) for o in objects]
+    except TypeError:  # an object without weak reference support: never reuse
+        return None
 
 
 class _Plan:
@@ -121,39 +130,55 @@ class _Plan:
 
     Building it (TensorFlow's own serialization of the object graph) costs
     milliseconds per hundred variables, so a plan is reused while the object
-    graph is unchanged and every value is a lazy variable reader. Objects with
-    optimizer slot machinery (``get_slot_names``: compat.v1 and legacy Keras
-    optimizers) can grow slots without a visible graph change, so their plans
-    are never reused. All lazy reads of a reused plan run in one
-    ``tf.function`` call instead of a few eager ops per variable.
+    graph is unchanged (the same objects under the same names) and every value
+    is a lazy variable reader. Objects with optimizer slot machinery
+    (``get_slot_names``: compat.v1 and legacy Keras optimizers) can grow slots
+    without a visible graph change, so their plans are never reused. All lazy
+    reads of a reused plan run in one ``tf.function`` call instead of a few
+    eager ops per variable.
+
+    A kept plan refers to the graph's objects only weakly, so it never keeps
+    alive what the checkpoint itself holds weakly (``root=weakref.ref(obj)``);
+    the variable readers it keeps are dropped with it as soon as one of those
+    objects dies.
     """
 
-    def __init__(self, checkpoint: tf.train.Checkpoint, objects: list):
+    def __init__(
+        self, checkpoint: tf.train.Checkpoint, objects: list, names: tuple, on_death=None
+    ):
         serialized, registered, proto = _compat.serialize_graph(checkpoint)
         if any(registered.values()):
-            names = sorted(name for name, objs in registered.items() if objs)
+            names_ = sorted(name for name, objs in registered.items() if objs)
             raise UnsupportedObjectError(
                 "asyncckpt cannot stage objects that use a registered TensorFlow saver "
-                f"({', '.join(names)}); save them with tf.train.Checkpoint"
+                f"({', '.join(names_)}); save them with tf.train.Checkpoint"
             )
-        self.objects = objects
+        self.names = names
         self.object_graph = proto.SerializeToString()
         self.entries: list[_Entry] = []
         for owner, tensor_dict in serialized.items():
+            described = _describe(owner)
             for key, value in tensor_dict.items():
                 parts = value.items() if isinstance(value, dict) else (("", value),)
                 for slice_spec, part in parts:
-                    self.entries.append(_Entry(key, slice_spec, owner, part))
-        self.reusable = all(
-            isinstance(e.value, _compat.TensorCallable) for e in self.entries
-        ) and not any("get_slot_names" in dir(o) for o in objects)
+                    self.entries.append(_Entry(key, slice_spec, described, part))
+        self.refs = _weak_refs(objects, on_death)
+        self.reusable = (
+            self.refs is not None
+            and all(isinstance(e.value, _compat.TensorCallable) for e in self.entries)
+            and not any("get_slot_names" in dir(o) for o in objects)
+        )
         self._batched = None  # tf.function reading every value, built on first reuse
         self._batched_failed = False
         self.uses = 0
 
-    def matches(self, objects: list) -> bool:
-        return len(objects) == len(self.objects) and all(
-            a is b for a, b in zip(objects, self.objects, strict=True)
+    def matches(self, objects: list, names: tuple) -> bool:
+        refs = self.refs
+        return (
+            refs is not None
+            and len(objects) == len(refs)
+            and all(r() is o for r, o in zip(refs, objects, strict=True))
+            and names == self.names
         )
 
     def read(self) -> list[tf.Tensor | None]:
@@ -176,14 +201,46 @@ class _Plan:
         return [_to_host(e.value, e.key, e.owner) for e in self.entries]
 
 
+def _graph_signature(checkpoint: tf.train.Checkpoint) -> tuple[list, tuple]:
+    """The objects of the checkpoint's graph and the name path of each."""
+    objects, paths = _compat.traverse(checkpoint)
+    names = tuple(tuple(ref.name for ref in paths[o]) for o in objects)
+    return objects, names
+
+
+def _plan_dropper(stager_ref: weakref.ref):
+    """A weakref callback that drops the stager's plan once one of its objects died.
+
+    It holds the stager weakly, so a plan's weak references form no cycle.
+    """
+
+    def on_death(_dead: weakref.ref) -> None:
+        stager = stager_ref()
+        plan = stager._plan if stager is not None else None
+        if plan is not None and plan.refs and any(r() is None for r in plan.refs):
+            stager._plan = None
+
+    return on_death
+
+
 class Stager:
-    """Stages one ``tf.train.Checkpoint``'s state; keeps its plan between saves."""
+    """Stages a ``tf.train.Checkpoint``'s state; keeps its plan between saves.
 
-    def __init__(self, checkpoint: tf.train.Checkpoint):
-        self._checkpoint = checkpoint
+    It holds no reference to the checkpoint (the checkpoint holds the stager),
+    and only weak ones to the objects of the last plan.
+    """
+
+    def __init__(self):
         self._plan: _Plan | None = None
+        self._on_death = _plan_dropper(weakref.ref(self))
 
-    def stage(self, slot: Slot) -> StagedState:
+    def clear(self) -> None:
+        """Forgets the kept plan (and with it the variable readers it holds)."""
+        self._plan = None
+
+    def stage(
+        self, checkpoint: tf.train.Checkpoint, slot: Slot, *, io_device: str | None = None
+    ) -> StagedState:
         """Copies the checkpoint's current values into ``slot``.
 
         Runs on the training thread; returns once every value is in host
@@ -193,20 +250,21 @@ class Stager:
             UnsupportedObjectError: The object graph holds something that
                 cannot be copied to host memory.
         """
-        objects = _compat.list_trackables(self._checkpoint)
+        objects, names = _graph_signature(checkpoint)
         _retrieve_embeddings(objects)
         plan = self._plan
-        if plan is None or not plan.matches(objects):
-            plan = _Plan(self._checkpoint, objects)
+        if plan is None or not plan.matches(objects, names):
+            plan = _Plan(checkpoint, objects, names, self._on_death)
         self._plan = plan if plan.reusable else None
         staged = []
         copies: list[tuple[np.ndarray, np.ndarray]] = []
         for entry, tensor in zip(plan.entries, plan.read(), strict=True):
             if tensor is not None:
                 staged.append(_plan_copy(slot, entry.key, entry.slice_spec, tensor, copies))
+        del objects
         # The views in `copies` alias TensorFlow tensors, which they keep alive.
         copy_arrays(copies)
-        return StagedState(tuple(staged), plan.object_graph)
+        return StagedState(tuple(staged), plan.object_graph, io_device)
 
 
 def _plan_copy(
@@ -261,4 +319,4 @@ def write_bundle(prefix: str, state: StagedState) -> None:
     with _compat.sync_executor_scope():
         tensors = [_as_tensor(t) for t in state.tensors]
         tensors.append(tf.constant(state.object_graph, dtype=tf.string))
-        _compat.save_v2(prefix, names, slices, tensors)
+        _compat.save_v2(prefix, names, slices, tensors, io_device=state.io_device)

@@ -1,26 +1,56 @@
-"""``asyncckpt.tf.Checkpoint``: ``tf.train.Checkpoint`` with asynchronous saves."""
+"""``asyncckpt.tf.Checkpoint``: a ``tf.train.Checkpoint`` whose saves are asynchronous."""
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import logging
 import os
 import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+from asyncckpt import errors
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.manifest import is_owned, load_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
-from asyncckpt.errors import CheckpointNotFoundError
 from asyncckpt.options import AsyncOptions, RestoreOptions
-from asyncckpt.tf import _compat, _staging
+from asyncckpt.tf import _compat, _inflight, _partial, _staging
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import CommitCallback, TFSaveJob, manifest_path
+from asyncckpt.tf._partial import PartialRestore
 
 logger = logging.getLogger(__name__)
 
 
+class CheckpointNotFoundError(errors.CheckpointNotFoundError, tf.errors.NotFoundError):
+    """No checkpoint at the path asked for.
+
+    Both a ``tf.errors.NotFoundError`` (what ``tf.train.Checkpoint.restore``
+    raises) and asyncckpt's ``CheckpointNotFoundError`` (a ``FileNotFoundError``).
+    """
+
+    def __init__(self, message: str):
+        tf.errors.NotFoundError.__init__(self, None, None, message)
+        errors.CheckpointNotFoundError.__init__(self, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (type(self), (self.message,))
+
+
 def _fspath(path) -> str:
-    return os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    """A path from a str, a path-like object or (eagerly) a string tensor, as TF takes."""
+    if isinstance(path, os.PathLike):
+        return os.fspath(path)
+    if tf.is_tensor(path):
+        value = path.numpy()
+        return value.decode() if isinstance(value, bytes) else str(value)
+    return str(path)
 
 
 def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
@@ -32,13 +62,17 @@ def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
         accepted as is.
 
     Raises:
-        CheckpointNotFoundError: No checkpoint exists at ``prefix``.
+        CheckpointNotFoundError: No checkpoint exists at ``prefix`` (also a
+            ``tf.errors.NotFoundError``).
         CorruptCheckpointError: A file is missing, truncated or corrupt, or
             the manifest of a checkpoint asyncckpt wrote is missing.
     """
     if not os.path.exists(prefix + ".index"):
         raise CheckpointNotFoundError(
-            f"no TensorFlow checkpoint at {prefix!r} (missing {prefix + '.index'!r})"
+            f"Error when restoring from checkpoint or SavedModel at {prefix!r}: "
+            f"no TensorFlow checkpoint there (missing {prefix + '.index'!r}). Please "
+            "double-check that the path is correct; you may be missing the checkpoint "
+            "suffix (e.g. the '-1' in 'path/to/ckpt-1')."
         )
     owned = is_owned(prefix, marker_suffix=".index")  # then a missing manifest is corruption
     manifest = load_manifest(manifest_path(prefix), checkpoint=prefix, owned=owned)
@@ -54,28 +88,193 @@ def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
     return True
 
 
-class Checkpoint:
-    """Asynchronous counterpart of ``tf.train.Checkpoint``.
+# -- tf.train.CheckpointOptions -------------------------------------------------
 
-    Construct it exactly like ``tf.train.Checkpoint``; ``save()`` and
-    ``write()`` block only while the values are copied to host memory and
-    return the checkpoint path at once, while a background thread writes
-    TensorFlow-native files that ``tf.train.Checkpoint(...).restore`` reads.
+
+@dataclass(frozen=True)
+class _WriteOptions:
+    """What asyncckpt takes from a ``tf.train.CheckpointOptions`` for a save."""
+
+    io_device: str | None = None
+    callbacks: tuple[Callable, ...] = ()
+
+
+_DEFAULT_WRITE = _WriteOptions()
+
+
+def _callback_arity(callback: Callable) -> int:
+    if not callable(callback):
+        raise TypeError(f"experimental_write_callbacks holds a non-callable: {callback!r}")
+    n = len(inspect.signature(callback).parameters)
+    if n > 1:
+        raise TypeError(
+            "checkpoint write callbacks take 0 or 1 parameters (the save path), "
+            f"{callback!r} takes {n}"
+        )
+    return n
+
+
+def _write_options(options) -> _WriteOptions:
+    """Validates ``options`` for an asynchronous save.
+
+    ``enable_async``/``experimental_enable_async_checkpoint`` are accepted (the
+    save is asynchronous anyway); ``experimental_skip_slot_variables`` only
+    concerns restores; a sharding callback other than TensorFlow's default
+    (one data file per task, which is what asyncckpt writes) is refused.
+    """
+    if options is None:
+        return _DEFAULT_WRITE
+    if not isinstance(options, tf.train.CheckpointOptions):
+        raise TypeError(f"options must be a tf.train.CheckpointOptions, got {options!r}")
+    if not _compat.is_default_sharding(options.experimental_sharding_callback):
+        raise NotImplementedError(
+            "asyncckpt.tf writes one data file per checkpoint and cannot honour "
+            f"experimental_sharding_callback={options.experimental_sharding_callback!r}; "
+            "save with tf.train.Checkpoint to shard the files"
+        )
+    callbacks = tuple(options.experimental_write_callbacks or ())
+    for cb in callbacks:
+        _callback_arity(cb)
+    return _WriteOptions(io_device=options.experimental_io_device, callbacks=callbacks)
+
+
+def _synchronous_tf_options(options):
+    """``options`` with TensorFlow's own async switched off (for the fallback path)."""
+    if options is None:
+        return None
+    options = copy.copy(options)
+    options.enable_async = False
+    options.experimental_enable_async_checkpoint = False
+    return options
+
+
+class _OnCommitted:
+    """Runs on the writer thread once a checkpoint is durable.
+
+    The user's ``experimental_write_callbacks`` first (as TensorFlow does,
+    before its own state-file update), then the internal bookkeeping, which
+    runs even if a user callback raises. Holds no reference to the checkpoint.
+    """
+
+    def __init__(self, callbacks: tuple[Callable, ...], internal: CommitCallback | None):
+        self.callbacks = callbacks
+        self.internal = internal
+
+    def __call__(self, path: str, stats: SaveStats) -> None:
+        with _inflight.callback_scope():
+            try:
+                for cb in self.callbacks:
+                    if _callback_arity(cb) == 0:
+                        cb()
+                    else:
+                        cb(path)
+            finally:
+                if self.internal is not None:
+                    self.internal(path, stats)
+
+
+_STATE_FILE_LOCK = threading.Lock()
+
+
+def _record_latest(path: str, stats: SaveStats, *, fsync: bool) -> None:
+    """What ``tf.train.Checkpoint.save`` does after writing: point the state file at it."""
+    del stats
+    directory = os.path.dirname(os.path.abspath(path))
+    rel = os.path.basename(path)
+    with _STATE_FILE_LOCK:
+        text = _compat.checkpoint_state_text(directory, rel, [rel], [], 0.0)
+        commit_lib.write_text_atomic(os.path.join(directory, "checkpoint"), text, fsync=fsync)
+
+
+# -- per-checkpoint asynchronous state ------------------------------------------
+
+
+class _AsyncState:
+    """The asynchronous machinery of one Checkpoint, invisible to tracking.
+
+    Not a trackable, so ``tf.train.Checkpoint``'s dependency tracking ignores
+    it; a deep copy of the checkpoint gets a fresh one (no engine, thread or
+    lock is copied). The engine is created on the first save.
+    """
+
+    def __init__(self, options: AsyncOptions, restore_options: RestoreOptions, wraps: bool):
+        self.options = options
+        self.restore_options = restore_options
+        self.wraps = wraps
+        self.stager = _staging.Stager()
+        self.checked_dirs: set[str] = set()
+        self.last_save: SaveHandle | None = None
+        self._engine: AsyncEngine | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    self._engine = AsyncEngine(options=self.options, name="asyncckpt.tf")
+        return self._engine
+
+    @property
+    def engine_if_any(self) -> AsyncEngine | None:
+        return self._engine
+
+    def __deepcopy__(self, memo) -> _AsyncState:
+        return _AsyncState(self.options, self.restore_options, self.wraps)
+
+
+class _Attribute:
+    """A read-only attribute that yields to a tracked attribute of the same name.
+
+    A non-data descriptor: ``ckpt.engine = tf.Variable(...)`` stores and
+    tracks a child as ``tf.train.Checkpoint`` would (any name is allowed
+    there), and from then on that child is what the name gives.
+    """
+
+    def __init__(self, getter):
+        self._getter = getter
+        self.__doc__ = getter.__doc__
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        return self._getter(instance)
+
+
+def _graph_checkpoint(instance):
+    """The ``tf.train.Checkpoint`` whose graph is saved: the wrapped one, or itself."""
+    state = instance.__dict__.get("_asyncckpt")
+    if state is not None and state.wraps:
+        return instance.root
+    return instance
+
+
+class Checkpoint(tf.train.Checkpoint):
+    """A ``tf.train.Checkpoint`` whose ``save()`` and ``write()`` are asynchronous.
+
+    It is a ``tf.train.Checkpoint`` (dependency tracking, nesting, restore,
+    SavedModel directories, ``CheckpointOptions``); ``save()`` and ``write()``
+    block only while the values are copied to host memory and return the
+    checkpoint path at once, while a background thread writes
+    TensorFlow-native files. Inside a ``tf.function`` or in graph mode, where
+    no host copy can be taken, they run TensorFlow's own synchronous save.
 
     Example::
 
         ckpt = asyncckpt.tf.Checkpoint(model=model, optimizer=optimizer)
-        path = ckpt.save("/tmp/run/ckpt")      # returns after the host copy
-        ...
-        ckpt.sync()                              # wait until durable
-        tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path)
+        ckpt.step = tf.Variable(0)               # tracked and saved, as in TF
+        path = ckpt.save("/tmp/run/ckpt")        # returns after the host copy
+        ckpt.restore(path)                       # waits for that save first
+        ckpt.sync()                              # or: wait until all are durable
 
     Args:
-        root: As for ``tf.train.Checkpoint``.
+        root: As for ``tf.train.Checkpoint`` (a trackable or a weak reference).
         async_options: Staging slots, fsync and checksums.
         restore_options: Verification done by ``restore``/``read``.
         **kwargs: Trackable objects to save, as for ``tf.train.Checkpoint``.
     """
+
+    checkpoint = _Attribute(_graph_checkpoint)
 
     def __init__(
         self,
@@ -85,7 +284,10 @@ class Checkpoint:
         restore_options: RestoreOptions | None = None,
         **kwargs,
     ):
-        self._init(tf.train.Checkpoint(root=root, **kwargs), async_options, restore_options)
+        super().__init__(root=root, **kwargs)
+        self._asyncckpt = _AsyncState(
+            async_options or AsyncOptions(), restore_options or RestoreOptions(), wraps=False
+        )
 
     @classmethod
     def wrap(
@@ -95,60 +297,58 @@ class Checkpoint:
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
     ) -> Checkpoint:
-        """Makes saves of an existing ``tf.train.Checkpoint`` asynchronous."""
+        """An asyncckpt Checkpoint that saves ``checkpoint``'s object graph.
+
+        Its saves write exactly what ``checkpoint.save``/``write`` would
+        (``checkpoint`` is the root of the saved graph, and its
+        ``save_counter`` numbers the saves); an ``asyncckpt.tf.Checkpoint``
+        is returned as is.
+        """
+        if isinstance(checkpoint, Checkpoint):
+            if async_options is not None or restore_options is not None:
+                raise ValueError(
+                    "cannot change the options of an existing asyncckpt.tf.Checkpoint"
+                )
+            return checkpoint
         if not isinstance(checkpoint, tf.train.Checkpoint):
             raise TypeError(
                 f"expected a tf.train.Checkpoint, got {type(checkpoint).__name__}"
             )
-        self = cls.__new__(cls)
-        self._init(checkpoint, async_options, restore_options)
+        checkpoint.save_counter  # noqa: B018 - created now, so the wrapper numbers with it
+        self = cls(root=checkpoint, async_options=async_options, restore_options=restore_options)
+        self._asyncckpt.wraps = True
         return self
 
-    def _init(self, checkpoint, async_options, restore_options) -> None:
-        self._tf = checkpoint
-        self._options = async_options or AsyncOptions()
-        self._restore_options = restore_options or RestoreOptions()
-        self._engine = AsyncEngine(options=self._options, name="asyncckpt.tf")
-        self._stager = _staging.Stager(checkpoint)
-        self._checked_dirs: set[str] = set()
-        self._last_save: SaveHandle | None = None
-        self._state_lock = threading.Lock()
+    # -- asyncckpt additions -----------------------------------------------------
 
-    # -- attributes of the wrapped checkpoint ---------------------------------
+    # Read-only attributes that yield to tracked children of the same name.
 
-    def __getattr__(self, name: str):
-        # Only reached for names this class lacks: ckpt.model, ckpt.optimizer...
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._tf, name)
+    @_Attribute
+    def async_options(self) -> AsyncOptions:
+        """Staging slots, fsync and checksums of the saves."""
+        return self._asyncckpt.options
 
-    @property
-    def checkpoint(self) -> tf.train.Checkpoint:
-        """The wrapped ``tf.train.Checkpoint`` (for restores, or plain saves)."""
-        return self._tf
+    @_Attribute
+    def restore_options(self) -> RestoreOptions:
+        """Verification done by ``restore``/``read``."""
+        return self._asyncckpt.restore_options
 
-    @property
-    def save_counter(self) -> tf.Variable:
-        """Number of ``save()`` calls, saved in the checkpoint like TensorFlow's."""
-        return self._tf.save_counter
-
-    @property
+    @_Attribute
     def last_save(self) -> SaveHandle | None:
         """Handle of the most recent save (``committed`` resolves when durable)."""
-        return self._last_save
+        return self._asyncckpt.last_save
 
-    @property
+    @_Attribute
     def engine(self) -> AsyncEngine:
         """The background engine: stats, ``estimated_write_seconds``, pending count."""
-        return self._engine
-
-    # -- saving -------------------------------------------------------------
+        return self._asyncckpt.engine
 
     def _check_dir(self, prefix: str) -> None:
         directory = os.path.dirname(os.path.abspath(prefix))
-        if directory not in self._checked_dirs:
+        checked = self._asyncckpt.checked_dirs
+        if directory not in checked:
             commit_lib.ensure_writable_dir(directory)
-            self._checked_dirs.add(directory)
+            checked.add(directory)
 
     def write_async(
         self,
@@ -157,6 +357,7 @@ class Checkpoint:
         step: int | None = None,
         on_committed: CommitCallback | None = None,
         extra: dict | None = None,
+        options=None,
     ) -> SaveHandle:
         """Stages the state and returns a handle; the lower-level ``write``.
 
@@ -164,44 +365,66 @@ class Checkpoint:
             file_prefix: Checkpoint prefix, used as is.
             step: Step recorded in the manifest.
             on_committed: Called on the writer thread once the checkpoint is
-                durable (managers use it to update the state file).
+                durable (managers use it to update the state file), after
+                the write callbacks of ``options``.
             extra: Additional manifest data.
+            options: A ``tf.train.CheckpointOptions``.
         """
         prefix = _fspath(file_prefix)
         if not prefix:
             raise ValueError("file_prefix must be a non-empty path")
+        return self._stage(prefix, _write_options(options), step, on_committed, extra)
+
+    def _stage(self, prefix, wopts: _WriteOptions, step, internal, extra) -> SaveHandle:
+        state = self._asyncckpt
         self._check_dir(prefix)
+        on_committed = _OnCommitted(wopts.callbacks, internal)
+        io_device = wopts.io_device
 
         def stage(slot):
-            state = self._stager.stage(slot)
+            staged = state.stager.stage(self, slot, io_device=io_device)
             return TFSaveJob(
                 prefix=prefix,
-                state=state,
+                state=staged,
                 step=step,
-                options=self._options,
+                options=state.options,
                 on_committed=on_committed,
                 extra=extra,
             )
 
-        handle = self._engine.save(stage, label=prefix, step=step)
-        self._last_save = handle
+        handle = state.engine.save(stage, label=prefix, step=step)
+        _inflight.register(prefix, handle)
+        state.last_save = handle
+        if _compat.in_preemption_save_context():
+            # TensorFlow's PreemptionCheckpointHandler exits right after this
+            # save: make it durable before returning, as TensorFlow does.
+            handle.result()
         return handle
 
-    def write(self, file_prefix, options=None) -> str:
-        """Saves without numbering or updating the ``checkpoint`` state file.
+    # -- tf.train.Checkpoint's saving API ----------------------------------------
 
-        Args:
-            file_prefix: Checkpoint prefix, used as is.
-            options: Accepted for compatibility with ``tf.train.Checkpoint``;
-                its async flag is ignored (saves are always asynchronous).
+    def write(self, file_prefix, options=None):
+        """Writes without numbering or updating the ``checkpoint`` state file.
 
-        Returns:
-            ``file_prefix``; the files appear there once the save is durable.
+        Returns ``file_prefix`` at once; the files appear there once the save
+        is durable (``sync()``, ``last_save``). Write callbacks in ``options``
+        run on the writer thread after the commit.
         """
-        del options
-        return self.write_async(file_prefix).label
+        if isinstance(file_prefix, os.PathLike):
+            file_prefix = os.fspath(file_prefix)
+        return self._write(file_prefix, options)
 
-    def save(self, file_prefix, options=None) -> str:
+    def _write(self, file_prefix, options=None):
+        # tf.train.Checkpoint.save and tf.train.CheckpointManager.save both end here.
+        if not _compat.executing_eagerly():
+            return super()._write(file_prefix, _synchronous_tf_options(options))
+        prefix = _fspath(file_prefix)
+        if not prefix:
+            raise ValueError("file_prefix must be a non-empty path")
+        self._stage(prefix, _write_options(options), None, None, None)
+        return prefix
+
+    def save(self, file_prefix, options=None):
         """Numbered save, like ``tf.train.Checkpoint.save``.
 
         Increments ``save_counter``, writes ``<file_prefix>-<counter>`` in the
@@ -212,68 +435,111 @@ class Checkpoint:
         Returns:
             The checkpoint path, ``<file_prefix>-<counter>``.
         """
-        del options
+        if not _compat.executing_eagerly():
+            return super().save(file_prefix, _synchronous_tf_options(options))
+        wopts = _write_options(options)
         prefix = _fspath(file_prefix)
         self._check_dir(prefix)
-        number = int(self._tf.save_counter.assign_add(1, read_value=True).numpy())
+        engine = self._asyncckpt.engine
+        engine.raise_pending_error()  # before counting a save that would fail
+        counter = self.save_counter
+        number = int(counter.assign_add(1, read_value=True).numpy())
         path = f"{prefix}-{number}"
+        record = functools.partial(_record_latest, fsync=self._asyncckpt.options.fsync)
         try:
-            self.write_async(path, step=number, on_committed=self._record_latest)
+            self._stage(path, wopts, number, record, None)
         except BaseException:
-            self._tf.save_counter.assign_sub(1)  # nothing was saved under this number
+            counter.assign_sub(1)  # nothing was saved under this number
             raise
         return path
 
-    def _record_latest(self, path: str, stats: SaveStats) -> None:
-        # What tf.train.Checkpoint.save does after writing: point the
-        # directory's state file at the new checkpoint.
-        del stats
-        directory = os.path.dirname(os.path.abspath(path))
-        rel = os.path.basename(path)
-        with self._state_lock:
-            text = _compat.checkpoint_state_text(directory, rel, [rel], [], 0.0)
-            commit_lib.write_text_atomic(
-                os.path.join(directory, "checkpoint"), text, fsync=self._options.fsync
-            )
-
-    # -- waiting ------------------------------------------------------------
+    # -- waiting -------------------------------------------------------------------
 
     def sync(self, timeout: float | None = None) -> None:
         """Waits until every save so far is durable; re-raises background errors."""
-        self._engine.sync(timeout)
+        engine = self._asyncckpt.engine_if_any
+        if engine is not None:
+            engine.sync(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves in flight and frees the staging memory."""
-        self._engine.close(timeout)
+        engine = self._asyncckpt.engine_if_any
+        if engine is not None:
+            engine.close(timeout)
+        self._asyncckpt.stager.clear()
 
     def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._engine.__exit__(exc_type, exc, tb)
+        engine = self._asyncckpt.engine_if_any
+        if engine is not None:
+            engine.__exit__(exc_type, exc, tb)
+        self._asyncckpt.stager.clear()
 
-    # -- restoring ----------------------------------------------------------
+    # -- restoring -----------------------------------------------------------------
 
-    def _prepare_restore(self, save_path) -> str:
-        self.sync()
-        path = _fspath(save_path)
-        verify_checkpoint(path, checksums=self._restore_options.verify_checksums)
-        return path
+    def _prepare_read(self, path: str) -> None:
+        _inflight.wait_for(path)
+        verify_checkpoint(path, checksums=self._asyncckpt.restore_options.verify_checksums)
 
     def restore(self, save_path, options=None):
         """Restores like ``tf.train.Checkpoint.restore``, after verifying the files.
 
-        Waits for saves in flight first, so a path just returned by ``save()``
-        can be restored at once.
+        A path whose save is still in flight in this process is waited for
+        first, so a path just returned by ``save()`` can be restored at once.
+        A SavedModel directory restores its variables, as in TensorFlow.
 
         Raises:
-            CheckpointNotFoundError: Nothing is saved at ``save_path``.
+            CheckpointNotFoundError: Nothing is saved at ``save_path`` (a
+                ``tf.errors.NotFoundError``).
             CorruptCheckpointError: A file fails the manifest check.
         """
-        if save_path is None:
-            return self._tf.restore(None, options)
-        return self._tf.restore(self._prepare_restore(save_path), options)
+        options = _synchronous_tf_options(options)
+        if save_path is None or not _compat.executing_eagerly():
+            return super().restore(save_path, options)
+        path = _fspath(save_path)
+        path = _compat.saved_model_variables_path(path) or path
+        self._prepare_read(path)
+        status = tf.train.Checkpoint.read(self, path, options)
+        self._maybe_create_save_counter()
+        if _compat.is_name_based_status(status):
+            status.add_to_optionally_restored(self.save_counter)
+        return status
+
+    def restore_partial(
+        self, save_path, options=None, *, only: Iterable[str] | None = None
+    ) -> PartialRestore:
+        """Restores what matches and says what was skipped.
+
+        Like ``restore(save_path).expect_partial()``, and returns a
+        ``PartialRestore`` naming the checkpoint objects and keys that were
+        not restored and this checkpoint's objects that got no value.
+
+        Args:
+            save_path: As for ``restore``.
+            options: As for ``restore``.
+            only: Restore only these attributes of this checkpoint (for
+                example ``["model"]`` to leave the optimizer as it is);
+                everything else in the file is reported as skipped.
+        """
+        if only is None:
+            target = self
+        else:
+            root = _compat.graph_view_of(self).root  # what the saved paths start from
+            names = list(only)
+            children = {n: root._lookup_dependency(n) for n in names}
+            missing = [n for n, child in children.items() if child is None]
+            if missing:
+                raise ValueError(f"this checkpoint has no attribute(s) {missing} to restore")
+            target = Checkpoint(restore_options=self._asyncckpt.restore_options, **children)
+        status = target.restore(save_path, options)
+        return _partial.report(status, target)
 
     def read(self, save_path, options=None):
         """Like ``tf.train.Checkpoint.read`` (no ``save_counter`` expected)."""
-        return self._tf.read(self._prepare_restore(save_path), options)
+        options = _synchronous_tf_options(options)
+        if save_path is not None and _compat.executing_eagerly():
+            save_path = _fspath(save_path)
+            self._prepare_read(save_path)
+        return super().read(save_path, options)

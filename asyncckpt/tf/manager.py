@@ -2,33 +2,37 @@
 
 from __future__ import annotations
 
-import collections
+import functools
 import logging
+import numbers
 import os
 import re
-import threading
-import time
 
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
-from asyncckpt.engine.lock import DirectoryLock
-from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
-from asyncckpt.tf import _compat
+from asyncckpt.tf import _compat, _dirview, _inflight
 from asyncckpt.tf._compat import tf
-from asyncckpt.tf._job import delete_checkpoint
-from asyncckpt.tf.checkpoint import Checkpoint, verify_checkpoint
+from asyncckpt.tf.checkpoint import Checkpoint, _write_options, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
 
 def _evaluate(value) -> int:
-    """An int from an int, a variable or a tensor (like TensorFlow's manager)."""
-    if isinstance(value, int):
-        return value
+    """An int from an int (numpy ints too), a variable or a tensor, like TensorFlow."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
     return int(value.numpy() if hasattr(value, "numpy") else value)
+
+
+def _positive_or_none(value, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"Expected a positive integer or `None` for `{name}`, got {value!r}.")
+    return int(value)
 
 
 class CheckpointManager:
@@ -36,15 +40,21 @@ class CheckpointManager:
 
     Same constructor, properties and methods as ``tf.train.CheckpointManager``,
     plus ``sync()``/``close()``. ``save()`` returns the new path as soon as the
-    state is copied to host memory. The ``checkpoint`` state file, and with it
-    ``latest_checkpoint``, ``checkpoints`` and retention deletions, change only
-    once a checkpoint is durable: ``tf.train.latest_checkpoint(directory)``
-    never names a partial checkpoint.
+    state is copied to host memory, and, as in TensorFlow, ``latest_checkpoint``,
+    ``checkpoints`` and the retention decisions change at once. The
+    ``checkpoint`` state file changes, and old checkpoints are deleted, only
+    once the new checkpoint is durable, so ``tf.train.latest_checkpoint``
+    never names a partial checkpoint. Restoring a path whose save is still in
+    flight (``restore_or_initialize``, ``asyncckpt.tf.Checkpoint.restore``)
+    waits for it.
+
+    Managers of one directory in one process share that view (listings agree,
+    one commits at a time); the directory lock keeps other processes out.
 
     Args:
-        checkpoint: A ``tf.train.Checkpoint`` (its saves become asynchronous)
-            or an ``asyncckpt.tf.Checkpoint``.
-        directory: Where checkpoints are written.
+        checkpoint: A ``tf.train.Checkpoint`` (its saves through this manager
+            become asynchronous) or an ``asyncckpt.tf.Checkpoint``.
+        directory: Where checkpoints are written (str or path-like).
         max_to_keep: Checkpoints to keep; None keeps all.
         keep_checkpoint_every_n_hours: Additionally preserve one checkpoint per
             this many hours.
@@ -94,16 +104,13 @@ class CheckpointManager:
                 f"got {type(checkpoint).__name__}"
             )
         self._user_checkpoint = checkpoint
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep <= 0):
-            raise ValueError(f"Expected a positive integer or `None` for `max_to_keep`, got "
-                             f"{max_to_keep!r}.")
+        max_to_keep = _positive_or_none(max_to_keep, "max_to_keep")
         self._policy = retention.RetentionPolicy(
             max_to_keep=max_to_keep, keep_every_n_hours=keep_checkpoint_every_n_hours
         )
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name must be a plain file name, got {checkpoint_name!r}")
         self._directory = os.fspath(directory)
-        self._abs_dir = os.path.abspath(self._directory)
         self._checkpoint_name = checkpoint_name
         self._prefix = os.path.join(self._directory, checkpoint_name)
         self._init_fn = init_fn
@@ -114,74 +121,13 @@ class CheckpointManager:
         self._checkpoint_interval = checkpoint_interval
         self._step_counter = step_counter
         self._last_checkpoint_step = last_checkpoint_step
-        self._lock = threading.Lock()
-        self._fsync = self._ckpt._options.fsync
-        self._verify_checksums = self._ckpt._restore_options.verify_checksums
-        # Taken on the first save, so a manager used only to restore locks nothing.
-        self._dir_lock = DirectoryLock(self._abs_dir)
-        self._recover_state()
-
-    # -- state recovered from / written to the directory ----------------------
-
-    def _recover_state(self) -> None:
-        now = time.time()
-        self._maybe_delete: collections.OrderedDict[str, float] = collections.OrderedDict()
-        state = _compat.read_checkpoint_state(self._directory)
-        if state is None:
-            self._latest: str | None = None
-            self._last_preserved = now - 1.0
-            return
-        self._latest = state.model_checkpoint_path or None
-        self._last_preserved = min(state.last_preserved_timestamp, now)
-        paths = list(state.all_model_checkpoint_paths)
-        stamps = list(state.all_model_checkpoint_timestamps) or [self._last_preserved] * len(paths)
-        for path, stamp in zip(paths, stamps, strict=False):
-            if not os.path.exists(path + ".index"):
-                logger.warning("%s is listed in %s/checkpoint but its files are gone; "
-                               "no longer managing it", path, self._directory)
-                continue
-            stamp = min(stamp, now)
-            if stamp > self._last_preserved:
-                self._maybe_delete[path] = stamp
-
-    def _rel(self, path: str) -> str:
-        return os.path.relpath(os.path.abspath(path), self._abs_dir)
-
-    def _write_state(self) -> None:
-        paths = list(self._maybe_delete)
-        text = _compat.checkpoint_state_text(
-            self._abs_dir,
-            self._rel(self._latest) if self._latest else "",
-            [self._rel(p) for p in paths],
-            list(self._maybe_delete.values()),
-            self._last_preserved,
-        )
-        commit_lib.write_text_atomic(
-            os.path.join(self._abs_dir, "checkpoint"), text, fsync=self._fsync
-        )
-
-    def _on_committed(self, path: str, stats: SaveStats) -> None:
-        """Writer thread: record a durable checkpoint, then apply retention."""
-        del stats
-        with self._lock:
-            self._maybe_delete.pop(path, None)
-            self._maybe_delete[path] = time.time()
-            self._latest = path
-            decision = retention.apply(
-                [retention.Candidate(p, None, t) for p, t in self._maybe_delete.items()],
-                self._policy,
-                last_preserved_timestamp=self._last_preserved,
-            )
-            for c in decision.delete + decision.preserve:
-                del self._maybe_delete[c.key]
-            self._last_preserved = decision.last_preserved_timestamp
-            # The state file stops naming a checkpoint before its files go.
-            self._write_state()
-            for c in decision.delete:
-                delete_checkpoint(c.key)
-                logger.debug("retention deleted %s", c.key)
+        self._verify_checksums = self._ckpt._asyncckpt.restore_options.verify_checksums
+        self._view = _dirview.view_for(self._directory, fsync=self._ckpt._asyncckpt.options.fsync)
 
     # -- properties of tf.train.CheckpointManager --------------------------
+
+    def _path(self, name: str | None) -> str | None:
+        return None if name is None else os.path.join(self._directory, name)
 
     @property
     def directory(self) -> str:
@@ -193,15 +139,13 @@ class CheckpointManager:
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """Prefix of the newest durable checkpoint, or None."""
-        with self._lock:
-            return self._latest
+        """Prefix of the newest checkpoint, from its ``save()`` call on (as in TF)."""
+        return self._path(self._view.latest)
 
     @property
     def checkpoints(self) -> list[str]:
-        """Managed durable checkpoints, oldest first."""
-        with self._lock:
-            return list(self._maybe_delete)
+        """Managed checkpoints, oldest first, including saves still being written."""
+        return [self._path(n) for n in self._view.names()]
 
     @property
     def checkpoint(self):
@@ -211,12 +155,17 @@ class CheckpointManager:
     @property
     def last_save(self) -> SaveHandle | None:
         """Handle of the most recent save (``committed`` resolves when durable)."""
-        return self._ckpt.last_save
+        return self._ckpt._asyncckpt.last_save
 
     @property
     def engine(self):
         """The background engine (stats, ``estimated_write_seconds``)."""
-        return self._ckpt.engine
+        return self._ckpt._asyncckpt.engine
+
+    @property
+    def retention_failures(self) -> int:
+        """Failed state-file writes or deletions after a durable save (retried later)."""
+        return self._view.retention_failures
 
     # -- saving and restoring ------------------------------------------------
 
@@ -224,12 +173,19 @@ class CheckpointManager:
         """Stages a numbered checkpoint and returns its path (or None if skipped).
 
         Args:
-            checkpoint_number: Number for the file name (an int, or a variable
-                such as a global step); defaults to ``save_counter``.
+            checkpoint_number: Number for the file name (an int, a numpy int,
+                or a variable such as a global step); defaults to
+                ``save_counter``, which is incremented either way.
             check_interval: Honour ``checkpoint_interval``.
-            options: Accepted for compatibility; ignored.
+            options: A ``tf.train.CheckpointOptions``; its write callbacks run
+                on the writer thread once the checkpoint is durable.
         """
-        del options
+        if not _compat.executing_eagerly():
+            raise NotImplementedError(
+                "asyncckpt.tf.CheckpointManager.save needs eager execution; in graph mode "
+                "use tf.train.CheckpointManager"
+            )
+        wopts = _write_options(options)
         if self._checkpoint_interval is not None:
             current = _evaluate(self._step_counter)
             if self._last_checkpoint_step is not None:
@@ -241,23 +197,33 @@ class CheckpointManager:
                     return None
             self._last_checkpoint_step = current
         self._take_directory()
+        self._ckpt._asyncckpt.engine.raise_pending_error()  # before counting a save that would fail
         counter = self._ckpt.save_counter
         counter.assign_add(1)
         number = _evaluate(counter if checkpoint_number is None else checkpoint_number)
         prefix = f"{self._prefix}-{number}"
+        view = self._view
+        ticket = view.record_save(view.rel(prefix), self._policy)
         try:
-            self._ckpt.write_async(prefix, step=number, on_committed=self._on_committed)
+            handle = self._ckpt._stage(
+                prefix, wopts, number, functools.partial(view.committed, ticket), None
+            )
         except BaseException:
             counter.assign_sub(1)
+            view.save_failed(ticket)
             raise
+        handle.committed.add_done_callback(functools.partial(_undo_if_failed, view, ticket))
         return prefix
 
     def _take_directory(self) -> None:
-        if not self._dir_lock.held:
-            self._dir_lock.acquire()
-            # Holding the lock, nobody else writes here: temporaries are stale.
-            commit_lib.cleanup_stale_temps(self._abs_dir)
-            self._remove_orphans()
+        if self._view.take(self):
+            # First writer of this directory in this process, holding the lock:
+            # nobody else writes here, so temporaries are stale.
+            # The guard keeps a publish by another object of this process (a
+            # plain Checkpoint writing here) out while orphans are judged.
+            with commit_lib.directory_guard(self._view.abs_dir):
+                commit_lib.cleanup_stale_temps(self._view.abs_dir)
+                self._remove_orphans()
 
     def _remove_orphans(self) -> None:
         """Deletes files of this manager's checkpoints that never got their index.
@@ -269,30 +235,28 @@ class CheckpointManager:
             re.escape(self._checkpoint_name)
             + r"-\d+(?=\.(?:data-\d{5}-of-\d{5}|asyncckpt-manifest\.json)$)"
         )
+        abs_dir = self._view.abs_dir
         orphans: dict[str, list[str]] = {}
-        for name in os.listdir(self._abs_dir):
+        for name in os.listdir(abs_dir):
             m = pattern.match(name)
             if m:
                 orphans.setdefault(m.group(0), []).append(name)
         for base, names in orphans.items():
-            if not os.path.exists(os.path.join(self._abs_dir, base + ".index")):
+            if not os.path.exists(os.path.join(abs_dir, base + ".index")):
                 for name in names:
-                    os.unlink(os.path.join(self._abs_dir, name))
+                    os.unlink(os.path.join(abs_dir, name))
                 logger.warning("removed files of %s left without an index by an interrupted "
                                "save: %s", base, ", ".join(sorted(names)))
 
     def newest_valid_checkpoint(self) -> str | None:
         """The newest managed checkpoint whose files match their manifest.
 
-        Damaged or incomplete checkpoints are skipped with a warning naming them
-        and the file at fault.
+        Waits for a save of it still in flight; damaged or incomplete
+        checkpoints are skipped with a warning naming them and the file at fault.
         """
-        self.sync()
-        with self._lock:
-            candidates = list(reversed(self._maybe_delete))
-            if self._latest and self._latest not in candidates:
-                candidates.insert(0, self._latest)
-        for path in candidates:
+        for name in self._view.newest_first():
+            path = self._path(name)
+            _inflight.wait_for(path)
             try:
                 verify_checkpoint(path, checksums=self._verify_checksums)
                 return path
@@ -312,7 +276,8 @@ class CheckpointManager:
         """
         path = self.newest_valid_checkpoint()
         if path is not None:
-            self._ckpt.checkpoint.restore(path)  # verified just above
+            tf.train.Checkpoint.read(self._ckpt, path)  # verified just above
+            self._ckpt._maybe_create_save_counter()
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _evaluate(self._step_counter)
             return path
@@ -326,14 +291,14 @@ class CheckpointManager:
         self._ckpt.sync(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flushes saves, releases the directory; closes the engine if it made it."""
+        """Flushes saves; the last manager of the directory releases its lock."""
         try:
             if self._owns_ckpt:
                 self._ckpt.close(timeout)
             else:
                 self._ckpt.sync(timeout)
         finally:
-            self._dir_lock.release()
+            self._view.leave(self)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -346,3 +311,8 @@ class CheckpointManager:
                 self.close()
             except Exception:
                 logger.exception("error while closing the checkpoint manager after another error")
+
+
+def _undo_if_failed(view: _dirview.DirectoryView, ticket: _dirview.SaveTicket, future) -> None:
+    if future.exception() is not None:
+        view.save_failed(ticket)
