@@ -1,0 +1,758 @@
+"""Crash campaign: real SIGKILLs and real I/O errors against the TF and JAX managers.
+
+Usage::
+
+    python benchmarks/crash_campaign.py --framework tf|jax|both --kills N --io-errors M --seed S
+
+**Kills.** A *zygote* process imports TensorFlow/JAX and asyncckpt once and
+then forks one child per trial, so a kill costs a fork instead of a
+multi-second import. A child restores the newest checkpoint through the
+manager (as a restarted job does), checks it is exact, and saves a
+deterministic state (``a = base + step``, ``b = 2 * base - step``) in a loop.
+The real save job's ``write`` and ``commit`` are wrapped (class attributes of
+the real classes, nothing mocked) so each phase boundary is written to the
+zygote's stdout before and after the real call; the zygote prints
+``exit <pid>`` only after reaping the child, so every marker of a dead child
+is read before its exit line. The parent kills each child with SIGKILL at a
+point drawn from the seeded RNG: most often a random fraction of the way
+through a write (aimed with the measured write time), otherwise inside a
+commit. The phase the kill actually landed in is read from the markers, not
+assumed. After each kill the parent checks: every listed checkpoint matches
+its manifest (no partial checkpoint is listed), no checkpoint whose commit had
+finished is missing (unless retention had the right to drop it), and the
+newest one restores exactly, with TensorFlow's own reader for TF and the
+manager for JAX. The next child resumes after it.
+
+**I/O errors.** Each run mounts a 4 MiB tmpfs (root), pre-fills it so that
+only a random amount of space (0.3 to 2.8 checkpoints, or just short of a
+whole number of checkpoints) is free, and saves until the disk is full. It
+checks that every failed save surfaced as an exception to the caller, that no
+save reported as durable is missing or damaged, that no temporary is left,
+that the newest checkpoint restores exactly, and that saving works again once
+space is freed. Without the right to mount, a checkpoint directory made
+read-only in the middle of the run stands in (non-root only: root ignores
+permission bits); the summary says which one was used.
+
+Prints a table and, with ``--json PATH``, writes the numbers. Exits 1 when an
+invariant broke (a lost checkpoint, a partial one listed, an inexact restore,
+an error not surfaced) or when fewer than half of the kills landed in a write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+
+MAX_TO_KEEP = 3
+IO_MAX_TO_KEEP = 2
+IO_SAVES = 5
+IO_FS_MIB = 4
+IO_FLOATS = 96 * 1024  # per array: two arrays of 384 KiB, about 0.75 MiB a checkpoint
+WRITER_EVENTS = ("write-start", "write-end", "commit-start", "commit-end",
+                 "write-error", "commit-error")
+PHASE_OF_LAST_EVENT = {None: "before-write", "write-start": "write", "write-end": "between",
+                       "commit-start": "commit", "commit-end": "after-commit",
+                       "write-error": "error", "commit-error": "error"}
+TARGET_WRITE_SHARE = 0.8  # the rest of the kills are aimed at commits
+TEMP_PREFIX = ".asyncckpt-tmp-"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
+
+
+def _environment() -> dict[str, str]:
+    """The environment of the zygote: this checkout first, quiet TF, 8 CPU devices."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    if "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + DEVICE_COUNT_FLAG).strip()
+    return env
+
+
+def expected_arrays(step: int, n: int):
+    """The state saved at ``step``: two float32 arrays that differ at every step."""
+    import numpy as np
+
+    base = np.arange(n, dtype=np.float32)
+    return base + np.float32(step), base * np.float32(2) - np.float32(step)
+
+
+def step_of(label: str) -> int:
+    """Step of a job label: ``ckpt-7`` (TF) or ``7`` (JAX)."""
+    return int(label.rsplit("-", 1)[-1])
+
+
+# -- phase probes: the real job classes, wrapped ------------------------------------------
+
+_SINK: list = [lambda event, label, detail="": None]
+
+
+def install_phase_probes(framework: str) -> None:
+    """Wraps the real save job's ``write`` and ``commit`` to report phase boundaries.
+
+    Reports go to ``_SINK[0](event, label, detail)`` on the writer thread,
+    just before and just after the real method runs (``*-error`` when it
+    raises). Installing twice is a no-op.
+    """
+    if framework == "tf":
+        from asyncckpt.tf._job import TFSaveJob as job_class
+    else:
+        from asyncckpt.jax._job import JaxSaveJob as job_class
+    for phase in ("write", "commit"):
+        real = getattr(job_class, phase)
+        if getattr(real, "crash_probe", False):
+            continue
+
+        def probed(self, *args, _real=real, _phase=phase):
+            _SINK[0](f"{_phase}-start", self.label)
+            try:
+                result = _real(self, *args)
+            except BaseException as e:
+                _SINK[0](f"{_phase}-error", self.label, type(e).__name__)
+                raise
+            _SINK[0](f"{_phase}-end", self.label)
+            return result
+
+        probed.crash_probe = True
+        setattr(job_class, phase, probed)
+
+
+# -- the zygote and its children -----------------------------------------------------------
+
+
+def _out(line: str) -> None:
+    """One line to stdout in one write(2): atomic on a pipe, never buffered in Python."""
+    os.write(1, (line + "\n").encode())
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _child_tf(directory: str, n: int) -> None:
+    import numpy as np
+    import tensorflow as tf
+
+    import asyncckpt.tf as at
+
+    a, b = (tf.Variable(np.zeros(n, np.float32)) for _ in range(2))
+    step = tf.Variable(-1, dtype=tf.int64)
+    mgr = at.CheckpointManager(tf.train.Checkpoint(a=a, b=b, step=step), directory,
+                               max_to_keep=MAX_TO_KEEP)
+    s = 0
+    if mgr.restore_or_initialize() is not None:
+        s = int(step.numpy())
+        ea, eb = expected_arrays(s, n)
+        exact = np.array_equal(a.numpy(), ea) and np.array_equal(b.numpy(), eb)
+        _out(f"mark {os.getpid()} resume {s} {int(exact)} {time.monotonic():.6f}")
+        s += 1
+    while True:
+        ea, eb = expected_arrays(s, n)
+        a.assign(ea)
+        b.assign(eb)
+        step.assign(s)
+        mgr.save(checkpoint_number=s)
+        s += 1
+
+
+def _child_jax(directory: str, n: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import asyncckpt.jax as aj
+
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P("d"))
+    spec = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding)
+    mgr = aj.CheckpointManager(directory, max_to_keep=MAX_TO_KEEP)
+    s = 0
+    if mgr.latest_step() is not None:
+        got = mgr.restore(target={"a": spec, "b": spec, "step": 0})
+        s = int(got["step"])
+        ea, eb = expected_arrays(s, n)
+        exact = (np.array_equal(np.asarray(got["a"]), ea)
+                 and np.array_equal(np.asarray(got["b"]), eb))
+        _out(f"mark {os.getpid()} resume {s} {int(exact)} {time.monotonic():.6f}")
+        s += 1
+    while True:
+        ea, eb = expected_arrays(s, n)
+        mgr.save(s, {"a": jax.device_put(ea, sharding), "b": jax.device_put(eb, sharding),
+                     "step": s})
+        s += 1
+
+
+def zygote_main(frameworks: list[str]) -> None:
+    """Imports everything once, then forks a saving child per ``run`` command."""
+    _die_with_parent()
+    import numpy  # noqa: F401
+
+    for framework in frameworks:
+        if framework == "tf":
+            import tensorflow  # noqa: F401
+
+            import asyncckpt.tf
+        else:
+            import jax  # noqa: F401  (the backend starts in the child, not here)
+
+            import asyncckpt.jax  # noqa: F401
+        install_phase_probes(framework)
+    _SINK[0] = lambda event, label, detail="": _out(
+        f"mark {os.getpid()} {event} {step_of(label)} {time.monotonic():.6f}")
+    _out("zygote-ready")
+    for line in sys.stdin:
+        framework, directory, n = line.split()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _die_with_parent()
+                (_child_tf if framework == "tf" else _child_jax)(directory, int(n))
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        _out(f"pid {pid}")
+        _, status = os.waitpid(pid, 0)
+        _out(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+class CampaignError(AssertionError):
+    """The campaign could not go on (a child died by itself, a wait timed out)."""
+
+
+class Zygote:
+    """The parent's handle on the zygote process and its line stream."""
+
+    def __init__(self, frameworks: list[str], log_path: str):
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--zygote", ",".join(frameworks)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env=_environment(),
+        )
+        self.lines: queue.Queue[list[str] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.child: int | None = None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.split())
+        self.lines.put(None)
+
+    def log_tail(self, n: int = 3000) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-n:]
+
+    def next(self, timeout: float) -> list[str] | None:
+        """The next line, or None when ``timeout`` passes first."""
+        try:
+            fields = self.lines.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        if fields is None:
+            raise CampaignError(f"the zygote exited: {self.log_tail()}")
+        return fields
+
+    def expect(self, kind: str, timeout: float, sink: list | None = None) -> list[str]:
+        """Reads lines until one of ``kind``; marks met on the way go to ``sink``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fields = self.next(deadline - time.monotonic())
+            if fields is None:
+                raise CampaignError(f"no {kind!r} line within {timeout} s: {self.log_tail()}")
+            if fields[0] == kind:
+                return fields
+            if fields[0] == "mark" and sink is not None:
+                sink.append(fields)
+            elif fields[0] == "exit":
+                raise CampaignError(f"child exited by itself ({fields}): {self.log_tail()}")
+
+    def start(self, framework: str, directory: str, n: int) -> int:
+        self.proc.stdin.write(f"{framework} {directory} {n}\n")
+        self.proc.stdin.flush()
+        self.child = int(self.expect("pid", 120)[1])
+        return self.child
+
+    def close(self) -> None:
+        if self.child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+# -- the parent: kills and what is checked after each -------------------------------------
+
+
+@dataclass
+class Stats:
+    """What one framework's campaign counted."""
+
+    framework: str
+    seed: int
+    mib_per_checkpoint: float
+    kills: int = 0
+    kills_by_phase: dict = field(default_factory=dict)
+    kills_during_write: int = 0
+    kills_aimed_at_write: int = 0
+    checkpoints_committed: int = 0
+    checkpoints_lost: int = 0
+    partial_checkpoints_listed: int = 0
+    restores: int = 0
+    restores_exact: int = 0
+    resumes: int = 0
+    resumes_exact: int = 0
+    io_filesystem: str = ""
+    io_runs: int = 0
+    io_runs_with_failed_save: int = 0
+    io_errors_surfaced: int = 0
+    io_error_phases: dict = field(default_factory=dict)
+    io_error_types: dict = field(default_factory=dict)
+    io_durable_saves_missing: int = 0
+    io_published_then_reported_failed: int = 0
+    io_temporaries_left: int = 0
+    io_restores: int = 0
+    io_restores_exact: int = 0
+    io_recovered: int = 0
+    failures: list = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def ok(self) -> bool:
+        return (not self.failures and self.checkpoints_lost == 0
+                and self.partial_checkpoints_listed == 0
+                and self.restores_exact == self.restores and self.resumes_exact == self.resumes
+                and self.kills_during_write * 2 > self.kills
+                and self.io_errors_surfaced == self.io_runs_with_failed_save
+                and self.io_durable_saves_missing == 0 and self.io_temporaries_left == 0
+                and self.io_restores_exact == self.io_restores
+                and self.io_recovered == self.io_runs)
+
+
+class Verifier:
+    """Checks a checkpoint directory from outside the writer, with the real readers."""
+
+    def __init__(self, framework: str, n: int):
+        self.framework, self.n = framework, n
+        if framework == "tf":
+            import numpy as np
+            import tensorflow as tf
+
+            self._vars = {k: tf.Variable(np.zeros(n, np.float32)) for k in ("a", "b")}
+            self._step = tf.Variable(-1, dtype=tf.int64)
+            self._ckpt = tf.train.Checkpoint(step=self._step, **self._vars)
+
+    def listed(self, directory: str, stats: Stats, context: str) -> list[int]:
+        """Steps listed; counts (and records) any listed checkpoint that fails its manifest."""
+        from asyncckpt import catalog
+
+        steps = []
+        for info in catalog.list_checkpoints(directory):
+            try:
+                catalog.verify(info)
+            except Exception as e:
+                stats.partial_checkpoints_listed += 1
+                stats.failures.append(f"{context}: listed checkpoint {info.name} is partial: {e}")
+            steps.append(info.step)
+        if self.framework == "tf":
+            import tensorflow as tf
+
+            latest = tf.train.latest_checkpoint(directory)  # TensorFlow's own state file
+            if latest is not None and os.path.basename(latest) not in {
+                    f"ckpt-{s}" for s in steps}:
+                stats.partial_checkpoints_listed += 1
+                stats.failures.append(f"{context}: the state file names {latest}, not listed")
+        return steps
+
+    def restore_exact(self, directory: str, step: int) -> bool:
+        """Restores ``step`` with the framework's reader; True when every value matches."""
+        import numpy as np
+
+        ea, eb = expected_arrays(step, self.n)
+        if self.framework == "tf":
+
+            prefix = os.path.join(directory, f"ckpt-{step}")
+            self._ckpt.restore(prefix).assert_consumed()
+            got = int(self._step.numpy()), self._vars["a"].numpy(), self._vars["b"].numpy()
+        else:
+            import asyncckpt.jax as aj
+
+            with aj.CheckpointManager(directory) as mgr:  # restoring takes no lock
+                tree = mgr.restore(step, target={"a": np.zeros(self.n, np.float32),
+                                                 "b": np.zeros(self.n, np.float32), "step": 0})
+            got = int(tree["step"]), tree["a"], tree["b"]
+        return got[0] == step and np.array_equal(got[1], ea) and np.array_equal(got[2], eb)
+
+
+def _estimate(durations: deque, default: float) -> float:
+    return statistics.median(durations) if durations else default
+
+
+def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, kills: int,
+              rng: random.Random, log=print) -> None:
+    """SIGKILLs ``kills`` children at chosen points and checks the directory after each."""
+    committed: set[int] = set()
+    durations = {"write": deque(maxlen=20), "commit": deque(maxlen=20)}
+    phases: Counter = Counter()
+    newest = None
+    for trial in range(kills):
+        aim = "write" if rng.random() < TARGET_WRITE_SHARE else "commit"
+        nth = rng.randint(1, 3)  # which of this child's writes (or commits) to hit
+        frac = rng.uniform(0.05, 0.95)
+        marks: list[list[str]] = []
+        pid = zygote.start(verifier.framework, directory, verifier.n)
+        seen = 0
+        deadline = time.monotonic() + 180
+        while seen < nth:  # wait for the aimed phase to start (a real event)
+            fields = zygote.next(deadline - time.monotonic())
+            if fields is None or fields[0] == "exit":
+                raise CampaignError(f"trial {trial}: child {pid} never reached {aim} #{nth} "
+                                    f"({fields}): {zygote.log_tail()}")
+            marks.append(fields)
+            seen += fields[2] == f"{aim}-start"
+        delay = frac * _estimate(durations[aim], 0.05)
+        kill_at = time.monotonic() + delay
+        while (left := kill_at - time.monotonic()) > 0:  # the random kill point
+            fields = zygote.next(left)
+            if fields is None:
+                break
+            if fields[0] == "exit":
+                raise CampaignError(f"child {pid} exited by itself: {zygote.log_tail()}")
+            marks.append(fields)
+        os.kill(pid, signal.SIGKILL)
+        zygote.expect("exit", 60, sink=marks)  # every marker of the child precedes this
+        zygote.child = None
+        stats.kills += 1
+        stats.kills_aimed_at_write += aim == "write"
+        # Where the kill landed: the writer thread's last phase boundary.
+        writer = [m for m in marks if m[2] in WRITER_EVENTS]
+        phase = PHASE_OF_LAST_EVENT[writer[-1][2] if writer else None]
+        phases[phase] += 1
+        starts: dict = {}
+        for m in marks:
+            event, step, t = m[2], int(m[3]), float(m[-1])
+            if event.endswith("-start"):
+                starts[(event[:-6], step)] = t
+            elif event.endswith("-end") and (event[:-4], step) in starts:
+                durations[event[:-4]].append(t - starts[(event[:-4], step)])
+            if event == "commit-end":
+                committed.add(step)
+            if event == "resume":
+                stats.resumes += 1
+                exact = m[4] == "1" and step == newest
+                stats.resumes_exact += exact
+                if not exact:
+                    stats.failures.append(f"trial {trial}: resumed at {step} (exact={m[4]}), "
+                                          f"newest listed was {newest}")
+        context = f"seed={stats.seed} trial={trial} aim={aim}#{nth} frac={frac:.2f}"
+        steps = verifier.listed(directory, stats, context)
+        lost = sorted(c for c in committed
+                      if c not in steps and sum(s > c for s in steps) < MAX_TO_KEEP)
+        if lost:
+            stats.failures.append(f"{context}: committed checkpoint(s) {lost} lost; on disk "
+                                  f"{steps}")
+        stats.checkpoints_lost += len(lost)
+        committed -= set(lost)
+        newest = steps[-1] if steps else None
+        if newest is not None:
+            stats.restores += 1
+            if verifier.restore_exact(directory, newest):
+                stats.restores_exact += 1
+            else:
+                stats.failures.append(f"{context}: step {newest} did not restore exactly")
+        temps = sum(name.startswith(TEMP_PREFIX) for name in os.listdir(directory))
+        log(f"{context}: killed in {phase} ({temps} temporary); listed {steps}")
+    stats.kills_by_phase = dict(phases)
+    stats.kills_during_write = phases["write"]
+    stats.checkpoints_committed = len(committed)
+
+
+# -- I/O errors on a tiny, full filesystem --------------------------------------------------
+
+
+@contextlib.contextmanager
+def tiny_filesystem(path: str, kind: str):
+    """A ``IO_FS_MIB`` MiB tmpfs at ``path`` (or a plain directory for ``read-only``)."""
+    os.makedirs(path, exist_ok=True)
+    if kind == "tmpfs":
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={IO_FS_MIB}m", "tmpfs", path],
+                       check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        if kind == "tmpfs":
+            subprocess.run(["umount", "-l", path], check=False, capture_output=True)
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o755)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def choose_filesystem(workdir: str) -> str:
+    """``tmpfs`` where mounting works, else ``read-only`` (non-root), else ``none``."""
+    probe = os.path.join(workdir, "mount-probe")
+    try:
+        with tiny_filesystem(probe, "tmpfs"):
+            pass
+        return "tmpfs"
+    except (subprocess.CalledProcessError, OSError):
+        return "read-only" if os.geteuid() != 0 else "none"
+
+
+class _Saver:
+    """One framework's manager over the small I/O-error state, driven in this process."""
+
+    def __init__(self, framework: str, directory: str):
+        import numpy as np
+
+        self.framework = framework
+        if framework == "tf":
+            import tensorflow as tf
+
+            import asyncckpt.tf as at
+
+            self.vars = [tf.Variable(np.zeros(IO_FLOATS, np.float32)) for _ in range(2)]
+            self.step = tf.Variable(0, dtype=tf.int64)
+            self.mgr = at.CheckpointManager(
+                tf.train.Checkpoint(a=self.vars[0], b=self.vars[1], step=self.step), directory,
+                max_to_keep=IO_MAX_TO_KEEP)
+        else:
+            import asyncckpt.jax as aj
+
+            self.mgr = aj.CheckpointManager(directory, max_to_keep=IO_MAX_TO_KEEP)
+
+    def save(self, step: int):
+        ea, eb = expected_arrays(step, IO_FLOATS)
+        if self.framework == "tf":
+            self.vars[0].assign(ea)
+            self.vars[1].assign(eb)
+            self.step.assign(step)
+            self.mgr.save(checkpoint_number=step)
+        else:
+            import jax.numpy as jnp
+
+            self.mgr.save(step, {"a": jnp.asarray(ea), "b": jnp.asarray(eb), "step": step})
+        return self.mgr.last_save
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+def _checkpoint_bytes(framework: str, workdir: str) -> int:
+    """Bytes one I/O-run checkpoint takes on a tmpfs (measured, not guessed)."""
+    path = os.path.join(workdir, "calibrate")
+    with tiny_filesystem(path, "tmpfs"):
+        before = shutil.disk_usage(path).used
+        saver = _Saver(framework, os.path.join(path, "ckpts"))
+        saver.save(0)
+        saver.close()
+        return shutil.disk_usage(path).used - before
+
+
+def run_io_errors(verifier: Verifier, stats: Stats, runs: int, rng: random.Random, workdir: str,
+                  kind: str, log=print) -> None:
+    """Saves into a filesystem that runs out of space (or turns read-only) mid-run."""
+    stats.io_filesystem = kind
+    if kind == "none" or runs == 0:
+        return
+    install_phase_probes(verifier.framework)
+    events: list[tuple[str, str, str]] = []
+    _SINK[0] = lambda event, label, detail="": events.append((event, label, detail))
+    ckpt_bytes = _checkpoint_bytes(verifier.framework, workdir) if kind == "tmpfs" else 0
+    io_verifier = Verifier(verifier.framework, IO_FLOATS)
+    phases: Counter = Counter()
+    types: Counter = Counter()
+    for run in range(runs):
+        events.clear()
+        root = os.path.join(workdir, f"io-{verifier.framework}-{run}")
+        directory = os.path.join(root, "ckpts")
+        with tiny_filesystem(root, kind):
+            if kind == "tmpfs":
+                if rng.random() < 0.6:
+                    free = int(rng.uniform(0.3, 2.8) * ckpt_bytes)
+                else:  # just short of a whole checkpoint: the last files hit the wall
+                    free = rng.randint(1, 2) * ckpt_bytes - rng.randint(1, 16 << 10)
+                with open(os.path.join(root, "filler"), "wb") as f:
+                    f.write(b"\0" * max(shutil.disk_usage(root).free - free, 0))
+            readonly_at = rng.randint(1, 3)
+            saver = _Saver(verifier.framework, directory)
+            handles, raised = {}, []
+            for step in range(IO_SAVES):
+                if kind == "read-only" and step == readonly_at:
+                    os.chmod(directory, 0o555)
+                try:
+                    handles[step] = saver.save(step)
+                except Exception as e:
+                    raised.append(e)
+                    phases["save-call"] += 1
+            try:
+                saver.close()
+            except Exception as e:
+                raised.append(e)
+            failed = {s for s, h in handles.items() if h.committed.exception(60) is not None}
+            failed_or_refused = bool(failed) or bool(raised)
+            stats.io_runs += 1
+            stats.io_runs_with_failed_save += failed_or_refused
+            stats.io_errors_surfaced += failed_or_refused and bool(raised)
+            for e in raised:
+                types[type(e).__name__] += 1
+            for event, _, _ in events:
+                if event.endswith("-error"):
+                    phases[event[:-6]] += 1
+            if os.path.isdir(directory):
+                os.chmod(directory, 0o755)
+            context = f"seed={stats.seed} io run {run}"
+            steps = io_verifier.listed(directory, stats, context)
+            durable = {s for s in handles if s not in failed}
+            missing = sorted(s for s in durable
+                             if s not in steps and sum(t > s for t in steps) < IO_MAX_TO_KEEP)
+            stats.io_durable_saves_missing += len(missing)
+            if missing:
+                stats.failures.append(f"{context}: saves {missing} reported durable are gone")
+            stats.io_published_then_reported_failed += len(failed & set(steps))
+            temps = [n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX)]
+            stats.io_temporaries_left += len(temps)
+            if temps:
+                stats.failures.append(f"{context}: temporaries left: {temps}")
+            if steps:
+                stats.io_restores += 1
+                if io_verifier.restore_exact(directory, steps[-1]):
+                    stats.io_restores_exact += 1
+                else:
+                    stats.failures.append(f"{context}: step {steps[-1]} not restored exactly")
+            # Space back: the next run of the job saves again.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, "filler"))
+            again = max(steps, default=-1) + 1
+            try:
+                saver = _Saver(verifier.framework, directory)
+                saver.save(again)
+                saver.close()
+                if io_verifier.restore_exact(directory, again):
+                    stats.io_recovered += 1
+            except Exception as e:
+                stats.failures.append(f"{context}: saving after space was freed failed: {e!r}")
+            log(f"{context}: failed saves {sorted(failed)}, raised "
+                f"{[type(e).__name__ for e in raised]}, listed {steps}")
+    stats.io_error_phases = dict(phases)
+    stats.io_error_types = dict(types)
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def _table(all_stats: list[Stats]) -> str:
+    rows = [
+        ("kills", "kills"), ("kills during write", "kills_during_write"),
+        ("kills by phase", "kills_by_phase"), ("checkpoints committed", "checkpoints_committed"),
+        ("checkpoints lost", "checkpoints_lost"),
+        ("partial checkpoints listed", "partial_checkpoints_listed"),
+        ("restores exact", "restores_exact"), ("restores", "restores"),
+        ("resumes exact (child)", "resumes_exact"), ("I/O error filesystem", "io_filesystem"),
+        ("I/O error runs", "io_runs"), ("runs with a failed save", "io_runs_with_failed_save"),
+        ("I/O errors surfaced as errors", "io_errors_surfaced"),
+        ("I/O error phases", "io_error_phases"), ("errors raised", "io_error_types"),
+        ("durable saves missing", "io_durable_saves_missing"),
+        ("published, reported failed", "io_published_then_reported_failed"),
+        ("temporaries left", "io_temporaries_left"),
+        ("I/O restores exact", "io_restores_exact"), ("recovered after space freed",
+                                                       "io_recovered"),
+        ("wall seconds", "wall_s"),
+    ]
+    lines = [f"{'':32}" + "".join(f"{s.framework:>28}" for s in all_stats)]
+    for title, key in rows:
+        values = [getattr(s, key) for s in all_stats]
+        shown = [json.dumps(v) if isinstance(v, dict) else
+                 (f"{v:.0f}" if isinstance(v, float) else str(v)) for v in values]
+        lines.append(f"{title:32}" + "".join(f"{v:>28}" for v in shown))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--zygote", help=argparse.SUPPRESS)
+    parser.add_argument("--framework", choices=["tf", "jax", "both"], default="both")
+    parser.add_argument("--kills", type=int, default=200, help="SIGKILLs per framework")
+    parser.add_argument("--io-errors", type=int, default=50, help="I/O-error runs per framework")
+    parser.add_argument("--seed", type=int,
+                        default=int(os.environ.get("ASYNCCKPT_TEST_SEED", "0")))
+    parser.add_argument("--mib", type=float, default=32.0, help="state size of the kill runs")
+    parser.add_argument("--workdir", help="where checkpoints go (default: a temporary dir)")
+    parser.add_argument("--json", help="write the numbers here")
+    parser.add_argument("--quiet", action="store_true", help="no line per trial")
+    args = parser.parse_args(argv)
+    if args.zygote:
+        zygote_main(args.zygote.split(","))
+        return 0
+    frameworks = ["tf", "jax"] if args.framework == "both" else [args.framework]
+    os.environ.update({k: v for k, v in _environment().items() if k != "PYTHONPATH"})
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(f"crash campaign: seed={args.seed} frameworks={frameworks} kills={args.kills} "
+          f"io-errors={args.io_errors} state={args.mib} MiB", flush=True)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="crash-campaign-")
+    os.makedirs(workdir, exist_ok=True)
+    log = (lambda *a: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    zygote = Zygote(frameworks, os.path.join(workdir, "zygote.log"))
+    all_stats = []
+    try:
+        zygote.expect("zygote-ready", 600)
+        kind = choose_filesystem(workdir)
+        n = int(args.mib * 2**20) // 8  # two float32 arrays
+        n -= n % 8  # shards evenly over 8 devices
+        for framework in frameworks:
+            rng = random.Random(f"{args.seed}-{framework}")
+            stats = Stats(framework, args.seed, 8 * n / 2**20)
+            start = time.monotonic()
+            verifier = Verifier(framework, n)
+            directory = os.path.join(workdir, f"kills-{framework}")
+            os.makedirs(directory, exist_ok=True)
+            run_kills(zygote, verifier, stats, directory, args.kills, rng, log)
+            run_io_errors(verifier, stats, args.io_errors, rng, workdir, kind, log)
+            stats.wall_s = time.monotonic() - start
+            all_stats.append(stats)
+    finally:
+        zygote.close()
+    print(_table(all_stats))
+    for s in all_stats:
+        for failure in s.failures[:20]:
+            print(f"FAILURE [{s.framework}] {failure}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(s) for s in all_stats], f, indent=1)
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    ok = all(s.ok() for s in all_stats)
+    print(f"verdict: {'OK' if ok else 'FAILED'} (seed={args.seed})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
