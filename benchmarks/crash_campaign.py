@@ -332,6 +332,8 @@ class Stats:
     restores_exact: int = 0
     resumes: int = 0
     resumes_exact: int = 0
+    resumes_behind_newest_listed: int = 0
+    leftovers_after_takeover: list = field(default_factory=list)
     io_filesystem: str = ""
     io_runs: int = 0
     io_runs_with_failed_save: int = 0
@@ -423,12 +425,13 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
     committed: set[int] = set()
     durations = {"write": deque(maxlen=20), "commit": deque(maxlen=20)}
     phases: Counter = Counter()
-    newest = None
+    listed: list[int] = []
     for trial in range(kills):
         aim = "write" if rng.random() < TARGET_WRITE_SHARE else "commit"
         nth = rng.randint(1, 3)  # which of this child's writes (or commits) to hit
         frac = rng.uniform(0.05, 0.95)
         marks: list[list[str]] = []
+        acknowledged = set(committed)  # before this child: what the restart must honour
         pid = zygote.start(verifier.framework, directory, verifier.n)
         seen = 0
         deadline = time.monotonic() + 180
@@ -467,14 +470,20 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
             if event == "commit-end":
                 committed.add(step)
             if event == "resume":
+                # The manager must resume from a listed checkpoint no older than the
+                # newest acknowledged one. (A TF checkpoint published but killed
+                # before the state file named it is on disk, yet TensorFlow's
+                # manager, like asyncckpt's, resumes from the state file's newest.)
                 stats.resumes += 1
-                exact = m[4] == "1" and step == newest
+                exact = m[4] == "1" and step in listed and step >= max(acknowledged, default=-1)
                 stats.resumes_exact += exact
+                stats.resumes_behind_newest_listed += exact and step != listed[-1]
                 if not exact:
-                    stats.failures.append(f"trial {trial}: resumed at {step} (exact={m[4]}), "
-                                          f"newest listed was {newest}")
+                    stats.failures.append(f"trial {trial}: resumed at {step} (exact={m[4]}); "
+                                          f"listed {listed}, acknowledged up to "
+                                          f"{max(acknowledged, default=None)}")
         context = f"seed={stats.seed} trial={trial} aim={aim}#{nth} frac={frac:.2f}"
-        steps = verifier.listed(directory, stats, context)
+        steps = listed = verifier.listed(directory, stats, context)
         lost = sorted(c for c in committed
                       if c not in steps and sum(s > c for s in steps) < MAX_TO_KEEP)
         if lost:
@@ -482,18 +491,37 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
                                   f"{steps}")
         stats.checkpoints_lost += len(lost)
         committed -= set(lost)
-        newest = steps[-1] if steps else None
-        if newest is not None:
+        if steps:
             stats.restores += 1
-            if verifier.restore_exact(directory, newest):
+            if verifier.restore_exact(directory, steps[-1]):
                 stats.restores_exact += 1
             else:
-                stats.failures.append(f"{context}: step {newest} did not restore exactly")
+                stats.failures.append(f"{context}: step {steps[-1]} did not restore exactly")
         temps = sum(name.startswith(TEMP_PREFIX) for name in os.listdir(directory))
         log(f"{context}: killed in {phase} ({temps} temporary); listed {steps}")
     stats.kills_by_phase = dict(phases)
     stats.kills_during_write = phases["write"]
     stats.checkpoints_committed = len(committed)
+    # A normal run afterwards takes over the dead writer's lock and its leftovers.
+    step = max(listed, default=-1) + 1
+    saver = _Saver(verifier.framework, directory, verifier.n, MAX_TO_KEEP)
+    saver.save(step)
+    saver.close()
+    if not verifier.restore_exact(directory, step):
+        stats.failures.append(f"the save after the last kill (step {step}) is not exact")
+    stats.leftovers_after_takeover = sorted(leftovers(directory))
+    if stats.leftovers_after_takeover:
+        stats.failures.append(f"left after a normal save: {stats.leftovers_after_takeover}")
+
+
+def leftovers(directory: str) -> list[str]:
+    """Temporaries, and TF checkpoint files whose index (the commit marker) is missing."""
+    names = os.listdir(directory)
+    found = [n for n in names if n.startswith(TEMP_PREFIX)]
+    committed_files = (".data-", ".asyncckpt-manifest.json")
+    found += [n for n in names if any(m in n for m in committed_files)
+              and n.split(".", 1)[0] + ".index" not in names]
+    return found
 
 
 # -- I/O errors on a tiny, full filesystem --------------------------------------------------
@@ -528,29 +556,30 @@ def choose_filesystem(workdir: str) -> str:
 
 
 class _Saver:
-    """One framework's manager over the small I/O-error state, driven in this process."""
+    """One framework's manager over the campaign's state, driven in this process."""
 
-    def __init__(self, framework: str, directory: str):
+    def __init__(self, framework: str, directory: str, n: int = IO_FLOATS,
+                 max_to_keep: int = IO_MAX_TO_KEEP):
         import numpy as np
 
-        self.framework = framework
+        self.framework, self.n = framework, n
         if framework == "tf":
             import tensorflow as tf
 
             import asyncckpt.tf as at
 
-            self.vars = [tf.Variable(np.zeros(IO_FLOATS, np.float32)) for _ in range(2)]
+            self.vars = [tf.Variable(np.zeros(n, np.float32)) for _ in range(2)]
             self.step = tf.Variable(0, dtype=tf.int64)
             self.mgr = at.CheckpointManager(
                 tf.train.Checkpoint(a=self.vars[0], b=self.vars[1], step=self.step), directory,
-                max_to_keep=IO_MAX_TO_KEEP)
+                max_to_keep=max_to_keep)
         else:
             import asyncckpt.jax as aj
 
-            self.mgr = aj.CheckpointManager(directory, max_to_keep=IO_MAX_TO_KEEP)
+            self.mgr = aj.CheckpointManager(directory, max_to_keep=max_to_keep)
 
     def save(self, step: int):
-        ea, eb = expected_arrays(step, IO_FLOATS)
+        ea, eb = expected_arrays(step, self.n)
         if self.framework == "tf":
             self.vars[0].assign(ea)
             self.vars[1].assign(eb)
@@ -676,7 +705,9 @@ def _table(all_stats: list[Stats]) -> str:
         ("checkpoints lost", "checkpoints_lost"),
         ("partial checkpoints listed", "partial_checkpoints_listed"),
         ("restores exact", "restores_exact"), ("restores", "restores"),
-        ("resumes exact (child)", "resumes_exact"), ("I/O error filesystem", "io_filesystem"),
+        ("resumes exact (child)", "resumes_exact"), ("resumes", "resumes"),
+        ("resumes behind newest listed", "resumes_behind_newest_listed"),
+        ("I/O error filesystem", "io_filesystem"),
         ("I/O error runs", "io_runs"), ("runs with a failed save", "io_runs_with_failed_save"),
         ("I/O errors surfaced as errors", "io_errors_surfaced"),
         ("I/O error phases", "io_error_phases"), ("errors raised", "io_error_types"),
