@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 
 MAX_TO_KEEP = 3
@@ -325,6 +325,9 @@ class Stats:
     kills_by_phase: dict = field(default_factory=dict)
     kills_during_write: int = 0
     kills_aimed_at_write: int = 0
+    write_ms_median: float = 0.0
+    commit_ms_median: float = 0.0
+    kill_late_ms_median: float = 0.0
     checkpoints_committed: int = 0
     checkpoints_lost: int = 0
     partial_checkpoints_listed: int = 0
@@ -423,9 +426,13 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
               rng: random.Random, log=print) -> None:
     """SIGKILLs ``kills`` children at chosen points and checks the directory after each."""
     committed: set[int] = set()
-    durations = {"write": deque(maxlen=20), "commit": deque(maxlen=20)}
+    # Phase durations by (phase, n-th of its kind in a child): a child's first
+    # write is several times longer than its later ones (fresh staging, first
+    # use of the writer), so each is aimed with its own history.
+    durations: defaultdict = defaultdict(lambda: deque(maxlen=15))
     phases: Counter = Counter()
     listed: list[int] = []
+    lateness: list[float] = []
     for trial in range(kills):
         aim = "write" if rng.random() < TARGET_WRITE_SHARE else "commit"
         nth = rng.randint(1, 3)  # which of this child's writes (or commits) to hit
@@ -442,8 +449,11 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
                                     f"({fields}): {zygote.log_tail()}")
             marks.append(fields)
             seen += fields[2] == f"{aim}-start"
-        delay = frac * _estimate(durations[aim], 0.05)
-        kill_at = time.monotonic() + delay
+        # The child's clock is this one (CLOCK_MONOTONIC): aim from the moment the
+        # phase began, not from when its marker arrived here.
+        aimed_start = float(fields[-1])
+        estimate = _estimate(durations[(aim, nth)], _estimate(durations[aim], 0.05))
+        kill_at = aimed_start + frac * estimate
         while (left := kill_at - time.monotonic()) > 0:  # the random kill point
             fields = zygote.next(left)
             if fields is None:
@@ -452,6 +462,7 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
                 raise CampaignError(f"child {pid} exited by itself: {zygote.log_tail()}")
             marks.append(fields)
         os.kill(pid, signal.SIGKILL)
+        lateness.append(max(time.monotonic() - kill_at, 0.0))
         zygote.expect("exit", 60, sink=marks)  # every marker of the child precedes this
         zygote.child = None
         stats.kills += 1
@@ -461,12 +472,16 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
         phase = PHASE_OF_LAST_EVENT[writer[-1][2] if writer else None]
         phases[phase] += 1
         starts: dict = {}
+        ordinal: Counter = Counter()
         for m in marks:
             event, step, t = m[2], int(m[3]), float(m[-1])
             if event.endswith("-start"):
-                starts[(event[:-6], step)] = t
+                ordinal[event[:-6]] += 1
+                starts[(event[:-6], step)] = (t, ordinal[event[:-6]])
             elif event.endswith("-end") and (event[:-4], step) in starts:
-                durations[event[:-4]].append(t - starts[(event[:-4], step)])
+                began, nth_of_kind = starts[(event[:-4], step)]
+                durations[event[:-4]].append(t - began)
+                durations[(event[:-4], min(nth_of_kind, 3))].append(t - began)
             if event == "commit-end":
                 committed.add(step)
             if event == "resume":
@@ -498,7 +513,13 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
             else:
                 stats.failures.append(f"{context}: step {steps[-1]} did not restore exactly")
         temps = sum(name.startswith(TEMP_PREFIX) for name in os.listdir(directory))
-        log(f"{context}: killed in {phase} ({temps} temporary); listed {steps}")
+        log(f"{context}: killed in {phase} {1e3 * (kill_at - aimed_start):.0f} ms after the "
+            f"{aim} began (such a {aim} lasted "
+            f"{[round(1e3 * d) for d in durations[(aim, nth)]][-3:]} ms lately); "
+            f"{temps} temporary; listed {steps}")
+    stats.write_ms_median = 1e3 * _estimate(durations["write"], 0.0)
+    stats.commit_ms_median = 1e3 * _estimate(durations["commit"], 0.0)
+    stats.kill_late_ms_median = 1e3 * _estimate(lateness, 0.0)
     stats.kills_by_phase = dict(phases)
     stats.kills_during_write = phases["write"]
     stats.checkpoints_committed = len(committed)
@@ -701,7 +722,10 @@ def run_io_errors(verifier: Verifier, stats: Stats, runs: int, rng: random.Rando
 def _table(all_stats: list[Stats]) -> str:
     rows = [
         ("kills", "kills"), ("kills during write", "kills_during_write"),
-        ("kills by phase", "kills_by_phase"), ("checkpoints committed", "checkpoints_committed"),
+        ("kills by phase", "kills_by_phase"), ("kills aimed at a write", "kills_aimed_at_write"),
+        ("write ms (median)", "write_ms_median"), ("commit ms (median)", "commit_ms_median"),
+        ("kill later than aimed, ms (median)", "kill_late_ms_median"),
+        ("checkpoints committed", "checkpoints_committed"),
         ("checkpoints lost", "checkpoints_lost"),
         ("partial checkpoints listed", "partial_checkpoints_listed"),
         ("restores exact", "restores_exact"), ("restores", "restores"),
