@@ -4,9 +4,9 @@ Usage::
 
     python benchmarks/crash_campaign.py --framework tf|jax|both --kills N --io-errors M --seed S
 
-**Kills.** A *zygote* process imports TensorFlow/JAX and asyncckpt once and
-then forks one child per trial, so a kill costs a fork instead of a
-multi-second import. A child restores the newest checkpoint through the
+**Kills.** A *zygote* process (``crash_zygote.py``) imports TensorFlow/JAX
+and asyncckpt once and then forks one child per trial, so a kill costs a fork
+instead of a multi-second import. A child restores the newest checkpoint through the
 manager (as a restarted job does), checks it is exact, and saves a
 deterministic state (``a = base + step``, ``b = 2 * base - step``) in a loop.
 The real save job's ``write`` and ``commit`` are wrapped (class attributes of
@@ -42,24 +42,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
-import queue
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 
-MAX_TO_KEEP = 3
+from crash_zygote import (
+    MAX_TO_KEEP,
+    CampaignError,
+    Zygote,
+    environment,
+    expected_arrays,
+    install_phase_probes,
+    set_probe_sink,
+)
+
 IO_MAX_TO_KEEP = 2
 IO_SAVES = 5
 IO_FS_MIB = 4
@@ -69,246 +73,8 @@ WRITER_EVENTS = ("write-start", "write-end", "commit-start", "commit-end",
 PHASE_OF_LAST_EVENT = {None: "before-write", "write-start": "write", "write-end": "between",
                        "commit-start": "commit", "commit-end": "after-commit",
                        "write-error": "error", "commit-error": "error"}
-TARGET_WRITE_SHARE = 0.8  # the rest of the kills are aimed at commits
+TARGET_WRITE_SHARE = 0.9  # the rest of the kills are aimed at commits
 TEMP_PREFIX = ".asyncckpt-tmp-"
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
-
-
-def _environment() -> dict[str, str]:
-    """The environment of the zygote: this checkout first, quiet TF, 8 CPU devices."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    if "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + DEVICE_COUNT_FLAG).strip()
-    return env
-
-
-def expected_arrays(step: int, n: int):
-    """The state saved at ``step``: two float32 arrays that differ at every step."""
-    import numpy as np
-
-    base = np.arange(n, dtype=np.float32)
-    return base + np.float32(step), base * np.float32(2) - np.float32(step)
-
-
-def step_of(label: str) -> int:
-    """Step of a job label: ``ckpt-7`` (TF) or ``7`` (JAX)."""
-    return int(label.rsplit("-", 1)[-1])
-
-
-# -- phase probes: the real job classes, wrapped ------------------------------------------
-
-_SINK: list = [lambda event, label, detail="": None]
-
-
-def install_phase_probes(framework: str) -> None:
-    """Wraps the real save job's ``write`` and ``commit`` to report phase boundaries.
-
-    Reports go to ``_SINK[0](event, label, detail)`` on the writer thread,
-    just before and just after the real method runs (``*-error`` when it
-    raises). Installing twice is a no-op.
-    """
-    if framework == "tf":
-        from asyncckpt.tf._job import TFSaveJob as job_class
-    else:
-        from asyncckpt.jax._job import JaxSaveJob as job_class
-    for phase in ("write", "commit"):
-        real = getattr(job_class, phase)
-        if getattr(real, "crash_probe", False):
-            continue
-
-        def probed(self, *args, _real=real, _phase=phase):
-            _SINK[0](f"{_phase}-start", self.label)
-            try:
-                result = _real(self, *args)
-            except BaseException as e:
-                _SINK[0](f"{_phase}-error", self.label, type(e).__name__)
-                raise
-            _SINK[0](f"{_phase}-end", self.label)
-            return result
-
-        probed.crash_probe = True
-        setattr(job_class, phase, probed)
-
-
-# -- the zygote and its children -----------------------------------------------------------
-
-
-def _out(line: str) -> None:
-    """One line to stdout in one write(2): atomic on a pipe, never buffered in Python."""
-    os.write(1, (line + "\n").encode())
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _child_tf(directory: str, n: int) -> None:
-    import numpy as np
-    import tensorflow as tf
-
-    import asyncckpt.tf as at
-
-    a, b = (tf.Variable(np.zeros(n, np.float32)) for _ in range(2))
-    step = tf.Variable(-1, dtype=tf.int64)
-    mgr = at.CheckpointManager(tf.train.Checkpoint(a=a, b=b, step=step), directory,
-                               max_to_keep=MAX_TO_KEEP)
-    s = 0
-    if mgr.restore_or_initialize() is not None:
-        s = int(step.numpy())
-        ea, eb = expected_arrays(s, n)
-        exact = np.array_equal(a.numpy(), ea) and np.array_equal(b.numpy(), eb)
-        _out(f"mark {os.getpid()} resume {s} {int(exact)} {time.monotonic():.6f}")
-        s += 1
-    while True:
-        ea, eb = expected_arrays(s, n)
-        a.assign(ea)
-        b.assign(eb)
-        step.assign(s)
-        mgr.save(checkpoint_number=s)
-        s += 1
-
-
-def _child_jax(directory: str, n: int) -> None:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import asyncckpt.jax as aj
-
-    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P("d"))
-    spec = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding)
-    mgr = aj.CheckpointManager(directory, max_to_keep=MAX_TO_KEEP)
-    s = 0
-    if mgr.latest_step() is not None:
-        got = mgr.restore(target={"a": spec, "b": spec, "step": 0})
-        s = int(got["step"])
-        ea, eb = expected_arrays(s, n)
-        exact = (np.array_equal(np.asarray(got["a"]), ea)
-                 and np.array_equal(np.asarray(got["b"]), eb))
-        _out(f"mark {os.getpid()} resume {s} {int(exact)} {time.monotonic():.6f}")
-        s += 1
-    while True:
-        ea, eb = expected_arrays(s, n)
-        mgr.save(s, {"a": jax.device_put(ea, sharding), "b": jax.device_put(eb, sharding),
-                     "step": s})
-        s += 1
-
-
-def zygote_main(frameworks: list[str]) -> None:
-    """Imports everything once, then forks a saving child per ``run`` command."""
-    _die_with_parent()
-    import numpy  # noqa: F401
-
-    for framework in frameworks:
-        if framework == "tf":
-            import tensorflow  # noqa: F401
-
-            import asyncckpt.tf
-        else:
-            import jax  # noqa: F401  (the backend starts in the child, not here)
-
-            import asyncckpt.jax  # noqa: F401
-        install_phase_probes(framework)
-    _SINK[0] = lambda event, label, detail="": _out(
-        f"mark {os.getpid()} {event} {step_of(label)} {time.monotonic():.6f}")
-    _out("zygote-ready")
-    for line in sys.stdin:
-        framework, directory, n = line.split()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                _die_with_parent()
-                (_child_tf if framework == "tf" else _child_jax)(directory, int(n))
-            except BaseException:
-                traceback.print_exc()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-        _out(f"pid {pid}")
-        _, status = os.waitpid(pid, 0)
-        _out(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
-
-
-class CampaignError(AssertionError):
-    """The campaign could not go on (a child died by itself, a wait timed out)."""
-
-
-class Zygote:
-    """The parent's handle on the zygote process and its line stream."""
-
-    def __init__(self, frameworks: list[str], log_path: str):
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--zygote", ",".join(frameworks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env=_environment(),
-        )
-        self.lines: queue.Queue[list[str] | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.child: int | None = None
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.split())
-        self.lines.put(None)
-
-    def log_tail(self, n: int = 3000) -> str:
-        with open(self.log_path) as f:
-            return f.read()[-n:]
-
-    def next(self, timeout: float) -> list[str] | None:
-        """The next line, or None when ``timeout`` passes first."""
-        try:
-            fields = self.lines.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        if fields is None:
-            raise CampaignError(f"the zygote exited: {self.log_tail()}")
-        return fields
-
-    def expect(self, kind: str, timeout: float, sink: list | None = None) -> list[str]:
-        """Reads lines until one of ``kind``; marks met on the way go to ``sink``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            fields = self.next(deadline - time.monotonic())
-            if fields is None:
-                raise CampaignError(f"no {kind!r} line within {timeout} s: {self.log_tail()}")
-            if fields[0] == kind:
-                return fields
-            if fields[0] == "mark" and sink is not None:
-                sink.append(fields)
-            elif fields[0] == "exit":
-                raise CampaignError(f"child exited by itself ({fields}): {self.log_tail()}")
-
-    def start(self, framework: str, directory: str, n: int) -> int:
-        self.proc.stdin.write(f"{framework} {directory} {n}\n")
-        self.proc.stdin.flush()
-        self.child = int(self.expect("pid", 120)[1])
-        return self.child
-
-    def close(self) -> None:
-        if self.child is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.child, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 # -- the parent: kills and what is checked after each -------------------------------------
@@ -325,6 +91,7 @@ class Stats:
     kills_by_phase: dict = field(default_factory=dict)
     kills_during_write: int = 0
     kills_aimed_at_write: int = 0
+    kills_aimed_by_file: int = 0
     write_ms_median: float = 0.0
     commit_ms_median: float = 0.0
     kill_late_ms_median: float = 0.0
@@ -352,15 +119,25 @@ class Stats:
     failures: list = field(default_factory=list)
     wall_s: float = 0.0
 
-    def ok(self) -> bool:
-        return (not self.failures and self.checkpoints_lost == 0
-                and self.partial_checkpoints_listed == 0
-                and self.restores_exact == self.restores and self.resumes_exact == self.resumes
-                and self.kills_during_write * 2 > self.kills
-                and self.io_errors_surfaced == self.io_runs_with_failed_save
-                and self.io_durable_saves_missing == 0 and self.io_temporaries_left == 0
-                and self.io_restores_exact == self.io_restores
-                and self.io_recovered == self.io_runs)
+    def problems(self) -> list[str]:
+        """The invariants this campaign broke (empty when all hold)."""
+        checks = {
+            "a check failed (see FAILURE lines)": not self.failures,
+            "a committed checkpoint was lost": self.checkpoints_lost == 0,
+            "a partial checkpoint was listed": self.partial_checkpoints_listed == 0,
+            "a restore was not exact": self.restores_exact == self.restores,
+            "a restarted job did not resume exactly": self.resumes_exact == self.resumes,
+            "at most half of the kills landed in a write": self.kills_during_write * 2
+            > self.kills,
+            "an I/O error did not reach the caller": self.io_errors_surfaced
+            == self.io_runs_with_failed_save,
+            "a save reported durable is missing": self.io_durable_saves_missing == 0,
+            "a temporary was left after an I/O error": self.io_temporaries_left == 0,
+            "a restore after I/O errors was not exact": self.io_restores_exact
+            == self.io_restores,
+            "saving did not work again once space was freed": self.io_recovered == self.io_runs,
+        }
+        return [what for what, held in checks.items() if not held]
 
 
 class Verifier:
@@ -418,8 +195,12 @@ class Verifier:
         return got[0] == step and np.array_equal(got[1], ea) and np.array_equal(got[2], eb)
 
 
-def _estimate(durations: deque, default: float) -> float:
-    return statistics.median(durations) if durations else default
+def _estimate(durations, default: float, quantile: float = 0.5) -> float:
+    """A quantile of recent durations (the median by default), or ``default``."""
+    if not durations:
+        return default
+    ordered = sorted(durations)
+    return ordered[min(int(quantile * len(ordered)), len(ordered) - 1)]
 
 
 def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, kills: int,
@@ -433,10 +214,13 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
     phases: Counter = Counter()
     listed: list[int] = []
     lateness: list[float] = []
+    files_per_write: list[int] = []  # files each finished write wrote (JAX: one per shard)
     for trial in range(kills):
         aim = "write" if rng.random() < TARGET_WRITE_SHARE else "commit"
-        nth = rng.randint(1, 3)  # which of this child's writes (or commits) to hit
-        frac = rng.uniform(0.05, 0.95)
+        # Which of this child's writes (or commits) to hit: half the time the
+        # first save after the restart (a long write), else one in steady state.
+        nth = rng.choice((1, 1, 2, 3))
+        frac = rng.uniform(0.05, 0.6)
         marks: list[list[str]] = []
         acknowledged = set(committed)  # before this child: what the restart must honour
         pid = zygote.start(verifier.framework, directory, verifier.n)
@@ -449,11 +233,34 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
                                     f"({fields}): {zygote.log_tail()}")
             marks.append(fields)
             seen += fields[2] == f"{aim}-start"
+        aimed_start = float(fields[-1])
+        aimed_step = fields[3]
+        files = files_per_write[-5:]
+        how = ""
+        if aim == "write" and files and min(files) >= 4:
+            # Files of this write come one by one: kill on one of the first half
+            # of them, and the kill lands in the write however late it is sent.
+            kth = rng.randint(1, min(files) // 2)
+            got = 0
+            while got < kth:
+                fields = zygote.next(deadline - time.monotonic())
+                if fields is None or fields[0] == "exit":
+                    raise CampaignError(f"trial {trial}: no file #{kth} of write {aimed_step} "
+                                        f"({fields}): {zygote.log_tail()}")
+                marks.append(fields)
+                got += fields[2] == "file-written" and fields[3] == aimed_step
+                if fields[2] == "write-end" and fields[3] == aimed_step:
+                    break
+            how = f"on file {kth} of the write"
+            stats.kills_aimed_by_file += 1
         # The child's clock is this one (CLOCK_MONOTONIC): aim from the moment the
         # phase began, not from when its marker arrived here.
-        aimed_start = float(fields[-1])
-        estimate = _estimate(durations[(aim, nth)], _estimate(durations[aim], 0.05))
-        kill_at = aimed_start + frac * estimate
+        # A short one of recent such phases: aiming inside the quick ones keeps
+        # the kill inside most of the slow ones too.
+        # Without a history for this ordinal yet, the shortest such phase seen.
+        estimate = _estimate(durations[(aim, nth)], _estimate(durations[aim], 0.05, 0.0), 0.25)
+        kill_at = time.monotonic() if how else aimed_start + frac * estimate
+        how = how or f"{1e3 * (kill_at - aimed_start):.0f} ms after the {aim} began"
         while (left := kill_at - time.monotonic()) > 0:  # the random kill point
             fields = zygote.next(left)
             if fields is None:
@@ -473,8 +280,13 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
         phases[phase] += 1
         starts: dict = {}
         ordinal: Counter = Counter()
+        files_in: Counter = Counter()
         for m in marks:
             event, step, t = m[2], int(m[3]), float(m[-1])
+            if event == "file-written":
+                files_in[step] += 1
+            if event == "write-end":
+                files_per_write.append(files_in[step])
             if event.endswith("-start"):
                 ordinal[event[:-6]] += 1
                 starts[(event[:-6], step)] = (t, ordinal[event[:-6]])
@@ -513,8 +325,7 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
             else:
                 stats.failures.append(f"{context}: step {steps[-1]} did not restore exactly")
         temps = sum(name.startswith(TEMP_PREFIX) for name in os.listdir(directory))
-        log(f"{context}: killed in {phase} {1e3 * (kill_at - aimed_start):.0f} ms after the "
-            f"{aim} began (such a {aim} lasted "
+        log(f"{context}: killed in {phase}, {how} (such a {aim} lasted "
             f"{[round(1e3 * d) for d in durations[(aim, nth)]][-3:]} ms lately); "
             f"{temps} temporary; listed {steps}")
     stats.write_ms_median = 1e3 * _estimate(durations["write"], 0.0)
@@ -635,7 +446,7 @@ def run_io_errors(verifier: Verifier, stats: Stats, runs: int, rng: random.Rando
         return
     install_phase_probes(verifier.framework)
     events: list[tuple[str, str, str]] = []
-    _SINK[0] = lambda event, label, detail="": events.append((event, label, detail))
+    set_probe_sink(lambda event, label, detail="": events.append((event, label, detail)))
     ckpt_bytes = _checkpoint_bytes(verifier.framework, workdir) if kind == "tmpfs" else 0
     io_verifier = Verifier(verifier.framework, IO_FLOATS)
     phases: Counter = Counter()
@@ -723,6 +534,7 @@ def _table(all_stats: list[Stats]) -> str:
     rows = [
         ("kills", "kills"), ("kills during write", "kills_during_write"),
         ("kills by phase", "kills_by_phase"), ("kills aimed at a write", "kills_aimed_at_write"),
+        ("kills sent on a file of a write", "kills_aimed_by_file"),
         ("write ms (median)", "write_ms_median"), ("commit ms (median)", "commit_ms_median"),
         ("kill later than aimed, ms (median)", "kill_late_ms_median"),
         ("checkpoints committed", "checkpoints_committed"),
@@ -742,18 +554,17 @@ def _table(all_stats: list[Stats]) -> str:
                                                        "io_recovered"),
         ("wall seconds", "wall_s"),
     ]
-    lines = [f"{'':32}" + "".join(f"{s.framework:>28}" for s in all_stats)]
+    lines = [f"{'':36}" + "".join(f"{s.framework:>40}" for s in all_stats)]
     for title, key in rows:
         values = [getattr(s, key) for s in all_stats]
-        shown = [json.dumps(v) if isinstance(v, dict) else
-                 (f"{v:.0f}" if isinstance(v, float) else str(v)) for v in values]
-        lines.append(f"{title:32}" + "".join(f"{v:>28}" for v in shown))
+        shown = [" ".join(f"{k}={n}" for k, n in sorted(v.items())) if isinstance(v, dict)
+                 else (f"{v:.0f}" if isinstance(v, float) else str(v)) for v in values]
+        lines.append(f"{title:36}" + "".join(f"{v:>40}" for v in shown))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--zygote", help=argparse.SUPPRESS)
     parser.add_argument("--framework", choices=["tf", "jax", "both"], default="both")
     parser.add_argument("--kills", type=int, default=200, help="SIGKILLs per framework")
     parser.add_argument("--io-errors", type=int, default=50, help="I/O-error runs per framework")
@@ -764,11 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the numbers here")
     parser.add_argument("--quiet", action="store_true", help="no line per trial")
     args = parser.parse_args(argv)
-    if args.zygote:
-        zygote_main(args.zygote.split(","))
-        return 0
     frameworks = ["tf", "jax"] if args.framework == "both" else [args.framework]
-    os.environ.update({k: v for k, v in _environment().items() if k != "PYTHONPATH"})
+    os.environ.update({k: v for k, v in environment().items() if k != "PYTHONPATH"})
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     print(f"crash campaign: seed={args.seed} frameworks={frameworks} kills={args.kills} "
           f"io-errors={args.io_errors} state={args.mib} MiB", flush=True)
@@ -804,8 +612,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump([asdict(s) for s in all_stats], f, indent=1)
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
-    ok = all(s.ok() for s in all_stats)
-    print(f"verdict: {'OK' if ok else 'FAILED'} (seed={args.seed})")
+    problems = [f"{s.framework}: {p}" for s in all_stats for p in s.problems()]
+    ok = not problems
+    print(f"verdict: {'OK' if ok else 'FAILED: ' + '; '.join(problems)} (seed={args.seed})")
     return 0 if ok else 1
 
 

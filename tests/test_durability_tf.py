@@ -31,7 +31,7 @@ from tests.helpers import (  # noqa: E402
     write_script,
 )
 
-CRASH_KILLS = int(os.environ.get("ASYNCCKPT_CRASH_KILLS", "10"))
+CRASH_KILLS = int(os.environ.get("ASYNCCKPT_CRASH_KILLS", "16"))
 
 
 def test_sigkill_mostly_during_writes_never_loses_or_lists_a_partial_checkpoint(tmp_path):
