@@ -127,8 +127,8 @@ class Stats:
             "a partial checkpoint was listed": self.partial_checkpoints_listed == 0,
             "a restore was not exact": self.restores_exact == self.restores,
             "a restarted job did not resume exactly": self.resumes_exact == self.resumes,
-            "at most half of the kills landed in a write": self.kills_during_write * 2
-            > self.kills,
+            "at most half of the kills landed in a write": self.kills == 0
+            or self.kills_during_write * 2 > self.kills,
             "an I/O error did not reach the caller": self.io_errors_surfaced
             == self.io_runs_with_failed_save,
             "a save reported durable is missing": self.io_durable_saves_missing == 0,
@@ -176,12 +176,21 @@ class Verifier:
         return steps
 
     def restore_exact(self, directory: str, step: int) -> bool:
-        """Restores ``step`` with the framework's reader; True when every value matches."""
+        """Restores ``step`` with the framework's reader; True when every value matches.
+
+        A restore that raises counts as not exact (and is logged).
+        """
+        try:
+            return self._restore_exact(directory, step)
+        except Exception as e:
+            print(f"restoring step {step} from {directory} failed: {e!r}", flush=True)
+            return False
+
+    def _restore_exact(self, directory: str, step: int) -> bool:
         import numpy as np
 
         ea, eb = expected_arrays(step, self.n)
         if self.framework == "tf":
-
             prefix = os.path.join(directory, f"ckpt-{step}")
             self._ckpt.restore(prefix).assert_consumed()
             got = int(self._step.numpy()), self._vars["a"].numpy(), self._vars["b"].numpy()
@@ -203,81 +212,122 @@ def _estimate(durations, default: float, quantile: float = 0.5) -> float:
     return ordered[min(int(quantile * len(ordered)), len(ordered) - 1)]
 
 
-def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, kills: int,
-              rng: random.Random, log=print) -> None:
-    """SIGKILLs ``kills`` children at chosen points and checks the directory after each."""
-    committed: set[int] = set()
-    # Phase durations by (phase, n-th of its kind in a child): a child's first
-    # write is several times longer than its later ones (fresh staging, first
-    # use of the writer), so each is aimed with its own history.
-    durations: defaultdict = defaultdict(lambda: deque(maxlen=15))
-    phases: Counter = Counter()
-    listed: list[int] = []
-    lateness: list[float] = []
-    files_per_write: list[int] = []  # files each finished write wrote (JAX: one per shard)
-    for trial in range(kills):
+class KillRun:
+    """SIGKILLs one child per trial at a chosen point and checks the directory after each.
+
+    Args:
+        zygote: Forks the saving children.
+        verifier: Checks listings and restores with the real readers.
+        stats: Counters to fill.
+        directory: The checkpoint directory every child saves into.
+        rng: Seeded; decides where each kill is aimed.
+        log: Takes one line per trial.
+    """
+
+    def __init__(self, zygote: Zygote, verifier: Verifier, stats: Stats, directory: str,
+                 rng: random.Random, log=print):
+        self.zygote, self.verifier, self.stats = zygote, verifier, stats
+        self.directory, self.rng, self.log = directory, rng, log
+        self.committed: set[int] = set()  # steps whose commit returned (acknowledged)
+        self.listed: list[int] = []  # steps listed after the previous kill
+        # Phase durations by (phase, n-th of its kind in a child): a child's first
+        # write is several times longer than its later ones (fresh staging, first
+        # use of the writer), so each is aimed with its own history.
+        self.durations: defaultdict = defaultdict(lambda: deque(maxlen=15))
+        self.files_per_write: list[int] = []  # JAX: one file per shard
+        self.phases: Counter = Counter()
+        self.lateness: list[float] = []
+
+    def run(self, kills: int) -> None:
+        for trial in range(kills):
+            self._trial(trial)
+        stats = self.stats
+        stats.write_ms_median = 1e3 * _estimate(self.durations["write"], 0.0)
+        stats.commit_ms_median = 1e3 * _estimate(self.durations["commit"], 0.0)
+        stats.kill_late_ms_median = 1e3 * _estimate(self.lateness, 0.0)
+        stats.kills_by_phase = dict(self.phases)
+        stats.kills_during_write = self.phases["write"]
+        stats.checkpoints_committed = len(self.committed)
+        self._takeover()
+
+    def _next(self, deadline: float, what: str) -> list[str]:
+        fields = self.zygote.next(deadline - time.monotonic())
+        if fields is None or fields[0] == "exit":
+            raise CampaignError(f"{what} ({fields}): {self.zygote.log_tail()}")
+        return fields
+
+    def _trial(self, trial: int) -> None:
+        rng, stats = self.rng, self.stats
         aim = "write" if rng.random() < TARGET_WRITE_SHARE else "commit"
         # Which of this child's writes (or commits) to hit: half the time the
         # first save after the restart (a long write), else one in steady state.
-        nth = rng.choice((1, 1, 2, 3))
+        # (The writer commits each save before it writes the next, so aiming at
+        # the second or later one means this child commits at least once: an
+        # empty directory is never left to the first save alone.)
+        nth = rng.choice((1, 1, 2, 3) if self.listed else (2, 3))
         frac = rng.uniform(0.05, 0.6)
+        acknowledged = set(self.committed)  # what the restarted child must honour
+        pid = self.zygote.start(self.verifier.framework, self.directory, self.verifier.n)
         marks: list[list[str]] = []
-        acknowledged = set(committed)  # before this child: what the restart must honour
-        pid = zygote.start(verifier.framework, directory, verifier.n)
-        seen = 0
         deadline = time.monotonic() + 180
+        seen = 0
         while seen < nth:  # wait for the aimed phase to start (a real event)
-            fields = zygote.next(deadline - time.monotonic())
-            if fields is None or fields[0] == "exit":
-                raise CampaignError(f"trial {trial}: child {pid} never reached {aim} #{nth} "
-                                    f"({fields}): {zygote.log_tail()}")
+            fields = self._next(deadline, f"trial {trial}: child {pid} never reached {aim} #{nth}")
             marks.append(fields)
             seen += fields[2] == f"{aim}-start"
-        aimed_start = float(fields[-1])
-        aimed_step = fields[3]
-        files = files_per_write[-5:]
-        how = ""
+        aimed_start, aimed_step = float(fields[-1]), fields[3]
+        files = self.files_per_write[-5:]
         if aim == "write" and files and min(files) >= 4:
-            # Files of this write come one by one: kill on one of the first half
-            # of them, and the kill lands in the write however late it is sent.
+            # The files of this write come one by one: kill on one of the first
+            # half of them, and the kill lands in the write however late it is sent.
             kth = rng.randint(1, min(files) // 2)
             got = 0
             while got < kth:
-                fields = zygote.next(deadline - time.monotonic())
-                if fields is None or fields[0] == "exit":
-                    raise CampaignError(f"trial {trial}: no file #{kth} of write {aimed_step} "
-                                        f"({fields}): {zygote.log_tail()}")
+                fields = self._next(deadline, f"trial {trial}: no file #{kth} of {aimed_step}")
                 marks.append(fields)
                 got += fields[2] == "file-written" and fields[3] == aimed_step
                 if fields[2] == "write-end" and fields[3] == aimed_step:
                     break
+            kill_at = time.monotonic()
             how = f"on file {kth} of the write"
             stats.kills_aimed_by_file += 1
-        # The child's clock is this one (CLOCK_MONOTONIC): aim from the moment the
-        # phase began, not from when its marker arrived here.
-        # A short one of recent such phases: aiming inside the quick ones keeps
-        # the kill inside most of the slow ones too.
-        # Without a history for this ordinal yet, the shortest such phase seen.
-        estimate = _estimate(durations[(aim, nth)], _estimate(durations[aim], 0.05, 0.0), 0.25)
-        kill_at = time.monotonic() if how else aimed_start + frac * estimate
-        how = how or f"{1e3 * (kill_at - aimed_start):.0f} ms after the {aim} began"
-        while (left := kill_at - time.monotonic()) > 0:  # the random kill point
-            fields = zygote.next(left)
-            if fields is None:
-                break
-            if fields[0] == "exit":
-                raise CampaignError(f"child {pid} exited by itself: {zygote.log_tail()}")
-            marks.append(fields)
+        else:
+            # Timed from the phase's start on the child's clock (the same
+            # CLOCK_MONOTONIC), so the marker's trip here does not count. A short
+            # one of recent such phases (else the shortest of any ordinal) keeps
+            # the kill inside most of the slower ones too.
+            fallback = _estimate(self.durations[aim], 0.05, quantile=0.0)
+            estimate = _estimate(self.durations[(aim, nth)], fallback, quantile=0.25)
+            kill_at = aimed_start + frac * estimate
+            how = f"{1e3 * (kill_at - aimed_start):.0f} ms after the {aim} began"
+            while (left := kill_at - time.monotonic()) > 0:  # the random kill point
+                fields = self.zygote.next(left)
+                if fields is None:
+                    break
+                if fields[0] == "exit":
+                    raise CampaignError(f"child {pid} exited by itself: "
+                                        f"{self.zygote.log_tail()}")
+                marks.append(fields)
         os.kill(pid, signal.SIGKILL)
-        lateness.append(max(time.monotonic() - kill_at, 0.0))
-        zygote.expect("exit", 60, sink=marks)  # every marker of the child precedes this
-        zygote.child = None
+        self.lateness.append(max(time.monotonic() - kill_at, 0.0))
+        self.zygote.expect("exit", 60, sink=marks)  # every marker of the child precedes it
+        self.zygote.child = None
         stats.kills += 1
         stats.kills_aimed_at_write += aim == "write"
         # Where the kill landed: the writer thread's last phase boundary.
         writer = [m for m in marks if m[2] in WRITER_EVENTS]
         phase = PHASE_OF_LAST_EVENT[writer[-1][2] if writer else None]
-        phases[phase] += 1
+        self.phases[phase] += 1
+        self._read_marks(marks, acknowledged, trial)
+        context = f"seed={stats.seed} trial={trial} aim={aim}#{nth} frac={frac:.2f}"
+        steps = self._check(context)
+        temps = sum(name.startswith(TEMP_PREFIX) for name in os.listdir(self.directory))
+        self.log(f"{context}: killed in {phase}, {how} (such a {aim} lasted "
+                 f"{[round(1e3 * d) for d in self.durations[(aim, nth)]][-3:]} ms lately); "
+                 f"{temps} temporary; listed {steps}")
+
+    def _read_marks(self, marks: list[list[str]], acknowledged: set[int], trial: int) -> None:
+        """Learns phase durations and commits from a dead child's markers; checks its resume."""
         starts: dict = {}
         ordinal: Counter = Counter()
         files_in: Counter = Counter()
@@ -285,65 +335,66 @@ def run_kills(zygote: Zygote, verifier: Verifier, stats: Stats, directory: str, 
             event, step, t = m[2], int(m[3]), float(m[-1])
             if event == "file-written":
                 files_in[step] += 1
-            if event == "write-end":
-                files_per_write.append(files_in[step])
+            elif event == "write-end":
+                self.files_per_write.append(files_in[step])
             if event.endswith("-start"):
                 ordinal[event[:-6]] += 1
                 starts[(event[:-6], step)] = (t, ordinal[event[:-6]])
             elif event.endswith("-end") and (event[:-4], step) in starts:
                 began, nth_of_kind = starts[(event[:-4], step)]
-                durations[event[:-4]].append(t - began)
-                durations[(event[:-4], min(nth_of_kind, 3))].append(t - began)
+                self.durations[event[:-4]].append(t - began)
+                self.durations[(event[:-4], min(nth_of_kind, 3))].append(t - began)
             if event == "commit-end":
-                committed.add(step)
-            if event == "resume":
-                # The manager must resume from a listed checkpoint no older than the
-                # newest acknowledged one. (A TF checkpoint published but killed
-                # before the state file named it is on disk, yet TensorFlow's
-                # manager, like asyncckpt's, resumes from the state file's newest.)
-                stats.resumes += 1
-                exact = m[4] == "1" and step in listed and step >= max(acknowledged, default=-1)
-                stats.resumes_exact += exact
-                stats.resumes_behind_newest_listed += exact and step != listed[-1]
-                if not exact:
-                    stats.failures.append(f"trial {trial}: resumed at {step} (exact={m[4]}); "
-                                          f"listed {listed}, acknowledged up to "
-                                          f"{max(acknowledged, default=None)}")
-        context = f"seed={stats.seed} trial={trial} aim={aim}#{nth} frac={frac:.2f}"
-        steps = listed = verifier.listed(directory, stats, context)
-        lost = sorted(c for c in committed
+                self.committed.add(step)
+            elif event == "resume":
+                self._check_resume(step, m[4] == "1", acknowledged, trial)
+
+    def _check_resume(self, step: int, exact: bool, acknowledged: set[int], trial: int) -> None:
+        # The manager must resume from a listed checkpoint no older than the
+        # newest acknowledged one. (A TF checkpoint published but killed before
+        # the state file named it is on disk, yet TensorFlow's manager, like
+        # asyncckpt's, resumes from the state file's newest.)
+        stats, listed = self.stats, self.listed
+        stats.resumes += 1
+        ok = exact and step in listed and step >= max(acknowledged, default=-1)
+        stats.resumes_exact += ok
+        stats.resumes_behind_newest_listed += ok and step != listed[-1]
+        if not ok:
+            stats.failures.append(f"trial {trial}: resumed at {step} (exact={exact}); listed "
+                                  f"{listed}, acknowledged up to {max(acknowledged, default=None)}")
+
+    def _check(self, context: str) -> list[int]:
+        """Listing, losses and the newest restore after a kill; returns the listed steps."""
+        stats = self.stats
+        steps = self.listed = self.verifier.listed(self.directory, stats, context)
+        # Retention may drop a checkpoint only once MAX_TO_KEEP newer ones exist.
+        lost = sorted(c for c in self.committed
                       if c not in steps and sum(s > c for s in steps) < MAX_TO_KEEP)
         if lost:
             stats.failures.append(f"{context}: committed checkpoint(s) {lost} lost; on disk "
                                   f"{steps}")
         stats.checkpoints_lost += len(lost)
-        committed -= set(lost)
+        self.committed -= set(lost)
         if steps:
             stats.restores += 1
-            if verifier.restore_exact(directory, steps[-1]):
+            if self.verifier.restore_exact(self.directory, steps[-1]):
                 stats.restores_exact += 1
             else:
                 stats.failures.append(f"{context}: step {steps[-1]} did not restore exactly")
-        temps = sum(name.startswith(TEMP_PREFIX) for name in os.listdir(directory))
-        log(f"{context}: killed in {phase}, {how} (such a {aim} lasted "
-            f"{[round(1e3 * d) for d in durations[(aim, nth)]][-3:]} ms lately); "
-            f"{temps} temporary; listed {steps}")
-    stats.write_ms_median = 1e3 * _estimate(durations["write"], 0.0)
-    stats.commit_ms_median = 1e3 * _estimate(durations["commit"], 0.0)
-    stats.kill_late_ms_median = 1e3 * _estimate(lateness, 0.0)
-    stats.kills_by_phase = dict(phases)
-    stats.kills_during_write = phases["write"]
-    stats.checkpoints_committed = len(committed)
-    # A normal run afterwards takes over the dead writer's lock and its leftovers.
-    step = max(listed, default=-1) + 1
-    saver = _Saver(verifier.framework, directory, verifier.n, MAX_TO_KEEP)
-    saver.save(step)
-    saver.close()
-    if not verifier.restore_exact(directory, step):
-        stats.failures.append(f"the save after the last kill (step {step}) is not exact")
-    stats.leftovers_after_takeover = sorted(leftovers(directory))
-    if stats.leftovers_after_takeover:
-        stats.failures.append(f"left after a normal save: {stats.leftovers_after_takeover}")
+        return steps
+
+    def _takeover(self) -> None:
+        """A normal run after the last kill takes over the dead writer's lock and leftovers."""
+        step = max(self.listed, default=-1) + 1
+        saver = _Saver(self.verifier.framework, self.directory, self.verifier.n, MAX_TO_KEEP)
+        saver.save(step)
+        saver.close()
+        if not self.verifier.restore_exact(self.directory, step):
+            self.stats.failures.append(f"the save after the last kill (step {step}) is not exact")
+        self.stats.leftovers_after_takeover = sorted(leftovers(self.directory))
+        if self.stats.leftovers_after_takeover:
+            self.stats.failures.append(
+                f"left after a normal save: {self.stats.leftovers_after_takeover}")
 
 
 def leftovers(directory: str) -> list[str]:
@@ -597,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             verifier = Verifier(framework, n)
             directory = os.path.join(workdir, f"kills-{framework}")
             os.makedirs(directory, exist_ok=True)
-            run_kills(zygote, verifier, stats, directory, args.kills, rng, log)
+            KillRun(zygote, verifier, stats, directory, rng, log).run(args.kills)
             run_io_errors(verifier, stats, args.io_errors, rng, workdir, kind, log)
             stats.wall_s = time.monotonic() - start
             all_stats.append(stats)
