@@ -9,19 +9,19 @@ and asyncckpt once and then forks one child per trial, so a kill costs a fork
 instead of a multi-second import. A child restores the newest checkpoint through the
 manager (as a restarted job does), checks it is exact, and saves a
 deterministic state (``a = base + step``, ``b = 2 * base - step``) in a loop.
-The real save job's ``write`` and ``commit`` are wrapped (class attributes of
-the real classes, nothing mocked) so each phase boundary is written to the
-zygote's stdout before and after the real call; the zygote prints
-``exit <pid>`` only after reaping the child, so every marker of a dead child
-is read before its exit line. The parent kills each child with SIGKILL at a
-point drawn from the seeded RNG: most often a random fraction of the way
-through a write (aimed with the measured write time), otherwise inside a
-commit. The phase the kill actually landed in is read from the markers, not
-assumed. After each kill the parent checks: every listed checkpoint matches
-its manifest (no partial checkpoint is listed), no checkpoint whose commit had
-finished is missing (unless retention had the right to drop it), and the
-newest one restores exactly, with TensorFlow's own reader for TF and the
-manager for JAX. The next child resumes after it.
+The real save job's ``write`` and ``commit`` (and the engine's
+``DurableWriter.write``) are wrapped in the child, nothing mocked, so each
+phase boundary and each file a JAX write finishes is reported to the parent;
+the zygote prints ``exit <pid>`` only after reaping the child, so every marker
+of a dead child is read before its exit line. Kills are aimed from the seeded
+RNG: 90% at a write (a JAX kill is sent on the k-th file of the aimed write,
+a TF kill at a random fraction of the shortest recent such write, timed from
+the child's own clock), the rest at a commit. The phase each kill actually
+landed in is read from the markers, not assumed. After each kill the parent
+checks: every listed checkpoint matches its manifest (no partial checkpoint is
+listed), no checkpoint whose commit had returned is missing (unless retention
+had the right to drop it), and the newest one restores exactly, with
+TensorFlow's own reader for TF and the manager for JAX. The next child resumes after it.
 
 **I/O errors.** Each run mounts a 4 MiB tmpfs (root), pre-fills it so that
 only a random amount of space (0.3 to 2.8 checkpoints, or just short of a

@@ -41,8 +41,8 @@ def environment() -> dict[str, str]:
     return env
 
 
-def expected_arrays(step: int, n: int):
-    """The state saved at ``step``: two float32 arrays that differ at every step."""
+def expected_arrays(step: int, n: int) -> tuple:
+    """The state saved at ``step``: two float32 arrays of ``n`` that differ at every step."""
     import numpy as np
 
     base = np.arange(n, dtype=np.float32)
@@ -133,11 +133,13 @@ def _out(line: str) -> None:
 
 
 def _die_with_parent() -> None:
+    """Asks the kernel to SIGKILL this process when its parent dies (no orphaned savers)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _child_tf(directory: str, n: int) -> None:
+    """A restarted TF job: resume through the manager, report it, save forever."""
     import numpy as np
     import tensorflow as tf
 
@@ -164,6 +166,7 @@ def _child_tf(directory: str, n: int) -> None:
 
 
 def _child_jax(directory: str, n: int) -> None:
+    """A restarted JAX job (8 CPU devices, sharded state): resume, report, save forever."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -192,7 +195,7 @@ def _child_jax(directory: str, n: int) -> None:
 
 
 def zygote_main(frameworks: list[str]) -> None:
-    """Imports everything once, then forks a saving child per ``run`` command."""
+    """Imports everything once, then forks a saving child per line read on stdin."""
     _die_with_parent()
     import numpy  # noqa: F401
 
@@ -282,12 +285,14 @@ class Zygote:
                 raise CampaignError(f"child exited by itself ({fields}): {self.log_tail()}")
 
     def start(self, framework: str, directory: str, n: int) -> int:
+        """Forks a child saving ``n``-float arrays into ``directory``; returns its pid."""
         self.proc.stdin.write(f"{framework} {directory} {n}\n")
         self.proc.stdin.flush()
         self.child = int(self.expect("pid", 120)[1])
         return self.child
 
     def close(self) -> None:
+        """Kills a child still running, then ends the zygote (its stdin closes)."""
         if self.child is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child, signal.SIGKILL)
