@@ -5,11 +5,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -20,102 +18,27 @@ import asyncckpt.tf as at  # noqa: E402
 from asyncckpt import (  # noqa: E402
     CorruptCheckpointError,
     DirectoryLockedError,
-    catalog,
 )
 from asyncckpt.engine import files as files_lib  # noqa: E402
 from asyncckpt.tf import _job  # noqa: E402
-from tests.helpers import start_python, subprocess_env, write_script  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    LineWatcher,
+    check_crash_campaign,
+    run_crash_campaign,
+    start_python,
+    subprocess_env,
+    test_seed,
+    write_script,
+)
 
-N = 1 << 20  # floats per variable: 4 MiB, so kills land inside writes too
-
-SAVER = """
-import sys, time
-import numpy as np
-import tensorflow as tf
-import asyncckpt.tf as at
-
-directory, start = sys.argv[1], int(sys.argv[2])
-a = tf.Variable(np.zeros({n}, np.float32))
-b = tf.Variable(np.zeros({n}, np.float32))
-step = tf.Variable(0, dtype=tf.int64)
-mgr = at.CheckpointManager(tf.train.Checkpoint(a=a, b=b, step=step), directory, max_to_keep=3)
-base = np.arange({n}, dtype=np.float32)
-print("ready", flush=True)
-s = start
-while True:
-    a.assign(base + s)
-    b.assign(base * 2 - s)
-    step.assign(s)
-    mgr.save(checkpoint_number=s)
-    s += 1
-"""
+CRASH_KILLS = int(os.environ.get("ASYNCCKPT_CRASH_KILLS", "16"))
 
 
-def _expected(s: int) -> tuple[np.ndarray, np.ndarray]:
-    base = np.arange(N, dtype=np.float32)
-    return base + s, base * 2 - s
-
-
-def _restore_and_check(path: str) -> int:
-    a = tf.Variable(np.zeros(N, np.float32))
-    b = tf.Variable(np.zeros(N, np.float32))
-    step = tf.Variable(-1, dtype=tf.int64)
-    tf.train.Checkpoint(a=a, b=b, step=step).restore(path).assert_consumed()
-    s = int(step.numpy())
-    ea, eb = _expected(s)
-    np.testing.assert_array_equal(a.numpy(), ea)
-    np.testing.assert_array_equal(b.numpy(), eb)
-    return s
-
-
-def test_sigkill_at_random_moments_never_leaves_a_partial_checkpoint(tmp_path):
-    trials = int(os.environ.get("ASYNCCKPT_TF_CRASH_TRIALS", "8"))
-    seed = int(os.environ.get("ASYNCCKPT_CRASH_SEED", str(time.time_ns() % 100000)))
-    rng = random.Random(seed)
-    print(f"crash test seed={seed} trials={trials}")
-    script = write_script(tmp_path, "saver.py", SAVER.format(n=N))
-    directory = tmp_path / "ckpts"
-    start = 0
-    newest_seen = -1
-    for trial in range(trials):
-        delay = rng.uniform(0.05, 1.5)
-        proc = start_python(script, str(directory), str(start))
-        try:
-            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-            time.sleep(delay)
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-        context = f"seed={seed} trial={trial} delay={delay:.3f}s"
-        temps = [n for n in os.listdir(directory) if n.startswith(".asyncckpt-tmp-")]
-        print(f"{context}: killed with {len(temps)} save(s) in flight")
-        listed = catalog.list_checkpoints(str(directory))
-        for info in listed:  # everything listed is complete
-            catalog.verify(info)
-        latest = tf.train.latest_checkpoint(str(directory))
-        if latest is None:
-            assert not listed, context
-            continue
-        assert os.path.basename(latest) in {c.name for c in listed}, context
-        s = _restore_and_check(latest)
-        assert s >= newest_seen, context
-        newest_seen = s
-        start = s + 1  # the next run resumes after the newest durable step
-    assert newest_seen >= 0, f"no checkpoint survived any trial (seed={seed})"
-    # A normal run afterwards takes over the dead writer's lock and leftovers.
-    a, b = tf.Variable(_expected(start)[0]), tf.Variable(_expected(start)[1])
-    step = tf.Variable(start, dtype=tf.int64)
-    with at.CheckpointManager(
-        tf.train.Checkpoint(a=a, b=b, step=step), str(directory), max_to_keep=3
-    ) as mgr:
-        path = mgr.save(checkpoint_number=start)
-    assert _restore_and_check(path) == start
-    leftovers = [n for n in os.listdir(directory) if n.startswith(".asyncckpt-tmp-")]
-    assert not leftovers
-    for name in os.listdir(directory):
-        if ".data-" in name or name.endswith(".asyncckpt-manifest.json"):
-            prefix = name.split(".", 1)[0]
-            assert os.path.exists(directory / f"{prefix}.index"), f"orphan {name}"
+def test_sigkill_mostly_during_writes_never_loses_or_lists_a_partial_checkpoint(tmp_path):
+    """A short run of benchmarks/crash_campaign.py: SIGKILLs and a full disk, TensorFlow."""
+    seed = test_seed("TF crash campaign")
+    stats = run_crash_campaign("tf", tmp_path, kills=CRASH_KILLS, io_errors=3, seed=seed)
+    check_crash_campaign(stats, CRASH_KILLS, 3)
 
 
 class _FailingDurableWriter(files_lib.DurableWriter):
@@ -233,22 +156,22 @@ def test_cli_list_inspect_verify_on_good_checkpoints(ckpt_dir):
 
 
 LOCK_HOLDER = """
-import sys, time
+import sys
 import tensorflow as tf
 import asyncckpt.tf as at
 mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), sys.argv[1], max_to_keep=2)
 mgr.save()
 mgr.sync()
 print("holding", flush=True)
-time.sleep(600)
+sys.stdin.readline()  # holds the lock until the test says so (or kills it)
 """
 
 
 def test_second_writer_is_refused_and_dead_writers_lock_is_taken_over(ckpt_dir, tmp_path, caplog):
     script = write_script(tmp_path, "holder.py", LOCK_HOLDER)
-    proc = start_python(script, str(ckpt_dir))
+    proc = start_python(script, str(ckpt_dir), stdin=True)
     try:
-        assert proc.stdout.readline().strip() == "holding", proc.stderr.read()
+        LineWatcher(proc.stdout).wait_for("holding")
         v = tf.Variable([2.0])
         mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
         with pytest.raises(DirectoryLockedError) as err:

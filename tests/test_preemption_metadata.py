@@ -95,6 +95,17 @@ class FakeMetadataServer:
             return sum(1 for p, q, _ in self.requests if p == path
                        and (waiting is None or ("wait_for_change" in q) == waiting))
 
+    def wait_count(self, path: str, n: int, *, waiting: bool | None = None,
+                   timeout: float = 60) -> None:
+        """Waits until the server has received ``n`` such requests (long-polls with
+        ``waiting=True``), or fails after ``timeout`` seconds."""
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: sum(1 for p, q, _ in self.requests if p == path
+                            and (waiting is None or ("wait_for_change" in q) == waiting)) >= n,
+                timeout=timeout)
+        assert ok, f"fewer than {n} requests for {path} within {timeout} s"
+
     def _send(self, h, status: int, body: str = "", etag: int | None = None) -> None:
         data = body.encode()
         h.send_response(status)
@@ -114,6 +125,7 @@ class FakeMetadataServer:
         had_header = h.headers.get("Metadata-Flavor") == "Google"
         with self.cond:
             self.requests.append((path, query, had_header))
+            self.cond.notify_all()  # wakes tests waiting in wait_count
             if not had_header:
                 status = 403
             elif self.fail.get(path, 0) > 0:
@@ -252,15 +264,10 @@ def test_maintenance_watcher_long_polls_with_etags_and_survives_503s():
         )
         watcher.start()
         try:
-            deadline = time.monotonic() + 30
-            while server.count("instance/maintenance-event", waiting=True) < 1:
-                assert time.monotonic() < deadline, "the watcher never long-polled"
-                time.sleep(0.02)
+            server.wait_count("instance/maintenance-event", 1, waiting=True)
             assert watcher.errors == 3  # three 503s, retried with backoff
             server.set("instance/maintenance-event", "MIGRATE_ON_HOST_MAINTENANCE")
-            while server.count("instance/maintenance-event", waiting=True) < 2:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            server.wait_count("instance/maintenance-event", 2, waiting=True)
             assert not got  # a live migration is no notice
             server.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
             assert event.wait(30)
@@ -280,10 +287,7 @@ def test_spot_watcher_reports_preemption():
         watcher = watchers_lib.spot_watcher(sink, platform_lib.MetadataClient(server.host))
         watcher.start()
         try:
-            deadline = time.monotonic() + 30
-            while server.count("instance/preempted", waiting=True) < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            server.wait_count("instance/preempted", 1, waiting=True)
             server.set("instance/preempted", "TRUE")
             assert event.wait(30)
         finally:
@@ -302,11 +306,8 @@ def test_watchers_stop_promptly_while_a_long_poll_is_open(unused_port):
             sink, platform_lib.MetadataClient(f"127.0.0.1:{unused_port}")))
         for w in ws:
             w.start()
-        deadline = time.monotonic() + 30
-        while server.count("instance/preempted", waiting=True) < 1 or server.count(
-                "instance/maintenance-event", waiting=True) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        server.wait_count("instance/preempted", 1, waiting=True)
+        server.wait_count("instance/maintenance-event", 1, waiting=True)
         for w in ws:
             w.stop(timeout=10)
         assert not any(w.alive for w in ws)
@@ -369,12 +370,16 @@ config = TerminationConfig(grace_period=None if grace == "preset" else float(gra
 handler = PreemptionCheckpointHandler(mgr, termination_config=config)
 print("platform", handler.config.platform.value, handler.config.grace_period, flush=True)
 boundaries = []  # (time, run) at each step boundary
+reported = []
 
 
 def step():
     boundaries.append((time.time(), handler.total_run_calls))
+    if handler.saves and not handler.saves[-1].final and not reported:
+        reported.append(handler.saves[-1].run)
+        print("saved", handler.saves[-1].run, flush=True)  # the notice's checkpoint
     v.assign_add(tf.ones(1000))
-    time.sleep(0.05)
+    time.sleep(0.05)  # the step's work
     print("step", handler.total_run_calls, flush=True)
 
 
@@ -422,16 +427,13 @@ def test_gce_preset_saves_within_one_step_of_a_maintenance_notice(tmp_path, valu
         try:
             assert _read_until(proc, "platform").split()[1] == platform
             _read_until(proc, "step 5")
-            deadline = time.monotonic() + 60
-            while server.count("instance/maintenance-event", waiting=True) < 1:
-                assert time.monotonic() < deadline, "the handler never long-polled"
-                time.sleep(0.05)
+            server.wait_count("instance/maintenance-event", 1, waiting=True)
             server.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
             if grace == "preset":
                 # One hour of notice: a checkpoint now, training goes on; the
                 # shutdown's SIGTERM then ends it at once.
-                _read_until(proc, "step", 60)
-                time.sleep(1.0)
+                saved = int(_read_until(proc, "saved", 60).split()[1])
+                _read_until(proc, f"step {saved + 2}", 60)  # trained on after the save
                 proc.send_signal(signal.SIGTERM)
             out, err = proc.communicate(timeout=120)
         finally:

@@ -50,6 +50,7 @@ class Cluster:
         self.saves: list[list[tuple[int, bool]]] = [[] for _ in range(n)]
         self.errors: list[BaseException | None] = [None] * n
         self.progress = [0] * n
+        self.progress_changed = threading.Condition()
         self.fail_at: dict[int, int] = {}
         self.threads = [threading.Thread(target=self._work, args=(i,), daemon=True)
                         for i in range(n)]
@@ -71,7 +72,9 @@ class Cluster:
                     self.collective.wait(timeout=60)
                 time.sleep(self.step_s)
                 agreement.step_done()
-                self.progress[i] = agreement.runs
+                with self.progress_changed:
+                    self.progress[i] = agreement.runs
+                    self.progress_changed.notify_all()
         except threading.BrokenBarrierError:
             self.errors[i] = threading.BrokenBarrierError()
         except BaseException as e:
@@ -94,10 +97,9 @@ class Cluster:
         assert not any(t.is_alive() for t in self.threads), "a worker hung"
 
     def wait_progress(self, runs: int) -> None:
-        deadline = time.monotonic() + 60
-        while min(self.progress) < runs:
-            assert time.monotonic() < deadline, f"workers stuck at {self.progress}"
-            time.sleep(0.005)
+        with self.progress_changed:
+            ok = self.progress_changed.wait_for(lambda: min(self.progress) >= runs, timeout=60)
+        assert ok, f"workers stuck at {self.progress}"
 
 
 def notice(grace: float = 0.0, source: str = "sigterm") -> tuple[Notice, float]:
@@ -224,9 +226,11 @@ class _SlowJob:
 
     def __init__(self, seconds: float, nbytes: int = 1000):
         self.label, self.step, self.nbytes, self.seconds = "job", None, nbytes, seconds
+        self.started = threading.Event()
 
     def write(self):
-        time.sleep(self.seconds)
+        self.started.set()
+        time.sleep(self.seconds)  # the slow disk at work
 
     def commit(self, stats):
         pass
@@ -249,11 +253,9 @@ def test_grace_clock_uses_measured_write_time_and_persists_it():
         assert estimates["write_s"] >= 0.3 and estimates["step_s"] == pytest.approx(0.01)
         # A save in flight delays the final one: it is part of the margin, by
         # what is left of its write.
-        engine.save(lambda slot: _SlowJob(0.3), label="job")
-        deadline = time.monotonic() + 30
-        while engine.busy_for is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        job = _SlowJob(0.3)
+        engine.save(lambda slot: job, label="job")
+        assert job.started.wait(30)  # the writer is on it: busy_for counts
         in_flight = clock.margin()
         assert margin < in_flight <= margin + 1.5 * clock.write_seconds() + 1e-9
         time.sleep(0.1)

@@ -13,7 +13,13 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from asyncckpt.preemption import EXIT_CODE_OTHER  # noqa: E402
-from tests.helpers import run_python, start_python, subprocess_env, write_script  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    run_python,
+    start_python,
+    subprocess_env,
+    test_seed,
+    write_script,
+)
 
 
 def _closed_port() -> int:
@@ -187,7 +193,7 @@ print("RESULTS " + json.dumps(results), flush=True)
 
 def test_final_checkpoint_is_durable_before_the_deadline_with_a_slow_writer(tmp_path):
     grace, step_s, write_s, trials = 4.0, 0.02, 0.6, 3
-    seed = int(os.environ.get("ASYNCCKPT_PREEMPTION_SEED", str(time.time_ns() % 10**6)))
+    seed = test_seed("preemption deadline")
     script = write_script(tmp_path, "deadline.py", DEADLINE)
     proc = run_python(script, str(tmp_path), str(trials), str(grace), str(step_s), str(write_s),
                       str(seed), env=_env(), timeout=300)

@@ -15,7 +15,7 @@ keras = pytest.importorskip("keras")
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt import AsyncOptions, CheckpointNotFoundError, UnsupportedObjectError  # noqa: E402
 from asyncckpt.tf import _job  # noqa: E402
-from tests.helpers import run_python, write_script  # noqa: E402
+from tests.helpers import LineWatcher, start_python, write_script  # noqa: E402
 
 
 def _values(variables) -> list[np.ndarray]:
@@ -196,7 +196,6 @@ def test_subprocess_that_saves_and_exits_at_once_leaves_complete_checkpoint(tmp_
         "save_and_exit.py",
         """
         import sys
-        import time
         import numpy as np
         import tensorflow as tf
         import asyncckpt.tf as at
@@ -204,21 +203,33 @@ def test_subprocess_that_saves_and_exits_at_once_leaves_complete_checkpoint(tmp_
 
         real = _job.write_bundle
 
-        def slow_write(prefix, state):  # a slow disk: the save is surely in flight at exit
-            time.sleep(1.0)
+        def held_write(prefix, state):
+            # A disk that answers only when the test says so: the test lets the
+            # write go on once the interpreter is exiting, so the save is in
+            # flight at exit for sure.
+            sys.stdin.readline()
             real(prefix, state)
 
-        _job.write_bundle = slow_write
+        _job.write_bundle = held_write
         v = tf.Variable(np.arange(4 << 20, dtype=np.float32))  # 16 MiB
         ckpt = at.Checkpoint(v=v)
         print(ckpt.save(sys.argv[1]), flush=True)
         # no sync, no close: the interpreter exits right away
         """,
     )
-    proc = run_python(script, str(tmp_path / "out" / "ckpt"))
-    assert proc.returncode == 0, proc.stderr
-    path = proc.stdout.strip().splitlines()[-1]
-    assert "in-flight checkpoint" in proc.stderr  # the exit flush says what it does
+    proc = start_python(script, str(tmp_path / "out" / "ckpt"), stdin=True)
+    out, err = LineWatcher(proc.stdout), LineWatcher(proc.stderr)
+    try:
+        path = out.wait_for(lambda line: "ckpt" in line)  # save() returned
+        # The exit flush says what it does, and waits: the save is in flight at exit.
+        err.wait_for("in-flight checkpoint")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.wait(120) == 0, err.rest()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     at.verify_checkpoint(path)
     fresh = tf.Variable(tf.zeros(4 << 20))
     tf.train.Checkpoint(v=fresh).restore(path).assert_consumed()
