@@ -61,6 +61,14 @@ def _to_host(value: Any) -> Any:
     return value
 
 
+def host_array(value: Any) -> np.ndarray:
+    """A C-contiguous NumPy array of a Keras variable, tensor or array (a view where possible)."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    arr = np.asarray(_to_host(value))
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
 def snapshot_sources(model: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """The model's training state as ``{name: array-like}`` and variable paths per group.
 
