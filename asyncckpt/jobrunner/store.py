@@ -122,6 +122,12 @@ class _ArraysJob:
         opts = self._store.options
         self._tmp = commit_lib.make_temp_dir(self._store.directory, self.label)
         self._writer = DurableWriter(self._tmp, fsync=opts.fsync, checksums=opts.checksums)
+        index = self._write_data()
+        self._write_index(index)
+        self._records = tuple(self._writer.finish())
+        self._entries = []  # the slot is released after this returns
+
+    def _write_data(self) -> dict[str, dict]:
         index: dict[str, dict] = {}
         pad = bytes(_ALIGN)
 
@@ -144,14 +150,19 @@ class _ArraysJob:
                 offset += data.nbytes
 
         self._writer.write(DATA_NAME, chunks())
+        return index
+
+    def _write_index(self, index: dict[str, dict]) -> None:
         body = {"format": _FORMAT, "arrays": index, "metadata": self._metadata}
         self._writer.write(INDEX_NAME, [json.dumps(body, sort_keys=True).encode()])
-        self._records = tuple(self._writer.finish())
-        self._entries = []  # the slot is released after this returns
 
     def commit(self, stats: SaveStats) -> None:
+        self._write_manifest(stats)
+        self._publish()
+        self._store._after_commit(self.step, stats)
+
+    def _write_manifest(self, stats: SaveStats) -> None:
         assert self._tmp is not None
-        opts = self._store.options
         manifest = Manifest(
             framework=FRAMEWORK,
             label=self.label,
@@ -160,11 +171,15 @@ class _ArraysJob:
             stats=stats.to_dict(),
         )
         commit_lib.write_text_atomic(
-            os.path.join(self._tmp, layout.JAX_MANIFEST_NAME), manifest.to_json(), fsync=opts.fsync
+            os.path.join(self._tmp, layout.JAX_MANIFEST_NAME), manifest.to_json(),
+            fsync=self._store.options.fsync,
         )
-        commit_lib.publish_dir(self._tmp, self._store.step_dir(self.step), fsync=opts.fsync)
+
+    def _publish(self) -> None:
+        assert self._tmp is not None
+        commit_lib.publish_dir(self._tmp, self._store.step_dir(self.step),
+                               fsync=self._store.options.fsync)
         self._tmp = None
-        self._store._after_commit(self.step, stats)
 
     def abort(self) -> None:
         if self._writer is not None:
@@ -200,6 +215,8 @@ class ArrayStore:
         on_commit: Called on the writer thread with ``(step, stats)`` after a
             checkpoint is published and retention applied.
     """
+
+    job_class = _ArraysJob  # the background part of a save (tests subclass it to inject faults)
 
     def __init__(
         self,
@@ -281,7 +298,7 @@ class ArrayStore:
                 pairs.append((buf, src))
                 entries.append(_Entry(key, buf, src.dtype.name, tuple(src.shape)))
             copy_arrays(pairs)
-            return _ArraysJob(self, step, entries, meta)
+            return self.job_class(self, step, entries, meta)
 
         handle = self._engine.save(stage, label=str(step), step=step)
         self._last = handle

@@ -149,13 +149,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._store.close()
         self._reset_run()
         self._siblings = _callbacks.find_siblings(self)
-        keep = 2 if self.double_checkpoint else 1
-        self._store = ArrayStore(
-            self.backup_dir,
-            max_to_keep=keep,
-            options=self.options.async_options,
-            name="asyncckpt.keras.backup",
-        )
+        self._store = self._make_store()
         if self._store.latest_step() is not None:
             self._restored = self._store.restore()
             meta = self._restored.metadata
@@ -175,6 +169,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
         if self.options.save_on_sigterm and threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _make_store(self) -> ArrayStore:
+        return ArrayStore(
+            self.backup_dir,
+            max_to_keep=2 if self.double_checkpoint else 1,
+            options=self.options.async_options,
+            name="asyncckpt.keras.backup",
+        )
 
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm.set()
