@@ -8,6 +8,15 @@
   recording per-epoch stats and running an upload hook in the background.
 """
 
+from asyncckpt.jobrunner.runner import EpochStats, JobOptions, JobRunner, UploadError
 from asyncckpt.jobrunner.store import ArrayStore, Restored, select_names
 
-__all__ = ["ArrayStore", "Restored", "select_names"]
+__all__ = [
+    "ArrayStore",
+    "EpochStats",
+    "JobOptions",
+    "JobRunner",
+    "Restored",
+    "UploadError",
+    "select_names",
+]
