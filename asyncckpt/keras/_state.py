@@ -50,14 +50,18 @@ def _global_seed_generator() -> Any | None:
 def _to_host(value: Any) -> Any:
     """An array-like NumPy can view without an extra copy where the backend allows."""
     if keras.backend.backend() == "tensorflow":
-        # A resource variable's read aliases its buffer; .numpy() of the
-        # resulting CPU tensor is a view of that buffer.
         import tensorflow as tf
 
         if isinstance(value, tf.Variable):
-            return value.read_value().numpy()
+            # A resource variable's read aliases its buffer (TensorFlow copies
+            # on the next write while the read is alive), and ``_numpy()`` of
+            # a CPU tensor is a view: the staging copy is the only copy.
+            value = value.value()
         if isinstance(value, tf.Tensor):
-            return value.numpy()
+            if "CPU" not in value.device.upper():
+                with tf.device("CPU:0"):
+                    value = tf.identity(value)
+            return value._numpy()
     return value
 
 
