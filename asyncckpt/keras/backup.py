@@ -20,6 +20,12 @@ from asyncckpt.options import AsyncOptions
 
 logger = logging.getLogger(__name__)
 
+# Stores left open by a fit() that raised (Keras calls no on_train_end then),
+# by directory: a later BackupAndRestore of the same directory in this process
+# flushes and closes them before it takes the directory over.
+_OPEN: dict[str, ArrayStore] = {}
+_OPEN_LOCK = threading.Lock()
+
 
 @dataclass(frozen=True, kw_only=True)
 class BackupOptions:
@@ -146,10 +152,17 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         if self._store is not None:  # a previous fit() raised; flush what it started
-            self._store.close()
+            self._finish()
         self._reset_run()
         self._siblings = _callbacks.find_siblings(self)
-        self._store = self._make_store()
+        store = self._make_store()
+        with _OPEN_LOCK:
+            left = _OPEN.pop(store.directory, None)
+        if left is not None:
+            left.close()
+        self._store = store
+        with _OPEN_LOCK:
+            _OPEN[store.directory] = store
         if self._store.latest_step() is not None:
             self._restored = self._store.restore()
             meta = self._restored.metadata
@@ -159,6 +172,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             if meta.get("stopped"):
                 epoch = max(epoch, int(self.params.get("epochs", epoch)))
             self._model._initial_epoch = epoch
+            if epoch >= int(self.params.get("epochs", epoch + 1)):
+                # fit() will run no epoch: restore now, so the model ends as trained.
+                self._apply_restored(callbacks=False)
             logger.info("resuming from backup %d in %s at epoch %d, batch %d",
                         self._restored.step, self.backup_dir, epoch, batch)
             if batch and self.data is None:
@@ -243,6 +259,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         try:
             if store is None:
                 return
+            if self._first_epoch and self._restored is not None:
+                # No epoch ran (the backup is at the end): hand the callbacks their state.
+                self._apply_restored(model=False)
             if self.delete_checkpoint:
                 store.delete_all()
             else:
@@ -259,6 +278,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._old_handler = None
         if self._store is not None:
             store, self._store = self._store, None
+            with _OPEN_LOCK:
+                if _OPEN.get(store.directory) is store:
+                    del _OPEN[store.directory]
             store.close()
         self._model._initial_epoch = None
 
@@ -297,28 +319,56 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._store.save(self._global, arrays, metadata)
         self._last_saved = self._global
 
-    def _apply_restored(self) -> None:
+    def _apply_restored(self, *, model: bool = True, callbacks: bool = True) -> None:
         r = self._restored
+        if not model:
+            _callbacks.apply(self._siblings, r.metadata.get("callbacks", {}), r.arrays)
+            return
         model = self._model
-        if not model.built or not _state.fully_built(model):
-            if self.data is None:
+        paths = r.metadata["paths"]
+
+        def mismatch() -> bool:
+            _state.ensure_optimizer_built(model)
+            have = _state.count_variables(model)
+            return any(len(paths.get(g, [])) != have[g] for g in _state.GROUPS)
+
+        if mismatch() and not _state.fully_built(model):
+            batch = self.data.batch(0, 0) if self.data is not None else _first_batch()
+            if batch is None:
                 raise ValueError(
                     f"cannot restore {self.backup_dir!r} into an unbuilt model: build it "
                     "(call it on a batch) before fit(), or pass data=ResumableDataset(...)"
                 )
             # What the JAX trainer does before every fit; the TensorFlow trainer
             # builds lazily in the first step, too late for a restore.
-            model._symbolic_build(data_batch=self.data.batch(0, 0))
-        _state.ensure_optimizer_built(model)
-        paths = r.metadata["paths"]
-        have = _state.count_variables(model)
-        if any(len(paths.get(g, [])) != have[g] for g in _state.GROUPS):
+            model._symbolic_build(data_batch=batch)
+        if mismatch():
+            have = _state.count_variables(model)
             raise ValueError(
                 f"cannot restore {self.backup_dir!r}: the backup holds "
                 f"{ {g: len(p) for g, p in paths.items()} } variables per group, the model "
                 f"{have}. Build the model (and compile it the same way) before fit()."
             )
         _state.assign_state(model, r.arrays, paths)
+        if not callbacks:
+            return
         matched = _callbacks.apply(self._siblings, r.metadata.get("callbacks", {}), r.arrays)
         logger.info("restored the model, the optimizer and %d callback(s) from backup %d",
                     matched, r.step)
+
+
+def _first_batch() -> Any | None:
+    """The first rows of fit()'s array input (NumPy arrays or tensors), if that is its input.
+
+    Read from the arrays directly, so no iterator or random state is touched.
+    """
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    iterator = _callbacks.find_local("epoch_iterator", EpochIterator)
+    adapter = getattr(iterator, "data_adapter", None)
+    if not isinstance(adapter, ArrayDataAdapter):
+        return None
+    rows = adapter.batch_size or 1
+    return keras.tree.map_structure(
+        lambda a: None if a is None else keras.ops.convert_to_numpy(a[:rows]), adapter._inputs
+    )

@@ -166,6 +166,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         **kwargs: Keras's ``ModelCheckpoint`` arguments.
     """
 
+    job_class = _FileJob  # the background part of a save (tests subclass it)
+
     def __init__(self, filepath, *, async_options: AsyncOptions | None = None, **kwargs):
         super().__init__(filepath, **kwargs)
         self.async_options = async_options or AsyncOptions()
@@ -227,7 +229,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             saving_lib._save_state(model, weights_store=capture, assets_store=None,
                                    inner_path="", visited_saveables=set())
             nbytes = capture.finish()
-            return _FileJob(self, filepath, capture.groups, config, nbytes, best)
+            return self.job_class(self, filepath, capture.groups, config, nbytes, best)
 
         self.engine.save(stage, label=os.path.basename(filepath))
 
