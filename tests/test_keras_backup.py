@@ -197,6 +197,7 @@ def test_sigkill_at_random_batches_resumes_bit_identical(tmp_path, backend, refe
     assert ref["iterations"] == 24
     seed = int(os.environ.get("ASYNCCKPT_KILL_SEED", random.randrange(1 << 30)))
     trials = int(os.environ.get("ASYNCCKPT_KILL_TRIALS", "2"))
+    kills_per_trial = int(os.environ.get("ASYNCCKPT_KILLS_PER_TRIAL", "1"))
     print(f"ASYNCCKPT_KILL_SEED={seed} backend={backend}")
     rng = random.Random(seed)
     for trial in range(trials):
@@ -204,7 +205,7 @@ def test_sigkill_at_random_batches_resumes_bit_identical(tmp_path, backend, refe
         out = tmp_path / f"t{trial}.json"
         saved: dict[int, str] = {}
         restored: list[tuple[int, str]] = []
-        kills = [rng.randrange(1, 23) for _ in range(2)]
+        kills = [rng.randrange(1, 23) for _ in range(kills_per_trial)]
         print(f"trial {trial}: kill after {kills} batches of each run")
         for kill_at in [*kills, None]:
             rc, lines = _run_killed(script, backup_dir, out, backend, kill_at)

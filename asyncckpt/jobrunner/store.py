@@ -21,6 +21,7 @@ import fnmatch
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import zlib
@@ -190,7 +191,25 @@ class _ArraysJob:
 
 
 def _host_view(value: Any) -> np.ndarray:
-    """A NumPy view (or the cheapest copy) of an array-like, without a second copy."""
+    """A NumPy view of an array-like where the framework allows, else the cheapest copy.
+
+    TensorFlow variables and CPU tensors are viewed in place (a variable read
+    aliases its buffer; ``_numpy()`` does not copy), Keras variables through
+    their backend value, JAX CPU arrays by ``np.asarray``; the staging copy
+    is then the only copy. Frameworks are looked up, never imported.
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(value, keras.Variable):
+        value = value.value
+    tf = sys.modules.get("tensorflow")
+    if tf is not None:
+        if isinstance(value, tf.Variable):
+            value = value.value()
+        if isinstance(value, tf.Tensor):
+            if "CPU" not in value.device.upper():
+                with tf.device("CPU:0"):
+                    value = tf.identity(value)
+            value = value._numpy()
     arr = np.asarray(value)
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
