@@ -261,3 +261,26 @@ def test_tensorflow_example(ckpt_dir):
                         options=JobOptions(num_epochs=3))
     resumed.run()
     np.testing.assert_array_equal(holder["w"].numpy(), expected + 3.0)
+
+
+def test_store_round_trips_dtypes_and_shapes(ckpt_dir):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    arrays = {
+        "bf16": np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16),
+        "scalar": np.array(7, np.int64),
+        "bool": np.array([True, False, True]),
+        "empty": np.zeros((0, 5), np.float16),
+        "strided": np.arange(20, dtype=np.int32).reshape(4, 5)[:, ::2],
+    }
+    with ArrayStore(ckpt_dir, max_to_keep=1) as store:
+        store.save(1, arrays, {"note": "x"})
+        store.save(2, arrays)
+    store = ArrayStore(ckpt_dir)
+    assert store.all_steps() == [2]  # retention kept the newest
+    got = store.restore()
+    assert got.step == 2 and got.metadata == {}
+    for k, v in arrays.items():
+        assert got.arrays[k].dtype == v.dtype and got.arrays[k].shape == v.shape
+        np.testing.assert_array_equal(got.arrays[k], v)
+    with pytest.raises(ValueError, match="already exists"):
+        ArrayStore(ckpt_dir).save(2, arrays)
