@@ -237,10 +237,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._boundary(self._epoch, batch + self._offset)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._batch = batch + self._offset + 1
-        self._global += 1
+        # With steps_per_execution > 1 Keras reports the last batch of each
+        # group, so count what the index advanced, not calls.
+        done = batch + self._offset + 1
+        ran = max(1, done - self._batch)
+        self._batch = done
+        self._global += ran
         if isinstance(self.save_freq, int):
-            self._since += 1
+            self._since += ran
             if self._since >= self.save_freq:
                 self._since = 0
                 self._pending = True
