@@ -23,6 +23,7 @@ from asyncckpt.errors import (
     EngineClosedError,
     UnsupportedObjectError,
 )
+from asyncckpt.jobrunner import JobRunner as JobRunner
 from asyncckpt.options import AsyncOptions, RestoreOptions
 
 __all__ = [

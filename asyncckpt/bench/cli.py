@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "beside --out, i.e. on the same disk)")
     p.add_argument("--out", default=None,
                    help="output folder (default: bench-results/<date-time>)")
+    p.add_argument("--keras-size", type=int, default=32,
+                   help="Keras model weights in MiB for the BackupAndRestore row, each Keras "
+                        "backend of --frameworks in a child process (default 32; 0 skips it)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -113,8 +116,19 @@ def run_from_args(args: argparse.Namespace) -> int:
                 reps=args.train_reps or (3 if args.quick else 5), progress=progress)
         if "tf" in frameworks:
             results["unbuilt_optimizer"] = runner.unbuilt_optimizer_case(work, names)
+        if args.keras_size and importlib.util.find_spec("keras") is not None:
+            from asyncckpt.bench import keras_case
+
+            progress(f"Keras BackupAndRestore with {args.keras_size} MiB of weights ...")
+            results["keras"] = keras_case.measure_all(
+                args.keras_size << 20, reps=args.reps or (5 if args.quick else 10),
+                backends=[{"tf": "tensorflow"}.get(f, f) for f in frameworks])
     paths = report.write(results, out)
     print(report.text(results))
+    if results.get("keras"):
+        with open(paths["text"], "a") as f:
+            f.write("\n" + keras_case.text(results["keras"]) + "\n")
+        print("\n" + keras_case.text(results["keras"]))
     print("\nwrote " + ", ".join(paths.values()))
     return 0
 

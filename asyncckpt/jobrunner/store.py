@@ -1,0 +1,455 @@
+"""``ArrayStore``: numbered checkpoints of named arrays plus JSON, saved asynchronously.
+
+The framework-neutral format under the Keras callbacks and the job runner. A
+checkpoint is a directory ``<directory>/<step>/`` holding
+
+* ``arrays.bin``: every array's bytes, each starting on a 64-byte boundary;
+* ``index.json``: per array its dtype, shape, offset, size and CRC32, and the
+  caller's JSON metadata (training position, callback state, ...);
+* ``asyncckpt.manifest.json``: the engine's manifest (sizes and CRC32s of both
+  files), as every asyncckpt checkpoint has.
+
+The directory is written under a temporary name and published with one
+rename, so arrays and metadata are committed together: a reader never pairs
+new weights with an old position. Per-array offsets and checksums let a
+restore read (and verify) only the arrays it selects.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncckpt import layout
+from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine.files import DurableWriter
+from asyncckpt.engine.lock import DirectoryLock
+from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt.engine.metrics import SaveStats
+from asyncckpt.engine.slots import Slot, copy_arrays
+from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from asyncckpt.options import AsyncOptions
+
+logger = logging.getLogger(__name__)
+
+DATA_NAME = "arrays.bin"
+INDEX_NAME = "index.json"
+FRAMEWORK = "arrays"
+_ALIGN = 64
+_FORMAT = 1
+
+
+def _dtype_from_name(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # bfloat16 and friends; installed with JAX and TensorFlow
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def select_names(
+    names: Iterable[str],
+    include: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+) -> list[str]:
+    """Names matching any ``include`` glob (all when None) and no ``exclude`` glob."""
+    inc = list(include) if include is not None else None
+    exc = list(exclude or ())
+    out = []
+    for n in names:
+        if inc is not None and not any(fnmatch.fnmatchcase(n, p) for p in inc):
+            continue
+        if any(fnmatch.fnmatchcase(n, p) for p in exc):
+            continue
+        out.append(n)
+    return out
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``ArrayStore.restore`` read.
+
+    Attributes:
+        step: The checkpoint's step.
+        arrays: The selected arrays (fresh host copies), by name.
+        metadata: The JSON metadata saved with them.
+        bytes_read: Array bytes read from disk (the index not counted).
+        seconds: Wall time of the restore.
+    """
+
+    step: int
+    arrays: dict[str, np.ndarray]
+    metadata: dict
+    bytes_read: int
+    seconds: float
+
+
+@dataclass
+class _Entry:
+    name: str
+    buf: np.ndarray
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class _ArraysJob:
+    """Writes one staged checkpoint, then publishes it (runs on the writer thread)."""
+
+    def __init__(self, store: ArrayStore, step: int, entries: list[_Entry], metadata: dict):
+        self._store = store
+        self.step = step
+        self.label = str(step)
+        self._entries = entries
+        self._metadata = metadata
+        self.nbytes = sum(e.buf.nbytes for e in entries)
+        self._tmp: str | None = None
+        self._writer: DurableWriter | None = None
+        self._records = ()
+
+    def write(self) -> None:
+        opts = self._store.options
+        self._tmp = commit_lib.make_temp_dir(self._store.directory, self.label)
+        self._writer = DurableWriter(self._tmp, fsync=opts.fsync, checksums=opts.checksums)
+        index = self._write_data()
+        self._write_index(index)
+        self._records = tuple(self._writer.finish())
+        self._entries = []  # the slot is released after this returns
+
+    def _write_data(self) -> dict[str, dict]:
+        index: dict[str, dict] = {}
+        pad = bytes(_ALIGN)
+
+        def chunks():
+            offset = 0
+            for e in self._entries:
+                gap = (-offset) % _ALIGN
+                if gap:
+                    yield pad[:gap]
+                    offset += gap
+                data = e.buf.reshape(-1).view(np.uint8)
+                index[e.name] = {
+                    "dtype": e.dtype,
+                    "shape": list(e.shape),
+                    "offset": offset,
+                    "nbytes": int(data.nbytes),
+                    "crc32": zlib.crc32(data),
+                }
+                yield data
+                offset += data.nbytes
+
+        self._writer.write(DATA_NAME, chunks())
+        return index
+
+    def _write_index(self, index: dict[str, dict]) -> None:
+        body = {"format": _FORMAT, "arrays": index, "metadata": self._metadata}
+        self._writer.write(INDEX_NAME, [json.dumps(body, sort_keys=True).encode()])
+
+    def commit(self, stats: SaveStats) -> None:
+        self._write_manifest(stats)
+        self._publish()
+        self._store._after_commit(self.step, stats)
+
+    def _write_manifest(self, stats: SaveStats) -> None:
+        assert self._tmp is not None
+        manifest = Manifest(
+            framework=FRAMEWORK,
+            label=self.label,
+            step=self.step,
+            files=self._records,
+            stats=stats.to_dict(),
+        )
+        commit_lib.write_text_atomic(
+            os.path.join(self._tmp, layout.JAX_MANIFEST_NAME), manifest.to_json(),
+            fsync=self._store.options.fsync,
+        )
+
+    def _publish(self) -> None:
+        assert self._tmp is not None
+        commit_lib.publish_dir(self._tmp, self._store.step_dir(self.step),
+                               fsync=self._store.options.fsync)
+        self._tmp = None
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+        if self._tmp is not None:
+            commit_lib.remove_tree(self._tmp)
+            self._tmp = None
+
+
+def _host_view(value: Any) -> np.ndarray:
+    """A NumPy view of an array-like where the framework allows, else the cheapest copy.
+
+    TensorFlow variables and CPU tensors are viewed in place (a variable read
+    aliases its buffer; ``_numpy()`` does not copy), Keras variables through
+    their backend value, JAX CPU arrays by ``np.asarray``; the staging copy
+    is then the only copy. Frameworks are looked up, never imported.
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(value, keras.Variable):
+        value = value.value
+    tf = sys.modules.get("tensorflow")
+    if tf is not None:
+        if isinstance(value, tf.Variable):
+            value = value.value()
+        if isinstance(value, tf.Tensor):
+            if "CPU" not in value.device.upper():
+                with tf.device("CPU:0"):
+                    value = tf.identity(value)
+            value = value._numpy()
+    arr = np.asarray(value)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr
+
+
+class ArrayStore:
+    """Numbered checkpoints of ``{name: array}`` plus JSON metadata.
+
+    ``save`` copies every array into a host staging slot and returns; the
+    engine's writer thread writes, checksums, fsyncs and publishes the step
+    directory with one rename, then applies retention. ``restore`` reads the
+    newest checkpoint that verifies (or a given step), optionally only the
+    arrays selected by glob patterns, and reads only their bytes.
+
+    Args:
+        directory: Where step directories are written.
+        max_to_keep: Checkpoints to keep (None keeps all); the newest is
+            never deleted.
+        options: Staging slots, fsync, checksums.
+        name: Engine name for logs.
+        on_commit: Called on the writer thread with ``(step, stats)`` after a
+            checkpoint is published and retention applied.
+    """
+
+    job_class = _ArraysJob  # the background part of a save (tests subclass it to inject faults)
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 2,
+        options: AsyncOptions | None = None,
+        name: str = "asyncckpt.arrays",
+        on_commit: Callable[[int, SaveStats], None] | None = None,
+    ):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.max_to_keep = max_to_keep
+        self.options = options or AsyncOptions()
+        self._engine = AsyncEngine(options=self.options, name=name)
+        self._on_commit = on_commit
+        self._lock = DirectoryLock(self.directory)
+        self._joined = False
+        self._mutex = threading.Lock()
+        self._last: SaveHandle | None = None
+
+    # -- listing -------------------------------------------------------------
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._engine
+
+    @property
+    def last_save(self) -> SaveHandle | None:
+        return self._last
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(int(step)))
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first (temporaries are never listed)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(self.step_dir(n)))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- saving ----------------------------------------------------------------
+
+    def save(
+        self, step: int, arrays: Mapping[str, Any], metadata: dict | None = None
+    ) -> SaveHandle:
+        """Stages ``arrays`` into host memory and writes them as ``step`` in the background.
+
+        Args:
+            step: Checkpoint number (a new one; existing steps are never
+                overwritten).
+            arrays: Names to array-likes (NumPy, JAX, TensorFlow tensors or
+                variables); copied before this returns.
+            metadata: JSON-serializable data committed with the arrays.
+
+        Returns:
+            The save's handle (``result()`` waits until it is durable).
+        """
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        meta = json.loads(json.dumps(metadata or {}))
+        self._engine.raise_pending_error()
+        self._join()
+        if os.path.lexists(self.step_dir(step)):
+            raise ValueError(f"step {step} already exists in {self.directory!r}")
+
+        def stage(slot: Slot) -> _ArraysJob:
+            entries, pairs = [], []
+            for key, value in arrays.items():
+                src = _host_view(value)
+                buf = slot.buffer(key, src.shape, src.dtype)
+                pairs.append((buf, src))
+                entries.append(_Entry(key, buf, src.dtype.name, tuple(src.shape)))
+            copy_arrays(pairs)
+            return self.job_class(self, step, entries, meta)
+
+        handle = self._engine.save(stage, label=str(step), step=step)
+        self._last = handle
+        return handle
+
+    def _join(self) -> None:
+        with self._mutex:
+            if self._joined:
+                return
+            commit_lib.ensure_writable_dir(self.directory)
+            self._lock.acquire()
+            commit_lib.cleanup_stale_temps(self.directory)
+            self._joined = True
+
+    def _after_commit(self, step: int, stats: SaveStats) -> None:
+        if self.max_to_keep is not None:
+            steps = self.all_steps()
+            drop = [s for s in steps[: -self.max_to_keep] if s != step]
+            for s in drop:
+                commit_lib.remove_tree(self.step_dir(s))
+        if self._on_commit is not None:
+            self._on_commit(step, stats)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Waits until every save is durable; re-raises background errors."""
+        self._engine.sync(timeout)
+
+    def close(self) -> None:
+        """Flushes saves in flight, stops the writer and releases the directory."""
+        try:
+            self._engine.close()
+        finally:
+            self._lock.release()
+
+    def delete_all(self) -> None:
+        """Waits for saves in flight, then removes every checkpoint and the directory."""
+        self._engine.sync()
+        self._lock.release()
+        self._joined = False
+        commit_lib.remove_tree(self.directory)
+
+    def __enter__(self) -> ArrayStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- reading ----------------------------------------------------------------
+
+    def read_index(self, step: int) -> dict:
+        """The index of a step: ``{"arrays": {...}, "metadata": {...}}``."""
+        path = os.path.join(self.step_dir(step), INDEX_NAME)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {step} in {self.directory!r}") from None
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                f"index {path!r} is unreadable: {e}", checkpoint=self.step_dir(step), file=path
+            ) from e
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        include: Iterable[str] | None = None,
+        exclude: Iterable[str] | None = None,
+    ) -> Restored:
+        """Reads a checkpoint: ``step``, or the newest one that verifies.
+
+        Only the arrays selected by ``include``/``exclude`` (glob patterns on
+        names) are read, each checked against its own CRC32; file sizes are
+        checked against the manifest.
+
+        Raises:
+            CheckpointNotFoundError: no checkpoint (or no such step).
+            CorruptCheckpointError: ``step`` was given and does not verify.
+        """
+        if step is not None:
+            return self._restore_step(int(step), include, exclude)
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"no checkpoints in {self.directory!r}")
+        errors = []
+        for s in reversed(steps):
+            try:
+                return self._restore_step(s, include, exclude)
+            except CorruptCheckpointError as e:
+                logger.warning("checkpoint %d in %s does not verify (%s); trying an older one",
+                               s, self.directory, e)
+                errors.append(e)
+        raise errors[0]
+
+    def _restore_step(self, step: int, include, exclude) -> Restored:
+        t0 = time.perf_counter()
+        step_dir = self.step_dir(step)
+        if not os.path.isdir(step_dir):
+            raise CheckpointNotFoundError(f"no checkpoint {step} in {self.directory!r}")
+        try:
+            manifest = read_manifest(layout.jax_manifest_path(step_dir))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"checkpoint {step_dir!r} has no manifest", checkpoint=step_dir,
+                file=layout.jax_manifest_path(step_dir)) from None
+        verify_files(step_dir, manifest.files, checksums=False, checkpoint=step_dir)
+        index = self.read_index(step)
+        table = index["arrays"]
+        names = select_names(table, include, exclude)
+        arrays: dict[str, np.ndarray] = {}
+        read = 0
+        data_path = os.path.join(step_dir, DATA_NAME)
+        fd = os.open(data_path, os.O_RDONLY)
+        try:
+            for name in names:
+                e = table[name]
+                out = np.empty(e["nbytes"], dtype=np.uint8)
+                view = memoryview(out)
+                got = 0
+                while got < e["nbytes"]:
+                    n = os.preadv(fd, [view[got:]], e["offset"] + got)
+                    if n <= 0:
+                        raise CorruptCheckpointError(
+                            f"{data_path!r} ends inside array {name!r}",
+                            checkpoint=step_dir, file=data_path)
+                    got += n
+                read += got
+                if zlib.crc32(out) != e["crc32"]:
+                    raise CorruptCheckpointError(
+                        f"array {name!r} of {step_dir!r} fails its CRC32 check",
+                        checkpoint=step_dir, file=data_path)
+                arrays[name] = out.view(_dtype_from_name(e["dtype"])).reshape(e["shape"])
+        finally:
+            os.close(fd)
+        return Restored(step, arrays, index.get("metadata", {}), read, time.perf_counter() - t0)

@@ -1,0 +1,378 @@
+"""``asyncckpt.keras.BackupAndRestore``: Keras 3's callback, asynchronous and exact."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+from keras.src.trainers.epoch_iterator import EpochIterator
+
+from asyncckpt.jobrunner.store import ArrayStore, Restored
+from asyncckpt.keras import _callbacks, _state
+from asyncckpt.keras.data import ResumableDataset
+from asyncckpt.options import AsyncOptions
+
+logger = logging.getLogger(__name__)
+
+# Stores left open by a fit() that raised (Keras calls no on_train_end then),
+# by directory: a later BackupAndRestore of the same directory in this process
+# flushes and closes them before it takes the directory over.
+_OPEN: dict[str, ArrayStore] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackupOptions:
+    """How backups are written and what happens on SIGTERM.
+
+    Attributes:
+        async_options: Staging slots, fsync, checksums of the engine.
+        save_on_sigterm: Install a SIGTERM handler during ``fit``; on the
+            signal, back up at the next batch boundary, wait until it is
+            durable and raise ``SystemExit(sigterm_exit_code)``. Only in the
+            main thread.
+        sigterm_exit_code: Exit code after such a save (143 = 128 + SIGTERM).
+    """
+
+    async_options: AsyncOptions | None = None
+    save_on_sigterm: bool = False
+    sigterm_exit_code: int = 143
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up the whole training state in the background; resumes ``fit`` exactly.
+
+    Same arguments and meaning as ``keras.callbacks.BackupAndRestore``:
+    backups are taken every epoch or every ``save_freq`` batches, restored at
+    the start of ``fit``, and deleted when ``fit`` completes (unless
+    ``delete_checkpoint=False``). The differences:
+
+    * a backup blocks training only for the copy of the state to host memory;
+      writing, checksums, fsync and commit run on a background thread;
+    * a backup is one atomic checkpoint holding the model's variables
+      (BatchNorm statistics and seed-generator states included), the
+      optimizer's (``iterations``, slots), the metric accumulators, the
+      position (epoch, batch), and the state of the other stateful callbacks
+      of the same ``fit`` (``EarlyStopping``, ``ModelCheckpoint``,
+      ``ReduceLROnPlateau``, or any with ``get_state``/``set_state``);
+    * a backup taken mid-epoch resumes at that batch: with ``data`` (a
+      ``ResumableDataset``) the batches already applied are left out of the
+      resumed epoch, so the run ends bit-identical to an uninterrupted one;
+      without it, the resumed epoch starts from its first batch as Keras's
+      own callback does (and a warning says so);
+    * ``save_freq=False`` takes no periodic backups (use with
+      ``BackupOptions(save_on_sigterm=True)``); Keras's treats False as 0.
+
+    Backups are taken at batch boundaries, just before the next batch (or at
+    the next epoch's start, or at the end of training), once every callback
+    has processed the batch or epoch that ended, so their state matches the
+    weights.
+
+    Args:
+        backup_dir: Directory of the backups; used by this callback only.
+        save_freq: ``"epoch"``, a positive number of batches, or False.
+        double_checkpoint: Keep the previous backup too (two in all); the
+            newest that verifies is restored.
+        delete_checkpoint: Delete the backups once ``fit`` completes.
+        data: The ``ResumableDataset`` given to ``fit``, for exact mid-epoch
+            resumes.
+        options: Engine and SIGTERM options.
+    """
+
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike,
+        save_freq: str | int = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+        *,
+        data: ResumableDataset | None = None,
+        options: BackupOptions | None = None,
+    ):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("Empty `backup_dir` argument passed")
+        if save_freq is False:
+            save_freq = None
+        elif save_freq != "epoch" and (
+            not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1
+        ):
+            raise ValueError(
+                f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. "
+                "Expected 'epoch', a positive integer or False."
+            )
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.double_checkpoint = double_checkpoint
+        self.delete_checkpoint = delete_checkpoint
+        self.data = data
+        self.options = options or BackupOptions()
+        self._store: ArrayStore | None = None
+        self._siblings: list[Any] = []
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        self._restored: Restored | None = None
+        self._first_epoch = True
+        self._epoch = 0
+        self._offset = 0  # batches of the current epoch left out (resumed epoch)
+        self._batch = 0  # next batch of the current epoch, counted in the full epoch
+        self._global = 0  # batches trained in total, across restarts
+        self._since = 0  # batches since the last backup
+        self._pending = False
+        self._last_saved: int | None = None
+        self._epoch_done = False
+        self._shortened: tuple[Any, int] | None = None
+        self._sigterm = threading.Event()
+        self._old_handler: Any = None
+        self.preempted = False
+
+    # -- introspection -----------------------------------------------------------
+
+    @property
+    def store(self) -> ArrayStore | None:
+        """The backing ``ArrayStore`` during ``fit`` (stats: ``store.engine.history``)."""
+        return self._store
+
+    @property
+    def restored_position(self) -> tuple[int, int] | None:
+        """(epoch, batch) this ``fit`` resumed at, or None if it started fresh."""
+        if self._restored is None:
+            return None
+        m = self._restored.metadata
+        return int(m["epoch"]), int(m["batch"])
+
+    # -- fit lifecycle ---------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        if self._store is not None:  # a previous fit() raised; flush what it started
+            self._finish()
+        self._reset_run()
+        self._siblings = _callbacks.find_siblings(self)
+        store = self._make_store()
+        with _OPEN_LOCK:
+            left = _OPEN.pop(store.directory, None)
+        if left is not None:
+            left.close()
+        self._store = store
+        with _OPEN_LOCK:
+            _OPEN[store.directory] = store
+        if self._store.latest_step() is not None:
+            self._restored = self._store.restore()
+            meta = self._restored.metadata
+            self._global = self._last_saved = int(meta["global_batches"])
+            self._since = int(meta.get("since", 0))
+            epoch, batch = int(meta["epoch"]), int(meta["batch"])
+            if meta.get("stopped"):
+                epoch = max(epoch, int(self.params.get("epochs", epoch)))
+            self._model._initial_epoch = epoch
+            if epoch >= int(self.params.get("epochs", epoch + 1)):
+                # fit() will run no epoch: restore now, so the model ends as trained.
+                self._apply_restored(callbacks=False)
+            logger.info("resuming from backup %d in %s at epoch %d, batch %d",
+                        self._restored.step, self.backup_dir, epoch, batch)
+            if batch and self.data is None:
+                warnings.warn(
+                    f"the backup was taken at batch {batch} of epoch {epoch}; without "
+                    "`data=ResumableDataset(...)` the epoch is run again from its first batch",
+                    stacklevel=2,
+                )
+        if self.options.save_on_sigterm and threading.current_thread() is threading.main_thread():
+            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _make_store(self) -> ArrayStore:
+        return ArrayStore(
+            self.backup_dir,
+            max_to_keep=2 if self.double_checkpoint else 1,
+            options=self.options.async_options,
+            name="asyncckpt.keras.backup",
+        )
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm.set()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._first_epoch:
+            self._first_epoch = False
+            offset = 0
+            if self._restored is not None:
+                self._apply_restored()
+                saved_epoch = int(self._restored.metadata["epoch"])
+                if epoch == saved_epoch and self.data is not None:
+                    offset = int(self._restored.metadata["batch"])
+        else:
+            offset = 0
+            self._boundary(epoch, 0)
+        self._epoch, self._offset, self._batch = epoch, offset, offset
+        self._epoch_done = False
+        if self.data is not None:
+            self.data.set_position(epoch, offset)
+            if offset:
+                self._shorten_epoch(offset)
+
+    def _shorten_epoch(self, offset: int) -> None:
+        """Makes ``fit`` count ``offset`` fewer batches in this epoch.
+
+        Letting the data run out instead is not safe on TensorFlow: the
+        traced step that meets the end of the data can still run its
+        data-independent ops (the optimizer's ``iterations += 1``) before the
+        error stops it.
+        """
+        iterator = _callbacks.find_local("epoch_iterator", EpochIterator)
+        if iterator is None or iterator.steps_per_epoch or not iterator._num_batches:
+            raise RuntimeError(
+                "cannot resume mid-epoch: fit()'s epoch iterator was not found or has "
+                "steps_per_epoch set (exact resumes need steps_per_epoch=None)"
+            )
+        self._shortened = (iterator, iterator._num_batches)
+        iterator._num_batches = iterator._num_batches - offset
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._boundary(self._epoch, batch + self._offset)
+
+    def on_train_batch_end(self, batch, logs=None):
+        # With steps_per_execution > 1 Keras reports the last batch of each
+        # group, so count what the index advanced, not calls.
+        done = batch + self._offset + 1
+        ran = max(1, done - self._batch)
+        self._batch = done
+        self._global += ran
+        if isinstance(self.save_freq, int):
+            self._since += ran
+            if self._since >= self.save_freq:
+                self._since = 0
+                self._pending = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch_done = True
+        if self._shortened is not None:
+            iterator, full = self._shortened
+            iterator._num_batches = full
+            self._shortened = None
+        if self.save_freq == "epoch":
+            self._pending = True
+
+    def on_train_end(self, logs=None):
+        store = self._store
+        try:
+            if store is None:
+                return
+            if self._first_epoch and self._restored is not None:
+                # No epoch ran (the backup is at the end): hand the callbacks their state.
+                self._apply_restored(model=False)
+            if self.delete_checkpoint:
+                store.delete_all()
+            else:
+                position = (self._epoch + 1, 0) if self._epoch_done else (self._epoch, self._batch)
+                if self._pending or self._last_saved != self._global:
+                    self._save(*position, stopped=bool(self._model.stop_training))
+                store.sync()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._old_handler is not None:
+            signal.signal(signal.SIGTERM, self._old_handler)
+            self._old_handler = None
+        if self._store is not None:
+            store, self._store = self._store, None
+            with _OPEN_LOCK:
+                if _OPEN.get(store.directory) is store:
+                    del _OPEN[store.directory]
+            store.close()
+        self._model._initial_epoch = None
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def _boundary(self, epoch: int, batch: int) -> None:
+        """Runs at a batch boundary: every callback has seen what came before it."""
+        if self._sigterm.is_set():
+            self._save(epoch, batch)
+            self._store.sync()
+            self.preempted = True
+            logger.warning("SIGTERM: backed up at epoch %d, batch %d; exiting", epoch, batch)
+            self._finish()
+            raise SystemExit(self.options.sigterm_exit_code)
+        if self._pending:
+            self._save(epoch, batch)
+
+    def _save(self, epoch: int, batch: int, *, stopped: bool = False) -> None:
+        self._pending = False
+        if self._last_saved == self._global:
+            return  # nothing trained since the last backup
+        arrays, paths = _state.snapshot_sources(self._model)
+        cb_states, cb_arrays = _callbacks.collect(self._siblings)
+        arrays.update(cb_arrays)
+        metadata = {
+            "epoch": epoch,
+            "batch": batch,
+            "global_batches": self._global,
+            "since": self._since,
+            "stopped": stopped,
+            "paths": paths,
+            "callbacks": cb_states,
+            "backend": keras.backend.backend(),
+            "keras_version": keras.__version__,
+        }
+        self._store.save(self._global, arrays, metadata)
+        self._last_saved = self._global
+
+    def _apply_restored(self, *, model: bool = True, callbacks: bool = True) -> None:
+        r = self._restored
+        if not model:
+            _callbacks.apply(self._siblings, r.metadata.get("callbacks", {}), r.arrays)
+            return
+        model = self._model
+        paths = r.metadata["paths"]
+
+        def mismatch() -> bool:
+            _state.ensure_optimizer_built(model)
+            have = _state.count_variables(model)
+            return any(len(paths.get(g, [])) != have[g] for g in _state.GROUPS)
+
+        if mismatch() and not _state.fully_built(model):
+            batch = self.data.batch(0, 0) if self.data is not None else _first_batch()
+            if batch is None:
+                raise ValueError(
+                    f"cannot restore {self.backup_dir!r} into an unbuilt model: build it "
+                    "(call it on a batch) before fit(), or pass data=ResumableDataset(...)"
+                )
+            # What the JAX trainer does before every fit; the TensorFlow trainer
+            # builds lazily in the first step, too late for a restore.
+            model._symbolic_build(data_batch=batch)
+        if mismatch():
+            have = _state.count_variables(model)
+            raise ValueError(
+                f"cannot restore {self.backup_dir!r}: the backup holds "
+                f"{ {g: len(p) for g, p in paths.items()} } variables per group, the model "
+                f"{have}. Build the model (and compile it the same way) before fit()."
+            )
+        _state.assign_state(model, r.arrays, paths)
+        if not callbacks:
+            return
+        matched = _callbacks.apply(self._siblings, r.metadata.get("callbacks", {}), r.arrays)
+        logger.info("restored the model, the optimizer and %d callback(s) from backup %d",
+                    matched, r.step)
+
+
+def _first_batch() -> Any | None:
+    """The first rows of fit()'s array input (NumPy arrays or tensors), if that is its input.
+
+    Read from the arrays directly, so no iterator or random state is touched.
+    """
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    iterator = _callbacks.find_local("epoch_iterator", EpochIterator)
+    adapter = getattr(iterator, "data_adapter", None)
+    if not isinstance(adapter, ArrayDataAdapter):
+        return None
+    rows = adapter.batch_size or 1
+    return keras.tree.map_structure(
+        lambda a: None if a is None else keras.ops.convert_to_numpy(a[:rows]), adapter._inputs
+    )
