@@ -26,6 +26,7 @@ from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._restore import restore_tree
 from asyncckpt.jax._snapshot import Snapshotter
 from asyncckpt.options import AsyncOptions, RestoreOptions
+from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ class CheckpointManager:
         restore_options: Verification on restore.
         coordination_timeout_s: Multi-process: longest wait for another
             process during a save.
+        remote: A persistent second tier (``s3://`` / ``gs://`` URL or a
+            path) for a local ``directory``: saves commit locally and every
+            ``remote_options.every_n_steps`` are uploaded in the background.
+        remote_options: Schedule, retention and retries of the remote tier
+            (default: every step, ``max_to_keep`` as above).
     """
 
     def __init__(
@@ -112,13 +118,19 @@ class CheckpointManager:
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
         coordination_timeout_s: float = 1800.0,
+        remote: str | None = None,
+        remote_options: RemoteOptions | None = None,
     ):
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be a positive int, got "
                              f"{save_interval_steps!r}")
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
-        self._directory = os.path.abspath(os.fspath(directory))
+        # [storage] URL check; a URL directory stages in a local scratch directory.
+        self._tiers = TieredDirectory(
+            directory, remote=remote,
+            remote_options=remote_options or RemoteOptions(max_to_keep=max_to_keep))
+        self._directory = self._tiers.local_dir
         self._policy = retention.RetentionPolicy(
             max_to_keep=max_to_keep,
             keep_period=keep_period,
@@ -201,8 +213,10 @@ class CheckpointManager:
         try:
             found = catalog.list_checkpoints(self._directory)
         except CheckpointNotFoundError:
-            return []
-        return [c.step for c in found if c.framework == "jax" and c.step is not None]
+            found = []
+        steps = {c.step for c in found if c.framework == "jax" and c.step is not None}
+        steps.update(int(n) for n in self._tiers.remote_names() if n.isdigit())  # [storage]
+        return sorted(steps)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -300,6 +314,7 @@ class CheckpointManager:
         if self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
         self._engine.raise_pending_error()
+        self._tiers.raise_pending_error()  # [storage] a failed upload surfaces here
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -390,6 +405,7 @@ class CheckpointManager:
         del stats
         if not self._primary:
             return
+        self._tiers.after_commit(str(step))  # [storage] upload (URL dir: before durable)
         with self._lock:
             self._managed[step] = retention.Candidate(
                 key=str(step), step=step, timestamp=time.time(),
@@ -423,6 +439,7 @@ class CheckpointManager:
             Exception: a background failure not yet reported.
         """
         self._engine.sync(timeout)
+        self._tiers.wait(timeout)  # [storage]
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves in flight, frees the staging memory, releases the directory."""
@@ -430,6 +447,7 @@ class CheckpointManager:
             self._engine.close(timeout)
         finally:
             self._dir_lock.release()
+            self._tiers.close(timeout)  # [storage]
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -471,6 +489,7 @@ class CheckpointManager:
         checksums = self._restore_options.verify_checksums
         if step is not None:
             chosen = self._existing_step(step)
+            self._tiers.ensure_local(str(chosen), checksums=checksums)  # [storage]
             return restore_tree(self.step_dir(chosen), target, checksums=checksums)
         steps = self.all_steps()
         if not steps:
@@ -478,6 +497,7 @@ class CheckpointManager:
         failures = []
         for candidate in reversed(steps):
             try:
+                self._tiers.ensure_local(str(candidate), checksums=checksums)  # [storage]
                 return restore_tree(self.step_dir(candidate), target, checksums=checksums)
             except CorruptCheckpointError as e:
                 # Every file is checked before anything is placed on a device,
