@@ -89,9 +89,12 @@ class S3ObjectStore(ObjectStore):
         return n
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        # object_store lists by path segments: list the enclosing "directory", then filter.
+        directory = prefix.rpartition("/")[0]
         out = []
-        for batch in self._obs.list(self._store, prefix=prefix or None):
-            out.extend(ObjectInfo(m["path"], int(m["size"])) for m in batch)
+        for batch in self._obs.list(self._store, prefix=directory or None):
+            out.extend(ObjectInfo(m["path"], int(m["size"])) for m in batch
+                       if m["path"].startswith(prefix))
         return sorted(out, key=lambda o: o.key)
 
     def delete(self, keys: list[str]) -> None:

@@ -9,6 +9,7 @@ import re
 import threading
 import time
 
+from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
 from asyncckpt.engine.lock import DirectoryLock
@@ -16,6 +17,7 @@ from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
+from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
 from asyncckpt.tf import _compat
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import delete_checkpoint
@@ -58,6 +60,13 @@ class CheckpointManager:
         async_options: Engine options, used when ``checkpoint`` is a
             ``tf.train.Checkpoint``.
         restore_options: Verification on restore, likewise.
+        remote: A persistent second tier (``s3://`` / ``gs://`` URL or a
+            path) for a local ``directory``: saves commit locally and every
+            ``remote_options.every_n_steps`` are uploaded in the background.
+            ``directory`` itself may be such a URL (saves stage in a local
+            scratch directory and are durable once committed remotely).
+        remote_options: Schedule, retention and retries of the remote tier
+            (default: every save, ``max_to_keep`` as above).
     """
 
     def __init__(
@@ -74,6 +83,8 @@ class CheckpointManager:
         *,
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
+        remote: str | None = None,
+        remote_options: RemoteOptions | None = None,
     ):
         if isinstance(checkpoint, Checkpoint):
             self._ckpt = checkpoint
@@ -102,7 +113,12 @@ class CheckpointManager:
         )
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name must be a plain file name, got {checkpoint_name!r}")
-        self._directory = os.fspath(directory)
+        # [storage] URL check; a URL directory stages in a local scratch directory.
+        self._tiers = TieredDirectory(
+            directory, remote=remote,
+            remote_options=remote_options or RemoteOptions(max_to_keep=max_to_keep))
+        self._directory = self._tiers.local_dir if self._tiers.remote_only else os.fspath(
+            directory)
         self._abs_dir = os.path.abspath(self._directory)
         self._checkpoint_name = checkpoint_name
         self._prefix = os.path.join(self._directory, checkpoint_name)
@@ -163,6 +179,7 @@ class CheckpointManager:
     def _on_committed(self, path: str, stats: SaveStats) -> None:
         """Writer thread: record a durable checkpoint, then apply retention."""
         del stats
+        self._tiers.after_commit(os.path.basename(path))  # [storage] upload (URL: before durable)
         with self._lock:
             self._maybe_delete.pop(path, None)
             self._maybe_delete[path] = time.time()
@@ -230,6 +247,7 @@ class CheckpointManager:
             options: Accepted for compatibility; ignored.
         """
         del options
+        self._tiers.raise_pending_error()  # [storage] a failed upload surfaces here
         if self._checkpoint_interval is not None:
             current = _evaluate(self._step_counter)
             if self._last_checkpoint_step is not None:
@@ -292,8 +310,16 @@ class CheckpointManager:
             candidates = list(reversed(self._maybe_delete))
             if self._latest and self._latest not in candidates:
                 candidates.insert(0, self._latest)
+        # [storage] checkpoints only the remote tier has, newest first among the local ones.
+        if self._tiers.remote is not None:
+            known = {os.path.basename(p) for p in candidates}
+            candidates += [os.path.join(self._directory, n) for n in self._tiers.remote_names()
+                           if n not in known]
+            candidates.sort(key=lambda p: -(layout.tf_step_of(p) or -1))
         for path in candidates:
             try:
+                self._tiers.ensure_local(os.path.basename(path),  # [storage]
+                                         checksums=self._verify_checksums)
                 verify_checkpoint(path, checksums=self._verify_checksums)
                 return path
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
@@ -324,6 +350,7 @@ class CheckpointManager:
     def sync(self, timeout: float | None = None) -> None:
         """Waits until every save is durable; re-raises background errors."""
         self._ckpt.sync(timeout)
+        self._tiers.wait(timeout)  # [storage]
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves, releases the directory; closes the engine if it made it."""
@@ -334,6 +361,7 @@ class CheckpointManager:
                 self._ckpt.sync(timeout)
         finally:
             self._dir_lock.release()
+            self._tiers.close(timeout)  # [storage]
 
     def __enter__(self) -> CheckpointManager:
         return self

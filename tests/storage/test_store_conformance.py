@@ -54,6 +54,8 @@ def test_list_is_recursive_sorted_and_prefixed(store):
                             ObjectInfo("x/sub/3", 7), ObjectInfo("y", 1)]
     assert [o.key for o in store.list("x/")] == ["x/1", "x/2", "x/sub/3"]
     assert store.list("zzz") == []
+    assert [o.key for o in store.list("x")] == ["x/1", "x/2", "x/sub/3"]  # not only whole segments
+    assert [o.key for o in store.list("x/s")] == ["x/sub/3"]
 
 
 def test_delete_ignores_missing(store):
