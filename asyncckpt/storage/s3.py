@@ -51,7 +51,12 @@ class S3ObjectStore(ObjectStore):
         options = {}
         if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true"):
             options["allow_http"] = True
-        self._store = S3Store(bucket, prefix=prefix or None, client_options=options or None)
+        # A few quick client-side retries; the deadline-bound retries are ours (base.retry_call).
+        retry = {"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=20),
+                 "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
+                             "max_backoff": datetime.timedelta(seconds=1), "base": 2}}
+        self._store = S3Store(bucket, prefix=prefix or None, client_options=options or None,
+                              retry_config=retry)
 
     def _full(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

@@ -134,7 +134,10 @@ class SeaweedS3:
         ]
         log = open(os.path.join(self.data_dir, "weed.log"), "ab")  # noqa: SIM115 (child owns it)
         try:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            # weed turns AWS_ACCESS_KEY_ID/SECRET in its environment into required credentials;
+            # the test server accepts any signature, so it starts without them.
+            env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         finally:
             log.close()

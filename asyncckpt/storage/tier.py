@@ -332,7 +332,13 @@ class TieredDirectory:
 
     def remote_names(self) -> list[str]:
         """Names of the committed remote checkpoints, oldest first ([] without a remote)."""
-        return [] if self.remote is None else [c.name for c in self.remote.committed()]
+        if self.remote is None:
+            return []
+        try:
+            return [c.name for c in self.remote.committed()]
+        except Exception as e:  # the local tier stays usable while the remote is unreachable
+            logger.warning("cannot list %s: %s", self.remote.url, e)
+            return []
 
     def ensure_local(self, name: str, *, checksums: bool = True) -> None:
         """Downloads checkpoint ``name`` from the remote tier unless it is here already.

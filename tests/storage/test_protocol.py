@@ -16,7 +16,7 @@ from asyncckpt.engine.manifest import Manifest
 from asyncckpt.storage import RetryPolicy, StorageError, open_store
 from asyncckpt.storage import protocol as proto
 
-FAST = RetryPolicy(deadline_s=2.0, initial_backoff_s=0.05)
+FAST = RetryPolicy(deadline_s=1.0, initial_backoff_s=0.05)
 
 
 def _local_jax_checkpoint(directory, step: int, nfiles: int = 4) -> catalog.CheckpointInfo:
