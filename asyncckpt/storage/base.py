@@ -95,8 +95,10 @@ class ObjectStore(abc.ABC):
     def delete(self, keys: list[str]) -> None:
         """Deletes objects; keys already gone are ignored."""
 
-    def abort_incomplete_uploads(self) -> int:
-        """Aborts multipart uploads left by killed writers; returns how many."""
+    def abort_incomplete_uploads(self, *, older_than_s: float = 0.0) -> int:
+        """Aborts multipart uploads started more than ``older_than_s`` ago (left by killed
+        writers); returns how many. Stores without such uploads have nothing to abort."""
+        del older_than_s
         return 0
 
     def close(self) -> None:  # noqa: B027 (optional hook: most clients hold nothing to close)
