@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="output folder (default: bench-results/<date-time>)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--storage", choices=["s3", "gcs"], default=None,
+                   help="instead: the remote tier against a local S3 (SeaweedFS) or GCS "
+                        "(fake-gcs-server) server: upload throughput vs a raw put, blocking "
+                        "time with the tier on vs off, restore time (size: first of --sizes, "
+                        "default 256, 64 with --quick)")
 
 
 def _machine() -> str:
@@ -53,6 +58,10 @@ def _machine() -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "storage", None):
+        from asyncckpt.bench.storage import run
+
+        return run(args)
     frameworks = [f for f in args.frameworks.split(",") if f]
     for fw, module in (("tf", "tensorflow"), ("jax", "jax")):
         if fw in frameworks and importlib.util.find_spec(module) is None:
