@@ -12,8 +12,31 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
+from asyncckpt.engine.writer import lower_thread_priority
 from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo, ObjectStore
+
+
+def _start_io_thread_niced(nice: int) -> None:
+    """Starts fsspec's IO thread (gcsfs runs every request on it) at a lower priority.
+
+    Linux threads inherit the niceness of the thread that creates them, so the
+    loop is created from a short-lived niced thread; the uploads' Python work
+    then yields the cores to training. No effect if the loop already runs.
+    """
+    import fsspec.asyn
+
+    if fsspec.asyn.loop[0] is not None:
+        return
+
+    def start() -> None:
+        lower_thread_priority(nice)
+        fsspec.asyn.get_loop()
+
+    t = threading.Thread(target=start, name="asyncckpt-fsspec-start")
+    t.start()
+    t.join()
 
 
 def _gcsfs_class():
@@ -33,10 +56,12 @@ class GCSObjectStore(ObjectStore):
         bucket: Bucket name.
         prefix: Key prefix (no leading or trailing ``/``).
         part_size: Resumable-upload chunk size in bytes.
+        nice: Niceness of fsspec's IO thread, if this starts it.
     """
 
-    def __init__(self, bucket: str, prefix: str, *, part_size: int = 16 << 20):
+    def __init__(self, bucket: str, prefix: str, *, part_size: int = 16 << 20, nice: int = 10):
         cls = _gcsfs_class()
+        _start_io_thread_niced(nice)
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"gs://{bucket}/{prefix}".rstrip("/")
