@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,14 @@ def _die_with_parent() -> None:
         pass
 
 
+def _popen(cmd: list[str], **kwargs) -> subprocess.Popen:
+    # JAX warns at every fork of a process that has imported it; this fork execs a server
+    # at once (after the one prctl call of the child set-up), which is the safe case.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+        return subprocess.Popen(cmd, **kwargs)
+
+
 def _stop(proc: subprocess.Popen | None, *, grace_s: float = 10.0) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -150,7 +159,7 @@ class SeaweedS3:
             # weed turns AWS_ACCESS_KEY_ID/SECRET in its environment into required credentials;
             # the test server accepts any signature, so it starts without them.
             env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+            self._proc = _popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           stdin=subprocess.DEVNULL,
                                           preexec_fn=_child_setup(self.nice))
         finally:
@@ -245,7 +254,7 @@ class FakeGCS:
             "-port", str(self.port), "-external-url", self.endpoint,
             "-public-host", f"127.0.0.1:{self.port}", "-log-level", "error",
         ]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        self._proc = _popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       stdin=subprocess.DEVNULL, preexec_fn=_child_setup(self.nice))
         _wait_http(self.endpoint + "/storage/v1/b", timeout_s=timeout_s, proc=self._proc)
 
