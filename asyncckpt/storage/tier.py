@@ -325,10 +325,15 @@ class TieredDirectory:
         if self.remote is None:
             return
         info = protocol.local_info(self.local_dir, name)
-        if self.remote_only:
-            self.remote.upload_now(info)
-        else:
+        if not self.remote_only:
             self.remote.submit(info)
+            return
+        try:
+            self.remote.upload_now(info)
+        except BaseException:
+            # Durable means committed remotely: a save that never got there is not listed.
+            _discard_local(info)
+            raise
 
     def remote_names(self) -> list[str]:
         """Names of the committed remote checkpoints, oldest first ([] without a remote)."""
@@ -371,6 +376,23 @@ class TieredDirectory:
         finally:
             if self._own_scratch is not None:
                 shutil.rmtree(self._own_scratch, ignore_errors=True)
+
+
+def _discard_local(info: catalog.CheckpointInfo) -> None:
+    """Removes a local checkpoint, its commit file first (JAX: the directory, renamed away)."""
+    if info.framework == "jax":
+        doomed = os.path.join(os.path.dirname(info.path), f"{commit_lib.TEMP_PREFIX}discard-"
+                                                          f"{info.name}-{uuid.uuid4().hex[:8]}")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(info.path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        return
+    manifest = read_manifest(info.manifest_path)
+    names = [info.name + ".index"] + [f.name for f in manifest.files] + [
+        os.path.basename(info.manifest_path)]
+    for n in dict.fromkeys(names):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(info.root, n))
 
 
 def _list_local(directory: str) -> list[catalog.CheckpointInfo]:

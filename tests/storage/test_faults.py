@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from asyncckpt import catalog
+from asyncckpt.errors import CheckpointNotFoundError
 from asyncckpt.storage import RetryPolicy, StorageError, open_store
 from asyncckpt.storage import protocol as proto
 from asyncckpt.storage.servers import SeaweedS3, ServerUnavailableError
@@ -124,6 +125,14 @@ def test_server_stopped_then_restarted(own_s3, tmp_path):
         assert 3 in mgr.all_steps()
         got = mgr.restore(3, target=_state(0))
         assert np.array_equal(np.asarray(got["w0"]), _state(3)["w0"])
+        # A bucket directory: durable means committed remotely, so nothing is listed.
+        with aj.CheckpointManager("s3://outage/only", remote_options=opts) as only:
+            only.save(1, _state(1))
+            with pytest.raises(StorageError, match="failed after"):
+                only.wait_until_finished()
+            assert only.all_steps() == []
+            with pytest.raises(CheckpointNotFoundError):
+                only.restore(target=_state(0))
         own_s3.start()  # same port, same data
         mgr.save(4, _state(4))  # uploads resume
         mgr.wait_until_finished()
