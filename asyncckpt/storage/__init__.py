@@ -19,6 +19,7 @@ from asyncckpt.storage.base import (
     StorageError,
 )
 from asyncckpt.storage.stores import open_store
+from asyncckpt.storage.tier import RemoteOptions, RemoteTier, TieredDirectory
 from asyncckpt.storage.url import (
     SUPPORTED_SCHEMES,
     Location,
@@ -33,8 +34,11 @@ __all__ = [
     "Location",
     "ObjectInfo",
     "ObjectStore",
+    "RemoteOptions",
+    "RemoteTier",
     "RetryPolicy",
     "StorageError",
+    "TieredDirectory",
     "UnsupportedURLError",
     "is_url",
     "open_store",

@@ -36,3 +36,17 @@ def test_local_paths(path):
     loc = parse_location(path)
     assert loc.scheme == "file" and loc.prefix == os.path.abspath(path)
     assert not loc.is_remote
+
+
+def test_storage_imports_no_framework():
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    code = ("import sys, asyncckpt.storage, asyncckpt.storage.protocol, asyncckpt.storage.s3, "
+            "asyncckpt.storage.gcs; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'jax', 'orbax')])")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
