@@ -142,6 +142,13 @@ class CheckpointManager:
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
         self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s)
+        if self._coord is not None and self._tiers.remote is not None:  # [storage]
+            self._tiers.close()
+            raise NotImplementedError(
+                f"multi-process saves to a remote tier ({self._tiers.remote.url}) are not "
+                f"supported yet: each process would stage its shards in its own local scratch "
+                f"directory, which process 0 cannot commit. Use a directory every process "
+                f"shares (see docs/storage.md)")
         self._primary = self._coord is None or self._coord.primary
         name = "asyncckpt.jax" if self._coord is None else (
             f"asyncckpt.jax[p{self._coord.process_index}]"  # log lines name the process
