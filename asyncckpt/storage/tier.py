@@ -213,9 +213,7 @@ class RemoteTier:
     def _upload_and_retain(self, info: catalog.CheckpointInfo) -> protocol.RemoteCheckpoint:
         t0 = time.monotonic()
         remote = protocol.upload_checkpoint(
-            self.store, info, retry=self.options.retry, concurrency=self.options.concurrency,
-            should_stop=lambda: False,
-        )
+            self.store, info, retry=self.options.retry, concurrency=self.options.concurrency)
         self.stats.append({"name": info.name, "nbytes": remote.nbytes,
                            "seconds": time.monotonic() - t0})
         try:
