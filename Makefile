@@ -10,7 +10,7 @@ STAMP := $(VENV)/.asyncckpt-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[tf,jax,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[tf,jax,storage,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,14 +2,18 @@
 
 ``asyncckpt list DIR``, ``asyncckpt inspect DIR [STEP]`` and
 ``asyncckpt verify DIR [STEP]`` work on TensorFlow and JAX checkpoint
-directories alike. ``verify`` exits with 0 only if every checked checkpoint
-matches its manifest.
+directories alike, local or ``s3://`` / ``gs://`` URLs (only committed
+checkpoints are listed; ``inspect`` and ``verify`` download the checkpoints
+they look at into a temporary directory). ``verify`` exits with 0 only if
+every checked checkpoint matches its manifest.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
 import time
 
 from asyncckpt import catalog
@@ -20,7 +24,58 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _remote_list(url: str):
+    from asyncckpt.storage import open_store
+    from asyncckpt.storage.protocol import list_committed
+
+    store = open_store(url)
+    return store, list_committed(store)
+
+
+@contextlib.contextmanager
+def _local_view(args: argparse.Namespace):
+    """``args.dir`` itself, or for a URL a temporary directory with the selected checkpoints."""
+    from asyncckpt.storage import is_url
+
+    if not is_url(args.dir):
+        yield args.dir
+        return
+    from asyncckpt.storage import RetryPolicy
+    from asyncckpt.storage.protocol import download_checkpoint
+
+    store, found = _remote_list(args.dir)
+    which = args.step
+    if which is not None:
+        found = [c for c in found if c.name == which or (which.isdigit() and c.step == int(which))]
+        if not found:
+            raise CheckpointNotFoundError(f"no committed checkpoint {which!r} in {args.dir!r}")
+    elif args.command == "inspect":
+        found = found[-1:]
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-cli-") as tmp:
+        for c in found:
+            try:
+                download_checkpoint(store, c, tmp, retry=RetryPolicy(deadline_s=60.0),
+                                    checksums=False)  # verify (or inspect) decides below
+            except CorruptCheckpointError as e:
+                print(f"FAIL  {c.name}: {e}")
+                args.remote_failures = getattr(args, "remote_failures", 0) + 1
+        yield tmp
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
+    from asyncckpt.storage import is_url
+
+    if is_url(args.dir):
+        _store, remote = _remote_list(args.dir)
+        if not remote:
+            print(f"no committed checkpoints in {args.dir}")
+            return 0
+        print(f"{'name':<24} {'framework':<11} {'step':>8} {'size':>12}  committed")
+        for c in remote:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed))
+            step = "" if c.step is None else str(c.step)
+            print(f"{c.name:<24} {c.framework:<11} {step:>8} {_mib(c.nbytes):>12}  {when}")
+        return 0
     found = catalog.list_checkpoints(args.dir)
     if not found:
         print(f"no checkpoints in {args.dir}")
@@ -37,7 +92,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    chosen = catalog.select(args.dir, args.step)
+    with _local_view(args) as directory:
+        return _inspect(directory, args)
+
+
+def _inspect(directory: str, args: argparse.Namespace) -> int:
+    chosen = catalog.select(directory, args.step)
     if args.step is None and chosen:
         chosen = chosen[-1:]  # the newest
     for c in chosen:
@@ -67,7 +127,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    chosen = catalog.select(args.dir, args.step)
+    with _local_view(args) as directory:
+        return _verify(directory, args)
+
+
+def _verify(directory: str, args: argparse.Namespace) -> int:
+    chosen = catalog.select(directory, args.step)
+    failed_download = getattr(args, "remote_failures", 0)
+    if failed_download:
+        print(f"{failed_download} checkpoint(s) failed while downloading")
+        return 1
     if not chosen:
         print(f"no checkpoints in {args.dir}")
         return 1
@@ -124,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except CheckpointNotFoundError as e:
+    except (CheckpointNotFoundError, ValueError) as e:  # ValueError: an unsupported URL
         print(f"asyncckpt: {e}", file=sys.stderr)
         return 2
 

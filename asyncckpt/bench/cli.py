@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Keras model weights in MiB for the BackupAndRestore row, each Keras "
                         "backend of --frameworks in a child process (default 32; 0 skips it)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--storage", choices=["s3", "gcs"], default=None,
+                   help="instead: the remote tier against a local S3 (SeaweedFS) or GCS "
+                        "(fake-gcs-server) server: upload throughput vs a raw put, blocking "
+                        "time with the tier on vs off, restore time (size: first of --sizes, "
+                        "default 256, 64 with --quick)")
 
 
 def _machine() -> str:
@@ -56,6 +61,10 @@ def _machine() -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "storage", None):
+        from asyncckpt.bench.storage import run
+
+        return run(args)
     frameworks = [f for f in args.frameworks.split(",") if f]
     for fw, module in (("tf", "tensorflow"), ("jax", "jax")):
         if fw in frameworks and importlib.util.find_spec(module) is None:

@@ -49,6 +49,9 @@ class JaxSaveJob:
         metrics: Saved in ``_CHECKPOINT_METADATA`` (orbax reads them there).
         custom_metadata: Likewise; also copied into the manifest.
         on_committed: Called after the publish (the manager's retention).
+        on_published: Called with the step right after the publish, as part of
+            the commit: if it raises, the save fails (a URL directory's
+            upload, which is what makes such a save durable).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class JaxSaveJob:
         metrics: dict | None,
         custom_metadata: dict | None,
         on_committed: CommitCallback | None,
+        on_published: Callable[[int], None] | None = None,
     ):
         self.label = str(step)
         self.step = step
@@ -77,6 +81,7 @@ class JaxSaveJob:
         self._metrics = metrics
         self._custom = custom_metadata
         self._on_committed = on_committed
+        self._on_published = on_published
         self._primary = coordinator is None or coordinator.primary
         self._init_ns = time.time_ns()
         self._tmp: str | None = None
@@ -171,6 +176,8 @@ class JaxSaveJob:
         commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync)
         self._tmp = None
         self._published = True
+        if self._on_published is not None:
+            self._on_published(self.step)
 
     def after_commit(self, stats: SaveStats) -> None:
         """Published: the manager's callback (retention), then tell the others."""

@@ -26,6 +26,7 @@ from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._restore import restore_tree
 from asyncckpt.jax._snapshot import Snapshotter
 from asyncckpt.options import AsyncOptions, RestoreOptions
+from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ class CheckpointManager:
         restore_options: Verification on restore.
         coordination_timeout_s: Multi-process: longest wait for another
             process during a save.
+        remote: A persistent second tier (``s3://`` / ``gs://`` URL or a
+            path) for a local ``directory``: saves commit locally and every
+            ``remote_options.every_n_steps`` are uploaded in the background.
+        remote_options: Schedule, retention and retries of the remote tier
+            (default: every step, ``max_to_keep`` as above).
     """
 
     def __init__(
@@ -112,13 +118,19 @@ class CheckpointManager:
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
         coordination_timeout_s: float = 1800.0,
+        remote: str | None = None,
+        remote_options: RemoteOptions | None = None,
     ):
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be a positive int, got "
                              f"{save_interval_steps!r}")
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
-        self._directory = os.path.abspath(os.fspath(directory))
+        # [storage] URL check; a URL directory stages in a local scratch directory.
+        self._tiers = TieredDirectory(
+            directory, remote=remote,
+            remote_options=remote_options or RemoteOptions(max_to_keep=max_to_keep))
+        self._directory = self._tiers.local_dir
         self._policy = retention.RetentionPolicy(
             max_to_keep=max_to_keep,
             keep_period=keep_period,
@@ -130,6 +142,13 @@ class CheckpointManager:
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
         self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s)
+        if self._coord is not None and self._tiers.remote is not None:  # [storage]
+            self._tiers.close()
+            raise NotImplementedError(
+                f"multi-process saves to a remote tier ({self._tiers.remote.url}) are not "
+                f"supported yet: each process would stage its shards in its own local scratch "
+                f"directory, which process 0 cannot commit. Use a directory every process "
+                f"shares (see docs/storage.md)")
         self._primary = self._coord is None or self._coord.primary
         name = "asyncckpt.jax" if self._coord is None else (
             f"asyncckpt.jax[p{self._coord.process_index}]"  # log lines name the process
@@ -201,8 +220,10 @@ class CheckpointManager:
         try:
             found = catalog.list_checkpoints(self._directory)
         except CheckpointNotFoundError:
-            return []
-        return [c.step for c in found if c.framework == "jax" and c.step is not None]
+            found = []
+        steps = {c.step for c in found if c.framework == "jax" and c.step is not None}
+        steps.update(int(n) for n in self._tiers.remote_names() if n.isdigit())  # [storage]
+        return sorted(steps)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -300,6 +321,7 @@ class CheckpointManager:
         if self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
         self._engine.raise_pending_error()
+        self._tiers.raise_pending_error()  # [storage] a failed upload surfaces here
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -332,6 +354,8 @@ class CheckpointManager:
                 metrics=metrics,
                 custom_metadata=custom_metadata,
                 on_committed=self._on_committed,
+                # [storage] upload as part of the commit (URL dir: before durable)
+                on_published=None if self._tiers.remote is None else self._tiers.after_step,
             )
 
         with self._lock:
@@ -423,6 +447,7 @@ class CheckpointManager:
             Exception: a background failure not yet reported.
         """
         self._engine.sync(timeout)
+        self._tiers.wait(timeout)  # [storage]
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves in flight, frees the staging memory, releases the directory."""
@@ -430,6 +455,7 @@ class CheckpointManager:
             self._engine.close(timeout)
         finally:
             self._dir_lock.release()
+            self._tiers.close(timeout)  # [storage]
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -471,6 +497,7 @@ class CheckpointManager:
         checksums = self._restore_options.verify_checksums
         if step is not None:
             chosen = self._existing_step(step)
+            self._tiers.ensure_local(str(chosen), checksums=checksums)  # [storage]
             return restore_tree(self.step_dir(chosen), target, checksums=checksums)
         steps = self.all_steps()
         if not steps:
@@ -478,6 +505,7 @@ class CheckpointManager:
         failures = []
         for candidate in reversed(steps):
             try:
+                self._tiers.ensure_local(str(candidate), checksums=checksums)  # [storage]
                 return restore_tree(self.step_dir(candidate), target, checksums=checksums)
             except CorruptCheckpointError as e:
                 # Every file is checked before anything is placed on a device,

@@ -56,6 +56,9 @@ class TFSaveJob:
         step: Step recorded in the manifest.
         options: Engine options (fsync, checksums).
         on_committed: Called once the checkpoint is durable and visible.
+        on_published: Called with the prefix right after the local publish,
+            as part of the commit: if it raises, the save fails (a URL
+            directory's upload, which is what makes such a save durable).
         extra: Extra manifest data.
     """
 
@@ -68,6 +71,7 @@ class TFSaveJob:
         options: AsyncOptions,
         on_committed: CommitCallback | None = None,
         extra: dict | None = None,
+        on_published: Callable[[str], None] | None = None,
     ):
         self.prefix = prefix
         self.label = os.path.basename(prefix)
@@ -76,6 +80,7 @@ class TFSaveJob:
         self._state: StagedState | None = state
         self._options = options
         self._on_committed = on_committed
+        self._on_published = on_published
         self._extra = extra or {}
         self._dir = os.path.dirname(os.path.abspath(prefix))
         self._tmp: str | None = None
@@ -120,6 +125,8 @@ class TFSaveJob:
             self._tmp, self._dir, [*data, mname, index], fsync=self._options.fsync, replaces=old
         )
         self._tmp = None
+        if self._on_published is not None:
+            self._on_published(self.prefix)
 
     def after_commit(self, stats: SaveStats) -> None:
         """Published: record it as asyncckpt's, then run the callback."""

@@ -375,7 +375,8 @@ class Checkpoint(tf.train.Checkpoint):
             raise ValueError("file_prefix must be a non-empty path")
         return self._stage(prefix, _write_options(options), step, on_committed, extra)
 
-    def _stage(self, prefix, wopts: _WriteOptions, step, internal, extra) -> SaveHandle:
+    def _stage(self, prefix, wopts: _WriteOptions, step, internal, extra, *,
+               on_published: Callable[[str], None] | None = None) -> SaveHandle:
         state = self._asyncckpt
         self._check_dir(prefix)
         on_committed = _OnCommitted(wopts.callbacks, internal)
@@ -390,6 +391,7 @@ class Checkpoint(tf.train.Checkpoint):
                 options=state.options,
                 on_committed=on_committed,
                 extra=extra,
+                on_published=on_published,
             )
 
         handle = state.engine.save(stage, label=prefix, step=step)

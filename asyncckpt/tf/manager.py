@@ -8,11 +8,13 @@ import numbers
 import os
 import re
 
+from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
 from asyncckpt.engine.writer import SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
+from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
 from asyncckpt.tf import _compat, _dirview, _inflight
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf.checkpoint import Checkpoint, _write_options, verify_checkpoint
@@ -68,6 +70,13 @@ class CheckpointManager:
         async_options: Engine options, used when ``checkpoint`` is a
             ``tf.train.Checkpoint``.
         restore_options: Verification on restore, likewise.
+        remote: A persistent second tier (``s3://`` / ``gs://`` URL or a
+            path) for a local ``directory``: saves commit locally and every
+            ``remote_options.every_n_steps`` are uploaded in the background.
+            ``directory`` itself may be such a URL (saves stage in a local
+            scratch directory and are durable once committed remotely).
+        remote_options: Schedule, retention and retries of the remote tier
+            (default: every save, ``max_to_keep`` as above).
     """
 
     def __init__(
@@ -84,6 +93,8 @@ class CheckpointManager:
         *,
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
+        remote: str | None = None,
+        remote_options: RemoteOptions | None = None,
     ):
         if isinstance(checkpoint, Checkpoint):
             self._ckpt = checkpoint
@@ -110,7 +121,12 @@ class CheckpointManager:
         )
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name must be a plain file name, got {checkpoint_name!r}")
-        self._directory = os.fspath(directory)
+        # A URL directory stages in a local scratch directory (storage tier).
+        self._tiers = TieredDirectory(
+            directory, remote=remote,
+            remote_options=remote_options or RemoteOptions(max_to_keep=max_to_keep))
+        self._directory = (self._tiers.local_dir if self._tiers.remote_only
+                           else os.fspath(directory))
         self._checkpoint_name = checkpoint_name
         self._prefix = os.path.join(self._directory, checkpoint_name)
         self._init_fn = init_fn
@@ -198,6 +214,7 @@ class CheckpointManager:
             self._last_checkpoint_step = current
         self._take_directory()
         self._ckpt._asyncckpt.engine.raise_pending_error()  # before counting a save that would fail
+        self._tiers.raise_pending_error()  # a failed upload surfaces here
         counter = self._ckpt.save_counter
         counter.assign_add(1)
         number = _evaluate(counter if checkpoint_number is None else checkpoint_number)
@@ -206,7 +223,9 @@ class CheckpointManager:
         ticket = view.record_save(view.rel(prefix), self._policy)
         try:
             handle = self._ckpt._stage(
-                prefix, wopts, number, functools.partial(view.committed, ticket), None
+                prefix, wopts, number, functools.partial(view.committed, ticket), None,
+                on_published=(None if self._tiers.remote is None
+                              else functools.partial(_hand_to_tiers, self._tiers)),
             )
         except BaseException:
             counter.assign_sub(1)
@@ -219,11 +238,8 @@ class CheckpointManager:
         if self._view.take(self):
             # First writer of this directory in this process, holding the lock:
             # nobody else writes here, so temporaries are stale.
-            # The guard keeps a publish by another object of this process (a
-            # plain Checkpoint writing here) out while orphans are judged.
-            with commit_lib.directory_guard(self._view.abs_dir):
-                commit_lib.cleanup_stale_temps(self._view.abs_dir)
-                self._remove_orphans()
+            commit_lib.cleanup_stale_temps(self._view.abs_dir)
+            self._remove_orphans()
 
     def _remove_orphans(self) -> None:
         """Deletes files of this manager's checkpoints that never got their index.
@@ -254,10 +270,17 @@ class CheckpointManager:
         Waits for a save of it still in flight; damaged or incomplete
         checkpoints are skipped with a warning naming them and the file at fault.
         """
-        for name in self._view.newest_first():
+        names = self._view.newest_first()
+        if self._tiers.remote is not None:
+            # Checkpoints only the remote tier has count too, ordered by step.
+            known = set(names)
+            names = sorted([*names, *(n for n in self._tiers.remote_names() if n not in known)],
+                           key=lambda n: -(layout.tf_step_of(n) or -1))
+        for name in names:
             path = self._path(name)
             _inflight.wait_for(path)
             try:
+                self._tiers.ensure_local(name, checksums=self._verify_checksums)
                 verify_checkpoint(path, checksums=self._verify_checksums)
                 return path
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
@@ -289,6 +312,7 @@ class CheckpointManager:
     def sync(self, timeout: float | None = None) -> None:
         """Waits until every save is durable; re-raises background errors."""
         self._ckpt.sync(timeout)
+        self._tiers.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves; the last manager of the directory releases its lock."""
@@ -298,7 +322,10 @@ class CheckpointManager:
             else:
                 self._ckpt.sync(timeout)
         finally:
-            self._view.leave(self)
+            try:
+                self._view.leave(self)
+            finally:
+                self._tiers.close(timeout)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -311,6 +338,13 @@ class CheckpointManager:
                 self.close()
             except Exception:
                 logger.exception("error while closing the checkpoint manager after another error")
+
+
+def _hand_to_tiers(tiers: TieredDirectory, prefix: str) -> None:
+    # Writer thread, right after the local publish: a URL directory uploads
+    # here (the save is durable only once committed remotely); two tiers hand
+    # the checkpoint to the background uploader.
+    tiers.after_commit(os.path.basename(prefix))
 
 
 def _undo_if_failed(view: _dirview.DirectoryView, ticket: _dirview.SaveTicket, future) -> None:

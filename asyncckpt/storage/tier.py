@@ -1,0 +1,416 @@
+"""The remote tier: locally committed checkpoints uploaded in the background.
+
+``RemoteTier`` owns one store and one low-priority uploader thread. The
+managers hand it a checkpoint right after its local commit; it pins the files
+(hard links in a temporary directory, so local retention may delete the
+checkpoint meanwhile), uploads and commits them with ``protocol``, then
+applies the remote retention (only after the newer step is committed) and
+removes what interrupted uploads left. At most one upload runs and one waits;
+a newer checkpoint replaces a waiting one. A failure is kept and re-raised on
+the next ``submit``/``wait``/``close`` call; the local tier is never touched.
+
+``TieredDirectory`` is what a manager holds: given its ``directory`` (a path
+or a URL) and an optional remote URL, it says where the manager writes locally
+(a scratch directory when the directory is a URL) and hides the remote tier
+behind four calls: ``after_commit``, ``names``, ``ensure_local`` and ``close``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from asyncckpt import catalog
+from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine.manifest import read_manifest
+from asyncckpt.engine.writer import lower_thread_priority
+from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
+from asyncckpt.storage import protocol
+from asyncckpt.storage.base import RetryPolicy
+from asyncckpt.storage.stores import open_store
+from asyncckpt.storage.url import parse_location
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteOptions:
+    """How and when checkpoints reach the remote tier.
+
+    Attributes:
+        every_n_steps: Upload checkpoints whose step is a multiple of this
+            (two-tier mode; a URL directory uploads every save).
+        every_seconds: Also upload when this long has passed since the last
+            upload was handed over (None: steps only).
+        max_to_keep: Remote checkpoints to keep (None keeps all); one is
+            deleted only after a newer one is committed.
+        retry: Backoff and deadline for each object.
+        concurrency: Files uploaded or downloaded at once.
+        part_size: Multipart part size in bytes.
+        nice: Niceness added to the uploader thread (Linux).
+    """
+
+    every_n_steps: int = 1
+    every_seconds: float | None = None
+    max_to_keep: int | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    concurrency: int = 4
+    part_size: int = 16 << 20
+    nice: int = 10
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {self.every_n_steps}")
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+
+
+def _pin(info: catalog.CheckpointInfo, directory: str) -> tuple[catalog.CheckpointInfo, str]:
+    """Hard-links a checkpoint's files into a temporary directory (copies across devices)."""
+    pin = os.path.join(directory, f"{commit_lib.TEMP_PREFIX}upload-{info.name}-"
+                                  f"{uuid.uuid4().hex[:8]}")
+    manifest = read_manifest(info.manifest_path)
+    jax = info.framework == "jax"
+    root = os.path.join(pin, info.name) if jax else pin
+    names = [f.name for f in manifest.files] + [os.path.relpath(info.manifest_path, info.root)]
+    for name in names:
+        src = os.path.join(info.root, *name.split("/"))
+        dst = os.path.join(root, *name.split("/"))
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
+    pinned = catalog.CheckpointInfo(
+        name=info.name,
+        path=root if jax else os.path.join(pin, info.name),
+        framework=info.framework,
+        step=info.step,
+        manifest_path=os.path.join(root, os.path.relpath(info.manifest_path, info.root)),
+    )
+    return pinned, pin
+
+
+class RemoteTier:
+    """Uploads committed checkpoints to one store, in the background.
+
+    Args:
+        url: ``s3://``, ``gs://`` or a local directory.
+        options: Schedule, retention, retries.
+    """
+
+    def __init__(self, url: str, *, options: RemoteOptions | None = None):
+        self.options = options or RemoteOptions()
+        self.location = parse_location(url)
+        self.store = open_store(self.location, part_size=self.options.part_size)
+        self._cv = threading.Condition()
+        self._pending: tuple[catalog.CheckpointInfo, str | None, Future] | None = None
+        self._busy = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._last_handed = float("-inf")
+        self._started_wall = time.time()
+        self.stats: list[dict] = []  # per upload: name, nbytes, seconds
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # -- errors -----------------------------------------------------------------
+
+    def raise_pending_error(self) -> None:
+        """Re-raises a background upload failure once."""
+        with self._cv:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    # -- scheduling ----------------------------------------------------------------
+
+    def due(self, step: int | None) -> bool:
+        """Whether a checkpoint of ``step`` is to be uploaded now."""
+        if step is not None and step % self.options.every_n_steps == 0:
+            return True
+        every = self.options.every_seconds
+        return every is not None and time.monotonic() - self._last_handed >= every
+
+    def submit(self, info: catalog.CheckpointInfo, *, force: bool = False,
+               raise_errors: bool = True) -> Future | None:
+        """Hands a locally committed checkpoint to the uploader; returns at once.
+
+        Returns:
+            A future resolving to the ``RemoteCheckpoint`` once the remote
+            marker is written, or None if the schedule skips this one. A
+            waiting upload replaced by a newer one is cancelled.
+
+        Args:
+            info: The locally committed checkpoint.
+            force: Upload it even if the schedule would skip it.
+            raise_errors: Re-raise an earlier upload's failure here; the
+                writer thread passes False, so the failure stays pending for
+                the training thread's next call instead of being logged away.
+
+        Raises:
+            Exception: an earlier background upload's failure.
+        """
+        if raise_errors:
+            self.raise_pending_error()
+        if not force and not self.due(info.step):
+            return None
+        if self._closed:
+            raise EngineClosedError(f"{self.url}: remote tier is closed")
+        pinned, pin = _pin(info, os.path.dirname(info.root) if info.framework == "jax"
+                           else info.root)
+        future: Future = Future()
+        with self._cv:
+            replaced = self._pending
+            self._pending = (pinned, pin, future)
+            self._last_handed = time.monotonic()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="asyncckpt-uploader")
+                self._thread.start()
+            self._cv.notify_all()
+        if replaced is not None:
+            replaced[2].cancel()
+            if replaced[1] is not None:
+                shutil.rmtree(replaced[1], ignore_errors=True)
+            logger.info("upload of %s skipped: %s is newer", replaced[0].name, info.name)
+        return future
+
+    def upload_now(self, info: catalog.CheckpointInfo) -> protocol.RemoteCheckpoint:
+        """Uploads and commits in the calling thread (a URL directory's writer thread)."""
+        self.raise_pending_error()
+        return self._upload_and_retain(info)
+
+    def _run(self) -> None:
+        lower_thread_priority(self.options.nice)
+        while True:
+            with self._cv:
+                while self._pending is None and not self._closed:
+                    self._cv.wait()
+                if self._pending is None:
+                    return
+                info, pin, future = self._pending
+                self._pending = None
+                self._busy = True
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(self._upload_and_retain(info))
+                    except BaseException as e:
+                        logger.error("upload of %s to %s failed: %s", info.name, self.url, e)
+                        with self._cv:
+                            self._error = e
+                        future.set_exception(e)
+            finally:
+                if pin is not None:
+                    shutil.rmtree(pin, ignore_errors=True)
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _upload_and_retain(self, info: catalog.CheckpointInfo) -> protocol.RemoteCheckpoint:
+        t0 = time.monotonic()
+        remote = protocol.upload_checkpoint(
+            self.store, info, retry=self.options.retry, concurrency=self.options.concurrency)
+        self.stats.append({"name": info.name, "nbytes": remote.nbytes,
+                           "seconds": time.monotonic() - t0})
+        try:
+            self._retain(remote)
+        except Exception as e:  # retention is housekeeping: the new step is committed
+            logger.warning("%s: remote retention after %s failed: %s", self.url, remote.name, e)
+        return remote
+
+    def _retain(self, newest: protocol.RemoteCheckpoint) -> None:
+        objects = self.store.list()
+        committed = protocol.list_committed(self.store, objects=objects)
+        keep = self.options.max_to_keep
+        if keep is not None and len(committed) > keep:
+            for old in committed[:-keep]:
+                if old.name != newest.name:
+                    protocol.delete_checkpoint(self.store, old)
+                    logger.info("%s: remote retention deleted %s", self.url, old.name)
+        if newest.step is not None:
+            protocol.delete_uncommitted(self.store, older_than_step=newest.step, objects=objects)
+        self.store.abort_incomplete_uploads(older_than_s=max(0.0, time.time() -
+                                                             self._started_wall))
+
+    # -- reading -------------------------------------------------------------------
+
+    def committed(self) -> list[protocol.RemoteCheckpoint]:
+        """Committed remote checkpoints, oldest first."""
+        return protocol.list_committed(self.store)
+
+    def download(self, remote: protocol.RemoteCheckpoint, directory: str, *,
+                 checksums: bool = True) -> None:
+        """Downloads one committed checkpoint into a local manager directory."""
+        protocol.download_checkpoint(self.store, remote, directory, retry=self.options.retry,
+                                     concurrency=self.options.concurrency, checksums=checksums)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits until nothing is uploading or waiting; re-raises a failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._pending is not None or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"uploads to {self.url} still running after {timeout} s")
+                self._cv.wait(left)
+        self.raise_pending_error()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finishes the uploads in flight, stops the uploader, re-raises a failure."""
+        try:
+            self.wait(timeout)
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            if self._thread is not None:
+                self._thread.join(timeout)
+            self.store.close()
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TieredDirectory:
+    """A manager's checkpoint directory: a local tier, and optionally a remote one.
+
+    * ``directory`` a local path, ``remote`` None: local only (no change).
+    * ``directory`` a URL: saves are written to a local scratch directory and
+      committed to the URL by the writer thread before the save counts as
+      durable (``after_commit`` raises if the upload fails).
+    * ``directory`` a local path and ``remote`` a URL: two tiers; every save
+      commits locally, and ``RemoteOptions.every_n_steps`` (or seconds) of
+      them are uploaded in the background.
+
+    Args:
+        directory: Path or ``s3://`` / ``gs://`` URL given to the manager.
+        remote: Second, persistent tier (two-tier mode).
+        remote_options: Schedule, retention and retries of the remote tier.
+        scratch_dir: URL directory only: where saves are staged (default: a
+            new temporary directory, removed at ``close``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, remote: str | None = None,
+                 remote_options: RemoteOptions | None = None, scratch_dir: str | None = None):
+        loc = parse_location(directory)
+        self._own_scratch: str | None = None
+        if loc.is_remote:
+            if remote is not None:
+                raise ValueError("give a remote tier only with a local directory "
+                                 f"(the directory {loc.url} is remote already)")
+            if scratch_dir is None:
+                scratch_dir = self._own_scratch = tempfile.mkdtemp(prefix="asyncckpt-scratch-")
+            self.local_dir = os.path.abspath(scratch_dir)
+            self.remote: RemoteTier | None = RemoteTier(loc.url, options=remote_options)
+            self.remote_only = True
+        else:
+            self.local_dir = loc.prefix
+            self.remote = None if remote is None else RemoteTier(remote, options=remote_options)
+            self.remote_only = False
+        self.display = loc.url
+
+    def after_commit(self, name: str) -> None:
+        """Writer thread, right after a local commit of checkpoint ``name``."""
+        if self.remote is None:
+            return
+        info = protocol.local_info(self.local_dir, name)
+        if not self.remote_only:
+            self.remote.submit(info, raise_errors=False)
+            return
+        try:
+            self.remote.upload_now(info)
+        except BaseException:
+            # Durable means committed remotely: a save that never got there is
+            # not listed, and fails (the caller runs this as part of the commit).
+            _discard_local(info)
+            raise
+
+    def after_step(self, step: int) -> None:
+        """``after_commit`` for a checkpoint named by its step (the JAX layout)."""
+        self.after_commit(str(step))
+
+    def remote_names(self) -> list[str]:
+        """Names of the committed remote checkpoints, oldest first ([] without a remote)."""
+        if self.remote is None:
+            return []
+        try:
+            return [c.name for c in self.remote.committed()]
+        except Exception as e:  # the local tier stays usable while the remote is unreachable
+            logger.warning("cannot list %s: %s", self.remote.url, e)
+            return []
+
+    def ensure_local(self, name: str, *, checksums: bool = True) -> None:
+        """Downloads checkpoint ``name`` from the remote tier unless it is here already.
+
+        Raises:
+            CheckpointNotFoundError: neither tier has it.
+            CorruptCheckpointError: the remote copy fails verification.
+        """
+        if any(c.name == name for c in _list_local(self.local_dir)):
+            return
+        if self.remote is not None:
+            for c in self.remote.committed():
+                if c.name == name:
+                    self.remote.download(c, self.local_dir, checksums=checksums)
+                    return
+        raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.display!r}")
+
+    def raise_pending_error(self) -> None:
+        if self.remote is not None:
+            self.remote.raise_pending_error()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.remote is not None:
+            self.remote.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        try:
+            if self.remote is not None:
+                self.remote.close(timeout)
+        finally:
+            if self._own_scratch is not None:
+                shutil.rmtree(self._own_scratch, ignore_errors=True)
+
+
+def _discard_local(info: catalog.CheckpointInfo) -> None:
+    """Removes a local checkpoint, its commit file first (JAX: the directory, renamed away)."""
+    if info.framework == "jax":
+        doomed = os.path.join(os.path.dirname(info.path), f"{commit_lib.TEMP_PREFIX}discard-"
+                                                          f"{info.name}-{uuid.uuid4().hex[:8]}")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(info.path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        return
+    manifest = read_manifest(info.manifest_path)
+    names = [info.name + ".index"] + [f.name for f in manifest.files] + [
+        os.path.basename(info.manifest_path)]
+    for n in dict.fromkeys(names):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(info.root, n))
+
+
+def _list_local(directory: str) -> list[catalog.CheckpointInfo]:
+    with contextlib.suppress(CheckpointNotFoundError):
+        return catalog.list_checkpoints(directory)
+    return []
+
+
+__all__ = ["RemoteOptions", "RemoteTier", "TieredDirectory"]

@@ -1,0 +1,46 @@
+"""``asyncckpt list|inspect|verify`` on s3:// and gs:// URLs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncckpt.cli import main
+from asyncckpt.storage import open_store
+
+jax = pytest.importorskip("jax")
+
+import asyncckpt.jax as aj  # noqa: E402
+
+
+def test_list_inspect_verify_urls(remote_url, capsys):
+    with aj.CheckpointManager(remote_url) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": np.full((8, 4), step, np.float32), "b": np.arange(3)})
+    store = open_store(remote_url)
+    store.put("30/default/w/0", b"partial upload, no marker")  # must stay invisible
+
+    assert main(["list", remote_url]) == 0
+    out = capsys.readouterr().out
+    assert "10" in out and "20" in out and "30" not in out
+
+    assert main(["inspect", remote_url]) == 0
+    out = capsys.readouterr().out
+    assert "step 20" in out and "[8, 4]" in out
+
+    assert main(["verify", remote_url]) == 0
+    assert "2/2 checkpoint(s) verified" in capsys.readouterr().out
+
+    key = next(o.key for o in store.list("10/") if "/w/" in o.key and o.size > 64)
+    data = bytearray(store.get(key))
+    data[-1] ^= 0xFF
+    store.put(key, bytes(data))
+    assert main(["verify", remote_url]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  10" in out and "CRC32" in out and "OK    20" in out
+    assert main(["verify", remote_url, "20"]) == 0
+
+
+def test_unsupported_url_is_a_clear_error(capsys):
+    assert main(["list", "hdfs://nn/run"]) == 2
+    assert "s3://" in capsys.readouterr().err
