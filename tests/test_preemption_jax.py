@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from asyncckpt.preemption import EXIT_CODE_OTHER
+from asyncckpt.preemption.config import EXIT_CODE_OTHER
 from tests.helpers import start_python, subprocess_env, write_script
 
 PROCESS = """

@@ -10,13 +10,12 @@ itself imports neither framework.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 from typing import Any
 
 from asyncckpt.engine.writer import AsyncEngine
-from asyncckpt.preemption.grace import ESTIMATE_KEYS
+from asyncckpt.preemption.grace import decode_estimates, encode_estimates
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +70,6 @@ def make_target(obj: Any, *, checkpoint_dir: str | None, worker_id: int,
     )
 
 
-def _encode_estimates(estimates: dict | None) -> list[float]:
-    estimates = estimates or {}
-    return [float("nan") if estimates.get(k) is None else float(estimates[k])
-            for k in ESTIMATE_KEYS]
-
-
-def _decode_estimates(values) -> dict:
-    return {k: (None if math.isnan(float(v)) else float(v))
-            for k, v in zip(ESTIMATE_KEYS, values, strict=True)}
-
-
 class TFTarget(Target):
     """An ``asyncckpt.tf.CheckpointManager``, or one the handler makes.
 
@@ -134,7 +122,7 @@ class TFTarget(Target):
                 tracker.total_run_calls = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                       name="total_run_calls")
                 tracker.estimates = tf.Variable(
-                    _encode_estimates(None), dtype=tf.float64, trainable=False,
+                    encode_estimates(None), dtype=tf.float64, trainable=False,
                     name="estimates")
             setattr(tf_ckpt, TRACKER_NAME, tracker)
         self._tracker = tracker
@@ -149,7 +137,7 @@ class TFTarget(Target):
         if path is None:
             return 0, {}
         runs = int(self._tracker.total_run_calls.numpy())
-        estimates = _decode_estimates(self._tracker.estimates.numpy())
+        estimates = decode_estimates(self._tracker.estimates.numpy())
         self._tracked_runs = runs
         logger.info("restored %s: total_run_calls %d", path, runs)
         return runs, estimates
@@ -159,7 +147,7 @@ class TFTarget(Target):
             self._tracker.total_run_calls.assign(runs)
             self._tracked_runs = runs
         if estimates is not None:
-            self._tracker.estimates.assign(_encode_estimates(estimates))
+            self._tracker.estimates.assign(encode_estimates(estimates))
 
     def save(self, runs: int, estimates: dict, state: Any, args: tuple, kwargs: dict) -> None:
         del state

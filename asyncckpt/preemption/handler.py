@@ -19,17 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncckpt._closing import ClosingContext
+from asyncckpt._coordination import (
+    CoordinationTimeoutError,
+    Coordinator,
+    auto_coordinator,
+)
 from asyncckpt.preemption._targets import JaxTarget, Target, make_target
 from asyncckpt.preemption.agreement import AgreementOptions, Decision, StepAgreement
 from asyncckpt.preemption.config import (
     ResolvedTermination,
     TerminationConfig,
     resolve_termination_config,
-)
-from asyncckpt.preemption.coordination import (
-    CoordinationTimeoutError,
-    Coordinator,
-    auto_coordinator,
 )
 from asyncckpt.preemption.grace import GraceClock, GraceOptions
 from asyncckpt.preemption.watchers import (
@@ -89,7 +90,7 @@ def _jax_sync_point() -> Callable[[int], bool] | None:
     return multihost_utils.reached_preemption_sync_point
 
 
-class PreemptionCheckpointHandler:
+class PreemptionCheckpointHandler(ClosingContext):
     """Saves a checkpoint at an agreed step when termination is near, then exits.
 
     TensorFlow::
@@ -146,7 +147,8 @@ class PreemptionCheckpointHandler:
         self._config: ResolvedTermination = resolve_termination_config(
             termination_config, framework=framework
         )
-        self._clock = GraceClock(self._target.engine, grace_options)
+        self._clock = GraceClock(self._target.engine, grace_options,
+                                 num_workers=self._coordinator.num_workers)
         runs, estimates = self._target.restore_bookkeeping()
         self._clock.seed(estimates)
         self._agreement = StepAgreement(
@@ -154,6 +156,7 @@ class PreemptionCheckpointHandler:
             namespace=f"asyncckpt/preemption/{next(_handler_ids)}",
             runs=runs,
             margin_fn=self._clock.margin,
+            queued_fn=self._clock.queued,
             unknown_write_fraction=self._clock.options.unknown_write_fraction,
             save_at_notice_ratio=self._clock.options.save_at_notice_ratio,
             options=agreement_options,
@@ -371,7 +374,7 @@ class PreemptionCheckpointHandler:
     def _save(self, state: Any, args: tuple, kwargs: dict, *, final: bool) -> None:
         runs = self._agreement.runs
         notice = self._agreement.cluster_notice or {}
-        margin = self._clock.margin()
+        margin = self._agreement.margin()
         started = time.time()
         estimates = self._clock.estimates()
         if self._config.save_fn is not None:
@@ -427,16 +430,3 @@ class PreemptionCheckpointHandler:
         self._closed = True
         self._stop_watching()
         self._target.close()
-
-    def __enter__(self) -> PreemptionCheckpointHandler:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except Exception:
-                logger.exception("error while closing the preemption handler after another "
-                                 "error")
