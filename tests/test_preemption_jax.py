@@ -200,4 +200,4 @@ def test_multi_step_loop_saves_the_given_state_and_restores_the_run_count(tmp_pa
         assert int(restored["step"]) == steps_per_call * run
         np.testing.assert_array_equal(restored["w"], np.full(4, steps_per_call * run))
         meta = handler.checkpoint_metadata()["asyncckpt_preemption"]
-        assert meta["total_run_calls"] == run and "write_s" in meta["estimates"]
+        assert meta["total_run_calls"] == run and "save_s" in meta["estimates"]

@@ -5,7 +5,7 @@ final save must *start* early enough to be durable before ``D = t0 + G``. At
 every step boundary ``t`` the handler starts the final round if
 ``t + margin >= D``, where::
 
-    margin = W_hi + Q + B_hi + a * S_hi + slack
+    margin = T_hi + Q + a * S_hi + slack
 
 Every ``X_hi`` is a robust upper bound of the last ``N`` measured samples of
 ``X`` (``bound``): the larger of their maximum and ``median + k * 1.4826 *
@@ -13,27 +13,30 @@ MAD`` (a ``k``-sigma bound that stays honest when the spread is wide but the
 window has not yet seen a bad sample); with fewer than ``min_samples``
 samples it is the maximum times ``cold_factor``.
 
-* ``W``: background time of one save (write + commit + fsync) *of the tier the
-  next save goes to* (``GraceOptions.tier_fn``: the local disk, an object
-  store...), each sample scaled up to the state's current size (a state that
-  grew since the sample was taken writes longer);
+* ``T``: what one save costs from its start to durable when nothing is
+  queued before it: the copy to host (blocking time less any wait for a free
+  slot) plus the background write, commit and fsync. Samples of the tier the
+  next save goes to only (``GraceOptions.tier_fn``: the local disk, an
+  object store...), each scaled up to the state's current size (a state that
+  grew since the sample was taken writes longer). Bounding the sum per save,
+  not each part, keeps the bound tight: a save with a slow copy (the first
+  use of a staging slot) need not also have the slowest write;
 * ``Q``: what the saves in flight still need (the engine writes in order, so
-  the final save waits for them): ``W_hi`` per queued save and, for the one
-  being written, ``W_hi`` minus the time it has run, at least ``W_hi / 4`` (a
+  the final save waits for them): ``T_hi`` per queued save and, for the one
+  being written, ``T_hi`` minus the time it has run, at least ``T_hi / 4`` (a
   write already past the bound is slow, not nearly done);
-* ``B``: blocking time of a save (copy to host);
 * ``S``: step time; ``a`` steps: one because the check runs once per step
   (the deadline can be crossed just after one), one more with several
   workers (the agreed step is the largest current step + 1);
 * ``slack``: fixed costs (coordination round trips, waking the waiter).
 
-Why it is safe: the final save is durable in time unless its blocking copy,
-its write or the steps around it take longer than the bounds, i.e. unless the
-final write is slower than the slowest of the last ``N`` writes *and* than
-``median + k`` robust standard deviations, by more than what the step and
-slack terms leave over. The risk it accepts is exactly that: a write from the
-tail beyond anything seen recently (with the default ``N = 16``, ``k = 4``:
-for a Gaussian spread about 3 in 100 000 saves; heavier tails more).
+Why it is safe: the final save is durable in time unless it takes longer
+than ``T_hi`` plus what the step and slack terms leave over, i.e. unless it is
+slower than the slowest of the last ``N`` saves *and* than the median plus
+``k`` robust standard deviations. The risk it accepts is exactly that: a save
+from the tail beyond anything seen recently (with the defaults ``N = 16``,
+``k = 3``: about 1 in 1000 saves for a Gaussian spread, more for heavier
+tails, e.g. about 1 in 100 for log-normal noise of sigma 0.25).
 
 The samples (last ``N`` of each) are stored in every checkpoint and seed the
 next run, so a restarted job starts from its measured distribution, not from
@@ -70,9 +73,8 @@ STEP_WINDOW = 32
 # float64 variable of fixed shape): a version, then each window, NaN-padded.
 ESTIMATES_VERSION = 2.0
 _LAYOUT: tuple[tuple[str, int], ...] = (
-    ("write_s", WRITE_WINDOW),
-    ("write_bytes", WRITE_WINDOW),
-    ("blocking_s", WRITE_WINDOW),
+    ("save_s", WRITE_WINDOW),
+    ("save_bytes", WRITE_WINDOW),
     ("step_s", STEP_WINDOW),
 )
 ESTIMATES_LENGTH = 1 + sum(n for _, n in _LAYOUT)
@@ -89,8 +91,8 @@ class GraceOptions:
     """Tuning of the margin (see the module docstring for the rule).
 
     Attributes:
-        window: Recent samples of write and blocking times the bound is taken
-            over (at most ``WRITE_WINDOW``, what checkpoints store).
+        window: Recent saves the bound is taken over (at most
+            ``WRITE_WINDOW``, what checkpoints store).
         spread_k: Robust standard deviations above the median the bound
             reaches at least.
         min_samples: Below this many samples the bound is the maximum times
@@ -110,10 +112,10 @@ class GraceOptions:
     """
 
     window: int = WRITE_WINDOW
-    spread_k: float = 4.0
+    spread_k: float = 3.0
     min_samples: int = 4
     cold_factor: float = 1.5
-    slack_s: float = 0.1
+    slack_s: float = 0.05
     unknown_write_fraction: float = 0.5
     save_at_notice_ratio: float = 4.0
     tier_fn: Callable[[SaveStats], str] = field(default=local_tier, compare=False)
@@ -248,43 +250,36 @@ class GraceClock:
 
     # -- samples ----------------------------------------------------------------
 
-    def _write_samples(self) -> tuple[list[float], list[float], list[float]]:
-        """``(write_s, write_bytes, blocking_s)`` of the tier the next save goes to.
+    def _save_samples(self) -> tuple[list[float], list[float]]:
+        """``(seconds, bytes)`` of recent saves of the tier the next save goes to.
 
         The engine's own saves come after the seeded ones (from the restored
         checkpoint) and push them out of the window.
         """
         history = self.engine.history
-        n = self.options.window
-        writes = list(self._seeded.get("write_s", []))
-        sizes = list(self._seeded.get("write_bytes", []))
-        blocks = list(self._seeded.get("blocking_s", []))
-        if len(sizes) != len(writes):
-            sizes = [0.0] * len(writes)
+        seconds = list(self._seeded.get("save_s", []))
+        sizes = list(self._seeded.get("save_bytes", []))
         if history:
             tier = self.options.tier_fn(history[-1])
             mine = [s for s in history if self.options.tier_fn(s) == tier]
-            writes += [s.background_s for s in mine]
+            seconds += [s.blocking_s - s.slot_wait_s + s.background_s for s in mine]
             sizes += [float(s.nbytes) for s in mine]
-            blocks += [s.blocking_s for s in history]
-        return writes[-n:], sizes[-n:], blocks[-n:]
+        n = self.options.window
+        return seconds[-n:], sizes[-n:]
 
     def _bound(self, samples: Sequence[float]) -> float | None:
         o = self.options
         return bound(samples, k=o.spread_k, min_samples=o.min_samples,
                      cold_factor=o.cold_factor)
 
-    def write_seconds(self) -> float | None:
-        """Upper bound of the next save's background time; None if never measured."""
-        writes, sizes, _ = self._write_samples()
+    def save_seconds(self) -> float | None:
+        """Upper bound of the next save's time to durable; None if never measured."""
+        seconds, sizes = self._save_samples()
         last = self.engine.last_stats
         nbytes = float(last.nbytes) if last is not None else (sizes[-1] if sizes else 0.0)
-        scaled = [w * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else w
-                  for w, b in zip(writes, sizes, strict=True)]
+        scaled = [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t
+                  for t, b in zip(seconds, sizes, strict=True)]
         return self._bound(scaled)
-
-    def blocking_seconds(self) -> float:
-        return self._bound(self._write_samples()[2]) or 0.0
 
     def step_seconds(self) -> float:
         return self._bound(self.steps.samples) or 0.0
@@ -301,12 +296,12 @@ class GraceClock:
 
     def margin_parts(self) -> tuple[float, float] | None:
         """``(margin, queued)``: the margin and its part for saves in flight; None if unknown."""
-        write = self.write_seconds()
-        if write is None:
+        save = self.save_seconds()
+        if save is None:
             return None
-        queued = self.queued_seconds(write)
-        margin = (write + queued + self.blocking_seconds()
-                  + self.step_allowance * self.step_seconds() + self.options.slack_s)
+        queued = self.queued_seconds(save)
+        margin = (save + queued + self.step_allowance * self.step_seconds()
+                  + self.options.slack_s)
         return margin, queued
 
     def margin(self) -> float | None:
@@ -323,27 +318,18 @@ class GraceClock:
 
     def estimates(self) -> dict:
         """What is stored in each checkpoint to seed the next run (JSON-able lists)."""
-        writes, sizes, blocks = self._write_samples()
-        return {
-            "write_s": writes,
-            "write_bytes": sizes,
-            "blocking_s": blocks,
-            "step_s": self.steps.samples,
-        }
+        seconds, sizes = self._save_samples()
+        return {"save_s": seconds, "save_bytes": sizes, "step_s": self.steps.samples}
 
     def seed(self, estimates: dict) -> None:
         """Starts from the estimates stored in a restored checkpoint."""
         if not estimates:
             return
-        writes = _finite_list(estimates.get("write_s"))
-        sizes = _finite_list(estimates.get("write_bytes"))
-        if len(sizes) != len(writes):
-            sizes = [0.0] * len(writes)
-        self._seeded = {
-            "write_s": writes[-WRITE_WINDOW:],
-            "write_bytes": sizes[-WRITE_WINDOW:],
-            "blocking_s": _finite_list(estimates.get("blocking_s"))[-WRITE_WINDOW:],
-        }
-        if writes:
-            self.engine.estimator.seed(writes[-1], int(sizes[-1]) if sizes else 0)
+        seconds = _finite_list(estimates.get("save_s"))
+        sizes = _finite_list(estimates.get("save_bytes"))
+        if len(sizes) != len(seconds):
+            sizes = [0.0] * len(seconds)
+        self._seeded = {"save_s": seconds[-WRITE_WINDOW:], "save_bytes": sizes[-WRITE_WINDOW:]}
+        if seconds:
+            self.engine.estimator.seed(seconds[-1], int(sizes[-1]) if sizes else 0)
         self.steps.seed(_finite_list(estimates.get("step_s"))[-STEP_WINDOW:])

@@ -59,6 +59,9 @@ class PreemptionSave:
         notice_time: When the cluster's first notice was received.
         deadline: The deadline the save was made for.
         margin_s: The margin when the save began (None: unknown).
+        adopted: No new save was made: the save in flight at the final
+            boundary became the final checkpoint (``run`` is its step), as a
+            new one could not be durable in time.
     """
 
     run: int
@@ -68,6 +71,7 @@ class PreemptionSave:
     notice_time: float | None
     deadline: float | None
     margin_s: float | None
+    adopted: bool = False
 
 
 def _framework_of(obj: Any) -> str:
@@ -170,6 +174,7 @@ class PreemptionCheckpointHandler(ClosingContext):
         self._jax_noticed = False
         self._last_boundary: float | None = None
         self._last_estimates_at = 0.0
+        self._last_stats = None
         self._finished = False
         self._closed = False
         self.saves: list[PreemptionSave] = []
@@ -343,9 +348,12 @@ class PreemptionCheckpointHandler(ClosingContext):
         self._agreement.step_done()
         now = time.monotonic()
         estimates = None
-        if now - self._last_estimates_at >= _ESTIMATE_REFRESH_S:
+        last = self._target.engine.last_stats
+        if now - self._last_estimates_at >= _ESTIMATE_REFRESH_S or last is not self._last_stats:
+            # Every second, and after every save: the next save carries its time.
             estimates = self._clock.estimates()
             self._last_estimates_at = now
+            self._last_stats = last
         self._target.track(self._agreement.runs, estimates)
 
     def _boundary(self, state: Any, args: tuple, kwargs: dict) -> None:
@@ -377,7 +385,10 @@ class PreemptionCheckpointHandler(ClosingContext):
         margin = self._agreement.margin()
         started = time.time()
         estimates = self._clock.estimates()
-        if self._config.save_fn is not None:
+        adopted = final and self._adopt_in_flight()
+        if adopted:
+            pass  # the save in flight becomes the final checkpoint
+        elif self._config.save_fn is not None:
             self._target.track(runs, estimates)
             save_args = ((state,) if self._target.needs_state else ()) + tuple(args)
             self._config.save_fn(*save_args, **kwargs)
@@ -387,10 +398,15 @@ class PreemptionCheckpointHandler(ClosingContext):
         if final:
             self._target.sync()
             durable = time.time()
+        if adopted:
+            last = self._target.engine.last_stats
+            runs = last.step if last is not None and last.step is not None else runs
+            logger.warning("[worker %d] no time for a new save: the save in flight (step %d) "
+                           "is the final checkpoint", self._coordinator.worker_id, runs)
         record = PreemptionSave(
             run=runs, final=final, started_at=started, durable_at=durable,
             notice_time=notice.get("time"), deadline=self._agreement.deadline(),
-            margin_s=margin,
+            margin_s=margin, adopted=adopted,
         )
         self.saves.append(record)
         if not final:
@@ -398,6 +414,26 @@ class PreemptionCheckpointHandler(ClosingContext):
                            "on in the grace period", self._coordinator.worker_id, runs)
             return
         self._finish(record)
+
+    def _adopt_in_flight(self) -> bool:
+        """Single worker: a save is in flight and a new one would end after the deadline.
+
+        The engine writes in order, so a new save would first wait for the
+        one in flight; when both do not fit in the time left (a periodic save
+        started just before a short notice), the one in flight is the newest
+        checkpoint that can be durable in time: wait for it instead. Not with
+        several workers (they would have to agree on it) nor with ``save_fn``.
+        """
+        if (self._coordinator.num_workers != 1 or self._config.save_fn is not None
+                or self._target.engine.pending == 0):
+            return False
+        deadline = self._agreement.deadline()
+        parts = self._clock.margin_parts()
+        if deadline is None or parts is None:
+            return False
+        margin, _ = parts
+        at_boundary = margin - self._clock.step_allowance * self._clock.step_seconds()
+        return time.time() + at_boundary > deadline
 
     def _finish(self, record: PreemptionSave) -> None:
         me = self._coordinator.worker_id
