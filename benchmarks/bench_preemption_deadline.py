@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/bench_preemption_deadline.py [--framework tf|jax]
            [--trials 5] [--grace 2,5,10,30] [--step 0.01,0.05] [--write 0.25,1,3]
-           [--noise none,heavy+disk] [--sigma 0.25] [--warmup 8] [--json results.json]
+           [--noise none,heavy+disk] [--sigma 0.25] [--warmup 8] [--warmup-preemptions 4]
+           [--seed 0] [--json results.json]
 
 For every cell of the grid (grace period, step time, write time, noise) and
 every trial, a training loop (TensorFlow or JAX) runs under
@@ -14,9 +15,12 @@ Cells with ``write >= grace`` are skipped.
 
 Each cell keeps its own checkpoint directory: trial ``k`` restarts from the
 checkpoint trial ``k - 1`` left (as a preempted job restarts), so the timing
-samples the handler stores in its checkpoints carry over. Before its first
-trial a cell runs ``--warmup`` periodic saves with no notice (a job that has
-been training for a while).
+samples the handler stores carry over. Before its first trial a cell runs
+``--warmup`` periodic saves with no notice and then ``--warmup-preemptions``
+untimed preemptions without a grace period: a job that has been training for
+a while and was preempted a few times before (the handler keeps the times of
+its final saves, made while training waits, apart from those of saves made
+while training runs).
 
 Noise (``--noise``, one grid dimension; kinds joined by ``+``):
 
@@ -230,7 +234,7 @@ def warm_up(framework: str, directory: str, step_s: float, grace: float, saves: 
 
 
 def run_trial(framework: str, grace: float, step_s: float, write_s: float, directory: str,
-              rng: random.Random) -> dict:
+              rng: random.Random, *, periodic: bool = True) -> dict:
     """One training run with a notice; returns what the report needs."""
     from asyncckpt.preemption.grace import tf_final_save_start
 
@@ -246,7 +250,7 @@ def run_trial(framework: str, grace: float, step_s: float, write_s: float, direc
         timer.start()
         while not handler.preempted:
             now = time.monotonic()
-            if not handler.noticed and now - last_periodic >= max(2 * write_s, 0.5):
+            if periodic and not handler.noticed and now - last_periodic >= max(2 * write_s, 0.5):
                 loop.periodic_save()
                 last_periodic = now
             t = time.perf_counter()
@@ -346,6 +350,8 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=0.25,
                         help="log-normal sigma of the write-time factor with 'heavy' noise")
     parser.add_argument("--warmup", type=int, default=8, help="periodic saves before trial 0")
+    parser.add_argument("--warmup-preemptions", type=int, default=4,
+                        help="untimed preemptions (no grace period) before trial 0")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write all trials to this file")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
@@ -380,8 +386,11 @@ def main() -> None:
                     competitor = CompetingWriter(work, rng.randrange(1 << 30))
                     competitor.start()
                 try:
-                    if cell not in warm:
+                    if cell not in warm:  # a job that trained, and was preempted before
                         warm_up(args.framework, directory, step_s, grace, args.warmup)
+                        for _ in range(args.warmup_preemptions):
+                            run_trial(args.framework, 0.0, step_s, write_s, directory, rng,
+                                      periodic=False)
                         warm.add(cell)
                     r = run_trial(args.framework, grace, step_s, write_s, directory, rng)
                 finally:

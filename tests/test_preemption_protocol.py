@@ -9,7 +9,6 @@ protocol which blocked one worker's training thread on another's).
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from asyncckpt.engine.writer import AsyncEngine
 from asyncckpt.preemption import grace as grace_lib
 from asyncckpt.preemption.agreement import AgreementOptions, Decision, StepAgreement
 from asyncckpt.preemption.watchers import Notice
+from tests.helpers import subprocess_env
 
 OPTIONS = AgreementOptions(poll_s=0.05, timeout_s=60)
 
@@ -329,6 +329,21 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
         assert restarted.step_seconds() == pytest.approx(0.02 * 1.5)
 
 
+def test_final_saves_of_earlier_runs_tighten_the_bound_never_widen_it():
+    with AsyncEngine(name="t") as engine:
+        clock = grace_lib.GraceClock(engine)
+        for _ in range(4):
+            _save(engine, 0.05)  # saves during training, slowed by it
+        during_training = clock.save_seconds()
+        clock.seed_finals([[0.01, 1000.0]])  # one final save: cold, times 1.5
+        assert clock.save_seconds() == pytest.approx(0.015)
+        clock.seed_finals([[1.0, 1000.0]] * 4)  # slower finals: the training bound holds
+        assert clock.save_seconds() == pytest.approx(during_training)
+        clock.record_final(engine.last_stats)
+        assert clock.final_samples()[-1][0] == pytest.approx(
+            grace_lib.GraceClock.save_cost(engine.last_stats))
+
+
 def test_write_bound_scales_with_state_bytes_and_is_per_tier():
     with AsyncEngine(name="t") as engine:
         clock = grace_lib.GraceClock(engine)
@@ -351,7 +366,7 @@ def test_importing_and_detecting_imports_no_framework():
             "os.environ['GCE_METADATA_HOST'] = '127.0.0.1:9'; "
             "print(p.detect_platform(refresh=True).value, "
             "'tensorflow' in sys.modules, 'jax' in sys.modules)")
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_PLATFORM"}
+    env = {k: v for k, v in subprocess_env().items() if k != "ASYNCCKPT_PLATFORM"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env).stdout
     assert out.split() == ["other", "False", "False"]

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from asyncckpt._closing import ClosingContext
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
 from asyncckpt.engine.slots import Slot, StagingPool
 from asyncckpt.errors import EngineClosedError
@@ -144,7 +145,7 @@ def _install_exit_hook() -> None:
         _exit_hook_installed = True
 
 
-class AsyncEngine:
+class AsyncEngine(ClosingContext):
     """Stages saves into host slots and writes them on a background thread.
 
     Errors from the background are re-raised on the next ``save()``, on
@@ -438,16 +439,3 @@ class AsyncEngine:
                 timeout,
                 self.pending,
             )
-
-    def __enter__(self) -> AsyncEngine:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            # Do not mask the caller's exception with a background one.
-            try:
-                self.close()
-            except Exception:
-                logger.exception("[%s] error while closing after another error", self.name)

@@ -9,6 +9,7 @@ itself imports neither framework.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,6 +23,9 @@ logger = logging.getLogger(__name__)
 # Name of the handler's bookkeeping inside TF checkpoints and JAX metadata.
 TRACKER_NAME = "_asyncckpt_preemption"
 METADATA_KEY = "asyncckpt_preemption"
+# Times of final saves, beside the checkpoints: a final save's own time is
+# known only once it is durable, too late to go into it.
+TIMINGS_FILE = ".asyncckpt-preemption-timings.json"
 
 
 class Target:
@@ -52,6 +56,36 @@ class Target:
 
     def close(self) -> None:
         """Closes what the handler created."""
+
+    @property
+    def directory(self) -> str:
+        raise NotImplementedError
+
+    def read_timings(self) -> dict:
+        """What ``write_timings`` stored beside the checkpoints; ``{}`` if nothing (valid)."""
+        path = os.path.join(self.directory, TIMINGS_FILE)
+        try:
+            with open(path) as f:
+                value = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            logger.warning("ignoring %s: %s", path, e)
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    def write_timings(self, timings: dict) -> None:
+        """Stores ``timings`` beside the checkpoints (atomic replace; errors logged)."""
+        path = os.path.join(self.directory, TIMINGS_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(timings, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("could not store the final save's time in %s: %s", path, e)
 
 
 def make_target(obj: Any, *, checkpoint_dir: str | None, worker_id: int,
@@ -132,6 +166,10 @@ class TFTarget(Target):
     def engine(self) -> AsyncEngine:
         return self._write.engine
 
+    @property
+    def directory(self) -> str:
+        return os.fspath(self._read.directory)
+
     def restore_bookkeeping(self) -> tuple[int, dict]:
         path = self._read.restore_or_initialize()
         if path is None:
@@ -193,6 +231,10 @@ class JaxTarget(Target):
     @property
     def engine(self) -> AsyncEngine:
         return self._mgr.engine
+
+    @property
+    def directory(self) -> str:
+        return self._mgr.directory
 
     def _bookkeeping(self, step: int) -> tuple[int, dict]:
         meta = self._mgr.metadata(step).custom_metadata or {}

@@ -20,7 +20,13 @@ samples it is the maximum times ``cold_factor``.
   object store...), each scaled up to the state's current size (a state that
   grew since the sample was taken writes longer). Bounding the sum per save,
   not each part, keeps the bound tight: a save with a slow copy (the first
-  use of a staging slot) need not also have the slowest write;
+  use of a staging slot) need not also have the slowest write. Saves made
+  while training runs compete with it for CPU and the GIL (the writer runs
+  at a lower priority); the final save does not, the training thread waits.
+  So once final saves of earlier preemptions were measured (the last
+  ``FINAL_WINDOW``, kept beside the checkpoints), ``T_hi`` is their bound
+  (the cold factor while there are few), if that is lower than the bound of
+  the saves made during training;
 * ``Q``: what the saves in flight still need (the engine writes in order, so
   the final save waits for them): ``T_hi`` per queued save and, for the one
   being written, ``T_hi`` minus the time it has run, at least ``T_hi / 4`` (a
@@ -69,6 +75,8 @@ from asyncckpt.engine.writer import AsyncEngine
 # Samples kept per quantity, in memory and in each checkpoint.
 WRITE_WINDOW = 16
 STEP_WINDOW = 32
+# Final saves kept (in a file beside the checkpoints: see ``_targets``).
+FINAL_WINDOW = 8
 # Layout of the estimates as a flat float vector (TensorFlow stores them in a
 # float64 variable of fixed shape): a version, then each window, NaN-padded.
 ESTIMATES_VERSION = 2.0
@@ -247,6 +255,7 @@ class GraceClock:
         self.steps = StepTimes()
         self.step_allowance = 1.0 if num_workers <= 1 else 2.0
         self._seeded: dict[str, list[float]] = {}
+        self._finals: deque[tuple[float, float]] = deque(maxlen=FINAL_WINDOW)
 
     # -- samples ----------------------------------------------------------------
 
@@ -262,7 +271,7 @@ class GraceClock:
         if history:
             tier = self.options.tier_fn(history[-1])
             mine = [s for s in history if self.options.tier_fn(s) == tier]
-            seconds += [s.blocking_s - s.slot_wait_s + s.background_s for s in mine]
+            seconds += [self.save_cost(s) for s in mine]
             sizes += [float(s.nbytes) for s in mine]
         n = self.options.window
         return seconds[-n:], sizes[-n:]
@@ -277,9 +286,38 @@ class GraceClock:
         seconds, sizes = self._save_samples()
         last = self.engine.last_stats
         nbytes = float(last.nbytes) if last is not None else (sizes[-1] if sizes else 0.0)
-        scaled = [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t
-                  for t, b in zip(seconds, sizes, strict=True)]
-        return self._bound(scaled)
+
+        def scaled(pairs):
+            return [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t for t, b in pairs]
+
+        during_training = self._bound(scaled(zip(seconds, sizes, strict=True)))
+        finals = self._bound(scaled(list(self._finals)))
+        if finals is None or during_training is None:
+            return during_training if finals is None else finals
+        return min(during_training, finals)
+
+    @staticmethod
+    def save_cost(stats: SaveStats) -> float:
+        """What a save cost from its start to durable, queueing aside."""
+        return stats.blocking_s - stats.slot_wait_s + stats.background_s
+
+    def record_final(self, stats: SaveStats) -> None:
+        """Adds the measured cost of a final save (made while training waited)."""
+        self._finals.append((self.save_cost(stats), float(stats.nbytes)))
+
+    def final_samples(self) -> list[list[float]]:
+        """``[[seconds, bytes], ...]`` of recent final saves, oldest first."""
+        return [[t, b] for t, b in self._finals]
+
+    def seed_finals(self, samples) -> None:
+        """Starts from the final saves of earlier runs (``final_samples()``'s format)."""
+        for item in samples or ():
+            try:
+                t, b = (_finite(x) for x in item)
+            except (TypeError, ValueError):
+                continue
+            if t is not None:
+                self._finals.append((t, b or 0.0))
 
     def step_seconds(self) -> float:
         return self._bound(self.steps.samples) or 0.0

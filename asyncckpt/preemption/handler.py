@@ -155,6 +155,7 @@ class PreemptionCheckpointHandler(ClosingContext):
                                  num_workers=self._coordinator.num_workers)
         runs, estimates = self._target.restore_bookkeeping()
         self._clock.seed(estimates)
+        self._clock.seed_finals(self._target.read_timings().get("final_s"))
         self._agreement = StepAgreement(
             self._coordinator,
             namespace=f"asyncckpt/preemption/{next(_handler_ids)}",
@@ -398,6 +399,8 @@ class PreemptionCheckpointHandler(ClosingContext):
         if final:
             self._target.sync()
             durable = time.time()
+        if final and not adopted and self._config.save_fn is None:
+            self._record_final()
         if adopted:
             last = self._target.engine.last_stats
             runs = last.step if last is not None and last.step is not None else runs
@@ -414,6 +417,15 @@ class PreemptionCheckpointHandler(ClosingContext):
                            "on in the grace period", self._coordinator.worker_id, runs)
             return
         self._finish(record)
+
+    def _record_final(self) -> None:
+        """Keeps the final save's cost for the next run's margin (worker 0 writes it)."""
+        last = self._target.engine.last_stats
+        if last is None:
+            return
+        self._clock.record_final(last)
+        if self._coordinator.worker_id == 0:
+            self._target.write_timings({"final_s": self._clock.final_samples()})
 
     def _adopt_in_flight(self) -> bool:
         """Single worker: a save is in flight and a new one would end after the deadline.

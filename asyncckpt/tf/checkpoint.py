@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 
+from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.manifest import read_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
@@ -53,7 +54,7 @@ def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
     return True
 
 
-class Checkpoint:
+class Checkpoint(ClosingContext):
     """Asynchronous counterpart of ``tf.train.Checkpoint``.
 
     Construct it exactly like ``tf.train.Checkpoint``; ``save()`` and
@@ -245,11 +246,6 @@ class Checkpoint:
         """Flushes saves in flight and frees the staging memory."""
         self._engine.close(timeout)
 
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._engine.__exit__(exc_type, exc, tb)
 
     # -- restoring ----------------------------------------------------------
 

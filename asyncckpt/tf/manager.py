@@ -9,6 +9,7 @@ import re
 import threading
 import time
 
+from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
 from asyncckpt.engine.lock import DirectoryLock
@@ -31,7 +32,7 @@ def _evaluate(value) -> int:
     return int(value.numpy() if hasattr(value, "numpy") else value)
 
 
-class CheckpointManager:
+class CheckpointManager(ClosingContext):
     """Manages numbered asynchronous checkpoints in a directory.
 
     Same constructor, properties and methods as ``tf.train.CheckpointManager``,
@@ -334,15 +335,3 @@ class CheckpointManager:
                 self._ckpt.sync(timeout)
         finally:
             self._dir_lock.release()
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except Exception:
-                logger.exception("error while closing the checkpoint manager after another error")
