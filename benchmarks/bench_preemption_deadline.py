@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_preemption_deadline.py [--framework tf|jax]
            [--trials 5] [--grace 2,5,10,30] [--step 0.01,0.05] [--write 0.25,1,3]
-           [--noise none,heavy+disk] [--sigma 0.25] [--warmup 8] [--warmup-preemptions 4]
+           [--noise none,heavy+disk] [--sigma 0.15] [--warmup 8] [--warmup-preemptions 4]
            [--seed 0] [--json results.json]
 
 For every cell of the grid (grace period, step time, write time, noise) and
@@ -347,7 +347,7 @@ def main() -> None:
     parser.add_argument("--write", default="0.25,1,3", help="write times, seconds")
     parser.add_argument("--noise", default="none,heavy+disk",
                         help="noise conditions: none, heavy, disk, heavy+disk (comma-separated)")
-    parser.add_argument("--sigma", type=float, default=0.25,
+    parser.add_argument("--sigma", type=float, default=0.15,
                         help="log-normal sigma of the write-time factor with 'heavy' noise")
     parser.add_argument("--warmup", type=int, default=8, help="periodic saves before trial 0")
     parser.add_argument("--warmup-preemptions", type=int, default=4,

@@ -247,6 +247,8 @@ def test_bound_is_the_max_or_a_robust_spread_and_cold_without_samples():
     assert b([]) is None
     assert b([1.0, 2.0]) == pytest.approx(3.0)  # too few samples: max * cold factor
     assert b([1.0] * 8) == pytest.approx(1.0)  # no spread: the max
+    # ... unless a least spread is assumed: 3 sigma of 5% of the median
+    assert b([1.0] * 8, min_spread=0.05) == pytest.approx(1.15)
     samples = [1.0, 1.1, 0.9, 1.0, 1.2, 0.8, 1.0, 1.05]
     mad = statistics.median(abs(x - 1.0) for x in samples)
     assert b(samples) == pytest.approx(1.0 + 3 * 1.4826 * mad)
@@ -296,11 +298,12 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
         for _ in range(10):
             clock.steps.update(0.01)
         saves = [s.blocking_s - s.slot_wait_s + s.background_s for s in engine.history]
-        save_hi = grace_lib.bound(saves, k=3.0, min_samples=4, cold_factor=1.5)
+        save_hi = grace_lib.bound(saves, k=3.0, min_samples=4, cold_factor=1.5,
+                                  min_spread=0.05)
         assert clock.save_seconds() == pytest.approx(save_hi)
         assert save_hi >= max(saves) >= 0.06
         margin = clock.margin()
-        assert margin == pytest.approx(save_hi + 0.01 + opts.slack_s, rel=1e-6)
+        assert margin == pytest.approx(save_hi + 0.01 * 1.15 + opts.slack_s, rel=1e-6)
         estimates = clock.estimates()
         assert estimates["save_s"] == pytest.approx(saves)
         assert estimates["step_s"] == pytest.approx([0.01] * 10)
@@ -321,7 +324,7 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
         restarted = grace_lib.GraceClock(engine2, opts)
         restarted.seed(restored)
         assert restarted.save_seconds() == pytest.approx(clock.save_seconds())
-        assert restarted.step_seconds() == pytest.approx(0.01)
+        assert restarted.step_seconds() == pytest.approx(0.01 * 1.15)  # 3 sigma of 5%
         restarted.steps.update(0.02)  # measured here: the earlier run's steps are dropped
         assert restarted.step_seconds() == pytest.approx(0.02 * 1.5)
 
@@ -346,7 +349,7 @@ def test_write_bound_scales_with_state_bytes_and_is_per_tier():
         mine = [st for st in engine.history if st.label.startswith(tier_prefix)]
         now = engine.last_stats.nbytes
         costs = [grace_lib.GraceClock.save_cost(st) * max(1.0, now / st.nbytes) for st in mine]
-        return grace_lib.bound(costs, k=3.0, min_samples=4, cold_factor=1.5)
+        return grace_lib.bound(costs, k=3.0, min_samples=4, cold_factor=1.5, min_spread=0.05)
 
     with AsyncEngine(name="t") as engine:
         clock = grace_lib.GraceClock(engine)

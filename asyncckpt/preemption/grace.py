@@ -8,9 +8,11 @@ every step boundary ``t`` the handler starts the final round if
     margin = T_hi + Q + a * S_hi + slack
 
 Every ``X_hi`` is a robust upper bound of the last ``N`` measured samples of
-``X`` (``bound``): the larger of their maximum and ``median + k * 1.4826 *
-MAD`` (a ``k``-sigma bound that stays honest when the spread is wide but the
-window has not yet seen a bad sample); with fewer than ``min_samples``
+``X`` (``bound``): the larger of their maximum and ``median + k * sigma``
+with ``sigma = 1.4826 * MAD`` (a ``k``-sigma bound that stays honest when the
+spread is wide but the window has not yet seen a bad sample), but at least
+``min_spread`` of the median (a few samples taken close together can agree
+by chance more than the next one will); with fewer than ``min_samples``
 samples it is the maximum times ``cold_factor``.
 
 * ``T``: what one save costs from its start to durable when nothing is
@@ -41,8 +43,9 @@ than ``T_hi`` plus what the step and slack terms leave over, i.e. unless it is
 slower than the slowest of the last ``N`` saves *and* than the median plus
 ``k`` robust standard deviations. The risk it accepts is exactly that: a save
 from the tail beyond anything seen recently (with the defaults ``N = 16``,
-``k = 3``: about 1 in 1000 saves for a Gaussian spread, more for heavier
-tails, e.g. about 1 in 100 for log-normal noise of sigma 0.25).
+``k = 3``, at least 5% of the median per sigma: about 1 in 1000 saves for a
+Gaussian spread, more for heavier tails, e.g. about 1 in 100 for log-normal
+noise of sigma 0.25).
 
 The samples (last ``N`` of each) are stored in every checkpoint and seed the
 next run, so a restarted job starts from its measured distribution, not from
@@ -103,6 +106,8 @@ class GraceOptions:
             ``WRITE_WINDOW``, what checkpoints store).
         spread_k: Robust standard deviations above the median the bound
             reaches at least.
+        min_spread: Least robust standard deviation assumed, as a share of
+            the median.
         min_samples: Below this many samples the bound is the maximum times
             ``cold_factor`` (the spread is not known yet).
         cold_factor: See ``min_samples``.
@@ -121,6 +126,7 @@ class GraceOptions:
 
     window: int = WRITE_WINDOW
     spread_k: float = 3.0
+    min_spread: float = 0.05
     min_samples: int = 4
     cold_factor: float = 1.5
     slack_s: float = 0.05
@@ -131,8 +137,8 @@ class GraceOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.window <= WRITE_WINDOW:
             raise ValueError(f"window must be within [1, {WRITE_WINDOW}], got {self.window!r}")
-        if self.spread_k < 0 or self.slack_s < 0:
-            raise ValueError("spread_k and slack_s must be >= 0")
+        if self.spread_k < 0 or self.slack_s < 0 or self.min_spread < 0:
+            raise ValueError("spread_k, min_spread and slack_s must be >= 0")
         if self.min_samples < 1 or self.cold_factor < 1:
             raise ValueError("min_samples and cold_factor must be >= 1")
         if not 0 <= self.unknown_write_fraction <= 1:
@@ -142,11 +148,12 @@ class GraceOptions:
 
 
 def bound(samples: Sequence[float], *, k: float, min_samples: int,
-          cold_factor: float) -> float | None:
+          cold_factor: float, min_spread: float = 0.0) -> float | None:
     """A robust upper bound of the next sample: see the module docstring.
 
-    ``max(max(x), median + k * 1.4826 * MAD)``, or ``max(x) * cold_factor``
-    with fewer than ``min_samples`` samples; None without any.
+    ``max(max(x), median + k * sigma)`` with ``sigma = max(1.4826 * MAD,
+    min_spread * median)``, or ``max(x) * cold_factor`` with fewer than
+    ``min_samples`` samples; None without any.
     """
     if not samples:
         return None
@@ -154,8 +161,8 @@ def bound(samples: Sequence[float], *, k: float, min_samples: int,
     if len(samples) < min_samples:
         return top * cold_factor
     med = statistics.median(samples)
-    mad = statistics.median(abs(x - med) for x in samples)
-    return max(top, med + k * 1.4826 * mad)
+    sigma = max(1.4826 * statistics.median(abs(x - med) for x in samples), min_spread * med)
+    return max(top, med + k * sigma)
 
 
 def tf_final_save_start(notice_time: float, grace_period: float, mean_step_s: float) -> float:
@@ -279,7 +286,7 @@ class GraceClock:
     def _bound(self, samples: Sequence[float]) -> float | None:
         o = self.options
         return bound(samples, k=o.spread_k, min_samples=o.min_samples,
-                     cold_factor=o.cold_factor)
+                     cold_factor=o.cold_factor, min_spread=o.min_spread)
 
     def save_seconds(self) -> float | None:
         """Upper bound of the next save's time to durable; None if never measured."""
