@@ -263,6 +263,7 @@ class GraceClock:
         self.step_allowance = 1.0 if num_workers <= 1 else 2.0
         self._seeded: dict[str, list[float]] = {}
         self._finals: deque[tuple[float, float]] = deque(maxlen=FINAL_WINDOW)
+        self._lock = threading.Lock()  # the watcher thread reads the margin too
 
     # -- samples ----------------------------------------------------------------
 
@@ -298,7 +299,9 @@ class GraceClock:
             return [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t for t, b in pairs]
 
         during_training = self._bound(scaled(zip(seconds, sizes, strict=True)))
-        finals = self._bound(scaled(list(self._finals)))
+        with self._lock:
+            final_pairs = list(self._finals)
+        finals = self._bound(scaled(final_pairs))
         if finals is None or during_training is None:
             return during_training if finals is None else finals
         return min(during_training, finals)
@@ -310,11 +313,13 @@ class GraceClock:
 
     def record_final(self, stats: SaveStats) -> None:
         """Adds the measured cost of a final save (made while training waited)."""
-        self._finals.append((self.save_cost(stats), float(stats.nbytes)))
+        with self._lock:
+            self._finals.append((self.save_cost(stats), float(stats.nbytes)))
 
     def final_samples(self) -> list[list[float]]:
         """``[[seconds, bytes], ...]`` of recent final saves, oldest first."""
-        return [[t, b] for t, b in self._finals]
+        with self._lock:
+            return [[t, b] for t, b in self._finals]
 
     def seed_finals(self, samples) -> None:
         """Starts from the final saves of earlier runs (``final_samples()``'s format)."""
@@ -324,7 +329,8 @@ class GraceClock:
             except (TypeError, ValueError):
                 continue
             if t is not None:
-                self._finals.append((t, b or 0.0))
+                with self._lock:
+                    self._finals.append((t, b or 0.0))
 
     def step_seconds(self) -> float:
         return self._bound(self.steps.samples) or 0.0
