@@ -28,7 +28,7 @@ Noise (``--noise``, one grid dimension; kinds joined by ``+``):
   (``exp(sigma * N(0, 1))``, ``--sigma``): a heavy right tail, the final
   write can be slower than any seen before;
 * ``disk``: a competing writer on the same disk (8 MiB written and fsynced,
-  then a pause of 0-200 ms, for the whole trial) slows the real I/O and takes
+  then a pause of 100-500 ms, for the whole trial) slows the real I/O and takes
   CPU from the loop and the writer.
 
 Reported per cell (asyncckpt, and TensorFlow's formula on the same runs):
@@ -93,7 +93,7 @@ class SlowDisk:
 
 
 class CompetingWriter(threading.Thread):
-    """Another job writing to the same disk: 8 MiB and an fsync, then a short pause."""
+    """Another job writing to the same disk: 8 MiB and an fsync, then a pause."""
 
     def __init__(self, directory: str, seed: int):
         super().__init__(name="competing-writer", daemon=True)
@@ -108,7 +108,7 @@ class CompetingWriter(threading.Thread):
                 f.write(self.buf)
                 f.flush()
                 os.fsync(f.fileno())
-            self.stop.wait(self.rng.uniform(0.0, 0.2))
+            self.stop.wait(self.rng.uniform(0.1, 0.5))
         os.unlink(self.path)
 
     def close(self) -> None:

@@ -25,10 +25,11 @@ samples it is the maximum times ``cold_factor``.
   use of a staging slot) need not also have the slowest write. Saves made
   while training runs compete with it for CPU and the GIL (the writer runs
   at a lower priority); the final save does not, the training thread waits.
-  So once final saves of earlier preemptions were measured (the last
-  ``FINAL_WINDOW``, kept beside the checkpoints), ``T_hi`` is their bound
-  (the cold factor while there are few), if that is lower than the bound of
-  the saves made during training;
+  So once ``min_samples`` final saves of earlier preemptions were measured
+  (the last ``FINAL_WINDOW``, kept beside the checkpoints), the bound of the
+  recent saves is scaled by ``median(finals) / median(recent)`` when that is
+  below 1 (the recent window keeps its spread, which reflects the machine's
+  current state), but never below the finals' own bound;
 * ``Q``: what the saves in flight still need (the engine writes in order, so
   the final save waits for them): ``T_hi`` per queued save and, for the one
   being written, ``T_hi`` minus the time it has run, at least ``T_hi / 4`` (a
@@ -298,13 +299,19 @@ class GraceClock:
         def scaled(pairs):
             return [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t for t, b in pairs]
 
-        during_training = self._bound(scaled(zip(seconds, sizes, strict=True)))
+        during = scaled(zip(seconds, sizes, strict=True))
         with self._lock:
-            final_pairs = list(self._finals)
-        finals = self._bound(scaled(final_pairs))
-        if finals is None or during_training is None:
-            return during_training if finals is None else finals
-        return min(during_training, finals)
+            finals = scaled(list(self._finals))
+        if not during:
+            return self._bound(finals)
+        hi = self._bound(during)
+        if len(finals) >= self.options.min_samples:
+            # Final saves run while training waits: scale the recent saves'
+            # distribution (its spread included) by how much faster final
+            # saves were, never up, never below the finals' own bound.
+            ratio = min(1.0, statistics.median(finals) / statistics.median(during))
+            hi = max(hi * ratio, self._bound(finals))
+        return hi
 
     @staticmethod
     def save_cost(stats: SaveStats) -> float:
