@@ -16,12 +16,15 @@ TRAIN, PARK, SAVE, BG, KV = "#9ecae1", "#fdd0a2", "#e6550d", "#31a354", "#756bb1
 
 def timeline() -> None:
     """Two workers: notice, round 0 (save at once), grace period, final round, exit."""
-    fig, ax = plt.subplots(figsize=(12, 4.6))
+    fig, ax = plt.subplots(figsize=(14, 4.6))
     lanes = {"worker 0: training": 5, "worker 0: writer": 4, "worker 1: training": 2.5,
              "worker 1: writer": 1.5, "key-value store": 0.2}
-    notice, grace = 2.35, 14.0
+    notice, grace = 2.35, 21.0  # at least 4 margins: round 0 saves at once too
     deadline = notice + grace
-    margin = 1.5 * (WRITE + COPY + 3 * STEP) + 0.5  # the formula, with nothing queued
+    # The rule with nothing queued: the bound of recent saves' copy + write
+    # (here 15% above this one), two steps (two workers), 0.05 s of slack.
+    save_hi = 1.15 * (COPY + WRITE)
+    margin = save_hi + 2 * STEP + 0.05
     final_round = deadline - margin
     t0, t1 = 3, None  # round 0 target: the step after the notice
     # Steps: both workers in lockstep (a collective per step).
@@ -63,7 +66,7 @@ def timeline() -> None:
     ax.annotate("", xy=(final_round, 5.75), xytext=(deadline, 5.75),
                 arrowprops={"arrowstyle": "<->", "linewidth": 0.8})
     ax.text((final_round + deadline) / 2, 5.8,
-            "margin = 1.5 (W + B + Q + 3 S) + 0.5 s", ha="center", va="bottom", fontsize=8)
+            "margin = T_hi + Q + 2 S_hi + slack", ha="center", va="bottom", fontsize=8)
     ax.set_ylim(-0.4, 6.9)
     ax.set_xlim(0, deadline + 1.8)
     finish(fig, ax, lanes, "time (numbers: steps; orange: state copy at the agreed step; "

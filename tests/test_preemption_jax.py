@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from asyncckpt.preemption import EXIT_CODE_OTHER
+from asyncckpt.preemption.config import EXIT_CODE_OTHER
 from tests.helpers import start_python, subprocess_env, write_script
 
 PROCESS = """
@@ -192,6 +192,10 @@ def test_multi_step_loop_saves_the_given_state_and_restores_the_run_count(tmp_pa
         (save,) = handler.saves
         run = save.run
         assert run >= 3 and manager.all_steps() == [run]
+        final_cost = handler.grace_clock.save_cost(manager.engine.last_stats)
+    # The final save's own time is kept beside the checkpoints (it is known
+    # only once durable) and seeds the next run's margin.
+    assert (directory / ".asyncckpt-preemption-timings.json").is_file()
     quiet = TerminationConfig(platform="other", exit_fn=lambda: None)
     with aj.CheckpointManager(directory) as manager, \
             PreemptionCheckpointHandler(manager, termination_config=quiet) as handler:
@@ -200,4 +204,5 @@ def test_multi_step_loop_saves_the_given_state_and_restores_the_run_count(tmp_pa
         assert int(restored["step"]) == steps_per_call * run
         np.testing.assert_array_equal(restored["w"], np.full(4, steps_per_call * run))
         meta = handler.checkpoint_metadata()["asyncckpt_preemption"]
-        assert meta["total_run_calls"] == run and "write_s" in meta["estimates"]
+        assert meta["total_run_calls"] == run and "save_s" in meta["estimates"]
+        assert handler.grace_clock.final_samples()[0][0] == final_cost

@@ -8,7 +8,8 @@ protocol which blocked one worker's training thread on another's).
 
 from __future__ import annotations
 
-import os
+import functools
+import statistics
 import subprocess
 import sys
 import threading
@@ -16,11 +17,12 @@ import time
 
 import pytest
 
+from asyncckpt._coordination import InProcessCoordinator, PeerFailedError
 from asyncckpt.engine.writer import AsyncEngine
 from asyncckpt.preemption import grace as grace_lib
 from asyncckpt.preemption.agreement import AgreementOptions, Decision, StepAgreement
-from asyncckpt.preemption.coordination import InProcessCoordinator, PeerFailedError
 from asyncckpt.preemption.watchers import Notice
+from tests.helpers import subprocess_env
 
 OPTIONS = AgreementOptions(poll_s=0.05, timeout_s=60)
 
@@ -32,7 +34,9 @@ class Cluster:
         n: Workers.
         lockstep: Run a barrier in every step, like a collective.
         start_runs: Per-worker starting step counts.
-        margin: What ``margin_fn`` answers.
+        margin: What ``margin_fn`` answers (one value, or one per worker).
+        park: Per-worker events: the worker's step ``park_at`` waits for it
+            (a worker stuck in a long step).
     """
 
     def __init__(self, n: int, *, lockstep: bool = True, start_runs=None, margin=0.0,
@@ -41,9 +45,10 @@ class Cluster:
         self.margin = margin
         self.agreements = [
             StepAgreement(c, namespace="t", runs=(start_runs or [0] * n)[i],
-                          margin_fn=lambda: self.margin, options=OPTIONS)
+                          margin_fn=lambda i=i: self._margin(i), options=OPTIONS)
             for i, c in enumerate(self.coordinators)
         ]
+        self.park: dict[int, tuple[int, threading.Event]] = {}
         self.collective = threading.Barrier(n) if lockstep else None
         self.step_s = step_s
         self.max_steps = max_steps
@@ -54,6 +59,9 @@ class Cluster:
         self.fail_at: dict[int, int] = {}
         self.threads = [threading.Thread(target=self._work, args=(i,), daemon=True)
                         for i in range(n)]
+
+    def _margin(self, i: int) -> float | None:
+        return self.margin[i] if isinstance(self.margin, list) else self.margin
 
     def _work(self, i: int) -> None:
         agreement = self.agreements[i]
@@ -70,6 +78,8 @@ class Cluster:
                     raise err
                 if self.collective is not None:
                     self.collective.wait(timeout=60)
+                if i in self.park and self.park[i][0] == agreement.runs:
+                    assert self.park[i][1].wait(60), "never released"
                 time.sleep(self.step_s)
                 agreement.step_done()
                 with self.progress_changed:
@@ -213,19 +223,55 @@ def test_peer_error_is_raised_at_the_next_boundary_without_collectives():
 # -- the margin ------------------------------------------------------------------
 
 
-def test_margin_formula():
-    opts = grace_lib.GraceOptions()
-    m = grace_lib.margin_seconds(write_s=2.0, blocking_s=0.1, queued_s=0.0, step_s=0.1,
-                                 options=opts)
-    assert m == pytest.approx(1.5 * (2.0 + 0.1 + 3 * 0.1) + 0.5)
+def test_slowest_workers_margin_decides_even_when_it_checks_late():
+    # Worker 1 needs 2.5 s for its final save (a slow disk), worker 0 almost
+    # nothing. Worker 1 is stuck in a long step when its margin crosses the
+    # deadline, so only worker 0 checks: it must use worker 1's published margin.
+    grace = 3.2
+    with Cluster(2, lockstep=False, margin=[0.01, 2.5]) as cluster:
+        release = threading.Event()
+        cluster.wait_progress(5)
+        cluster.park[1] = (cluster.progress[1] + 2, release)
+        n, g = notice(grace, "user")
+        cluster.agreements[0].notice(n, g)
+        go = cluster.coordinators[0].get("t/round/1/go", 60)  # waits on the store
+        opened = time.time()
+        release.set()
+        assert go is not None, "no final round"
+    assert '"by": 0' in go
+    # Opened when the slow worker's margin, not the fast one's, crossed the deadline.
+    assert opened < n.wall_time + grace - 1.0
+    assert cluster.saves[0][-1] == cluster.saves[1][-1] and cluster.saves[0][-1][1]
+
+
+def test_bound_is_the_max_or_a_robust_spread_and_cold_without_samples():
+    b = functools.partial(grace_lib.bound, k=3.0, min_samples=4, cold_factor=1.5)
+    assert b([]) is None
+    assert b([1.0, 2.0]) == pytest.approx(3.0)  # too few samples: max * cold factor
+    assert b([1.0] * 8) == pytest.approx(1.0)  # no spread: the max
+    # ... unless a least spread is assumed: 3 sigma of 5% of the median
+    assert b([1.0] * 8, min_spread=0.05) == pytest.approx(1.15)
+    samples = [1.0, 1.1, 0.9, 1.0, 1.2, 0.8, 1.0, 1.05]
+    mad = statistics.median(abs(x - 1.0) for x in samples)
+    assert b(samples) == pytest.approx(1.0 + 3 * 1.4826 * mad)
+    assert b([1.0] * 7 + [5.0]) == pytest.approx(5.0)  # one stall: the max holds it
     assert grace_lib.tf_final_save_start(100.0, 10.0, 0.5) == pytest.approx(107.0)
+
+
+def test_estimates_round_trip_through_the_fixed_layout():
+    estimates = {"save_s": [0.5, 0.6], "save_bytes": [10.0, 20.0], "step_s": [0.1] * 40}
+    values = grace_lib.encode_estimates(estimates)
+    assert len(values) == grace_lib.ESTIMATES_LENGTH
+    decoded = grace_lib.decode_estimates(values)
+    assert decoded["save_s"] == [0.5, 0.6] and decoded["step_s"] == [0.1] * 32
+    assert grace_lib.decode_estimates([1.0] * 6) == {}  # another layout: ignored
 
 
 class _SlowJob:
     """A save job whose write takes ``seconds`` (a slow disk)."""
 
-    def __init__(self, seconds: float, nbytes: int = 1000):
-        self.label, self.step, self.nbytes, self.seconds = "job", None, nbytes, seconds
+    def __init__(self, seconds: float, nbytes: int = 1000, label: str = "job"):
+        self.label, self.step, self.nbytes, self.seconds = label, None, nbytes, seconds
         self.started = threading.Event()
 
     def write(self):
@@ -239,33 +285,94 @@ class _SlowJob:
         pass
 
 
-def test_grace_clock_uses_measured_write_time_and_persists_it():
+def _save(engine, seconds, nbytes=1000, label="job", wait=True):
+    handle = engine.save(lambda slot: _SlowJob(seconds, nbytes, label), label=label)
+    if wait:
+        handle.result()
+    return handle
+
+
+def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
+    opts = grace_lib.GraceOptions()
     with AsyncEngine(name="t") as engine:
-        clock = grace_lib.GraceClock(engine)
+        clock = grace_lib.GraceClock(engine, opts)
         assert clock.margin() is None  # nothing measured
-        for _ in range(2):
-            engine.save(lambda slot: _SlowJob(0.3), label="job").result()
+        for seconds in (0.03, 0.05, 0.04, 0.06, 0.03):
+            _save(engine, seconds)
         for _ in range(10):
             clock.steps.update(0.01)
+        saves = [s.blocking_s - s.slot_wait_s + s.background_s for s in engine.history]
+        save_hi = grace_lib.bound(saves, k=3.0, min_samples=4, cold_factor=1.5,
+                                  min_spread=0.05)
+        assert clock.save_seconds() == pytest.approx(save_hi)
+        assert save_hi >= max(saves) >= 0.06
         margin = clock.margin()
-        assert margin >= 1.5 * (0.3 + 3 * 0.01) + 0.5
+        assert margin == pytest.approx(save_hi + 0.01 * 1.15 + opts.slack_s, rel=1e-6)
         estimates = clock.estimates()
-        assert estimates["write_s"] >= 0.3 and estimates["step_s"] == pytest.approx(0.01)
+        assert estimates["save_s"] == pytest.approx(saves)
+        assert estimates["step_s"] == pytest.approx([0.01] * 10)
         # A save in flight delays the final one: it is part of the margin, by
         # what is left of its write.
-        job = _SlowJob(0.3)
-        engine.save(lambda slot: job, label="job")
-        assert job.started.wait(30)  # the writer is on it: busy_for counts
-        in_flight = clock.margin()
-        assert margin < in_flight <= margin + 1.5 * clock.write_seconds() + 1e-9
-        time.sleep(0.1)
-        assert clock.margin() < in_flight  # the write moved on
-        engine.sync()
-        assert engine.busy_for is None and clock.margin() == pytest.approx(margin, rel=0.05)
+        handle = _save(engine, 0.3, wait=False)
+        deadline = time.monotonic() + 30
+        while engine.busy_for is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        in_flight, queued = clock.margin_parts()
+        assert queued > 0 and in_flight == pytest.approx(margin + queued, rel=1e-6)
+        handle.result()
+        estimates = clock.estimates()
+    # A restarted job starts from the stored samples (through the TF layout).
+    restored = grace_lib.decode_estimates(grace_lib.encode_estimates(estimates))
     with AsyncEngine(name="t2") as engine2:
-        restarted = grace_lib.GraceClock(engine2)
-        restarted.seed(estimates)
-        assert restarted.margin() == pytest.approx(margin, rel=0.05)
+        restarted = grace_lib.GraceClock(engine2, opts)
+        restarted.seed(restored)
+        assert restarted.save_seconds() == pytest.approx(clock.save_seconds())
+        assert restarted.step_seconds() == pytest.approx(0.01 * 1.15)  # 3 sigma of 5%
+        restarted.steps.update(0.02)  # measured here: the earlier run's steps are dropped
+        assert restarted.step_seconds() == pytest.approx(0.02 * 1.5)
+
+
+def test_final_saves_of_earlier_runs_tighten_the_bound_never_widen_it():
+    with AsyncEngine(name="t") as engine:
+        clock = grace_lib.GraceClock(engine)
+        for _ in range(4):
+            _save(engine, 0.05)  # saves during training, slowed by it
+        during_training = clock.save_seconds()
+        costs = [clock.save_cost(st) for st in engine.history]
+        clock.seed_finals([[0.01, 1000.0]] * 3)  # too few finals: not used
+        assert clock.save_seconds() == pytest.approx(during_training)
+        clock.seed_finals([[0.01, 1000.0]])  # four: the recent bound scaled down
+        ratio = 0.01 / statistics.median(costs)
+        assert clock.save_seconds() == pytest.approx(during_training * ratio)
+        clock.seed_finals([[1.0, 1000.0]] * 8)  # slower finals: never scaled up
+        assert clock.save_seconds() == pytest.approx(max(during_training, 1.15))
+        clock.record_final(engine.last_stats)
+        assert clock.final_samples()[-1][0] == pytest.approx(
+            grace_lib.GraceClock.save_cost(engine.last_stats))
+
+
+def test_write_bound_scales_with_state_bytes_and_is_per_tier():
+    def expected(engine, tier_prefix):
+        mine = [st for st in engine.history if st.label.startswith(tier_prefix)]
+        now = engine.last_stats.nbytes
+        costs = [grace_lib.GraceClock.save_cost(st) * max(1.0, now / st.nbytes) for st in mine]
+        return grace_lib.bound(costs, k=3.0, min_samples=4, cold_factor=1.5, min_spread=0.05)
+
+    with AsyncEngine(name="t") as engine:
+        clock = grace_lib.GraceClock(engine)
+        for _ in range(4):
+            _save(engine, 0.02, nbytes=1000)
+        _save(engine, 0.02, nbytes=4000)  # the state grew four times
+        grown = clock.save_seconds()
+        assert grown == pytest.approx(expected(engine, "job"))
+        assert grown >= 4 * min(clock.save_cost(st) for st in engine.history)
+        # Saves to another tier are bounded by that tier's samples only.
+        for _ in range(4):
+            _save(engine, 0.08, nbytes=4000, label="s3://bucket/ckpt")
+        assert clock.save_seconds() == pytest.approx(expected(engine, "s3://"))
+        _save(engine, 0.02, nbytes=4000)  # back on the local disk
+        assert clock.save_seconds() == pytest.approx(expected(engine, "job"))
 
 
 def test_importing_and_detecting_imports_no_framework():
@@ -273,7 +380,7 @@ def test_importing_and_detecting_imports_no_framework():
             "os.environ['GCE_METADATA_HOST'] = '127.0.0.1:9'; "
             "print(p.detect_platform(refresh=True).value, "
             "'tensorflow' in sys.modules, 'jax' in sys.modules)")
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_PLATFORM"}
+    env = {k: v for k, v in subprocess_env().items() if k != "ASYNCCKPT_PLATFORM"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env).stdout
     assert out.split() == ["other", "False", "False"]

@@ -12,7 +12,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from asyncckpt.preemption import EXIT_CODE_OTHER  # noqa: E402
+from asyncckpt.preemption.config import EXIT_CODE_OTHER  # noqa: E402
 from tests.helpers import (  # noqa: E402
     run_python,
     start_python,

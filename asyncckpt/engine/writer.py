@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import _process
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
 from asyncckpt.engine.slots import Slot, StagingPool
@@ -159,7 +160,7 @@ def _clear_frames(error: BaseException) -> None:
         e = e.__cause__ or e.__context__
 
 
-class AsyncEngine:
+class AsyncEngine(ClosingContext):
     """Stages saves into host slots and writes them on a background thread.
 
     Errors: a background failure is raised by every ``sync()``/``close()``
@@ -563,15 +564,3 @@ class AsyncEngine:
             self._finalizer = None
         self._queue = queue.SimpleQueue()  # the parent's queued saves are not ours
 
-    def __enter__(self) -> AsyncEngine:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            # Do not mask the caller's exception with a background one.
-            try:
-                self.close()
-            except Exception:
-                logger.exception("[%s] error while closing after another error", self.name)

@@ -22,6 +22,9 @@ Before its first save, a manager's primary takes the directory lock, removes
 stale temporaries and then publishes a run token (``ready``) that names the
 temporary directories; the other processes wait for it, so no process writes
 into a directory that the cleanup could still remove.
+
+The key-value store is reached through ``asyncckpt._coordination`` (the same
+wrapper, and the same errors, as the preemption handler's).
 """
 
 from __future__ import annotations
@@ -32,26 +35,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from asyncckpt._coordination import (
+    CoordinationError,
+    CoordinationTimeoutError,
+    JaxCoordinator,
+)
+from asyncckpt._coordination import Coordinator as KeyValueStore
 from asyncckpt.engine.files import FileRecord
-from asyncckpt.errors import AsyncCkptError
+
+__all__ = ["CommitCoordinator", "CoordinationError", "CoordinationTimeoutError", "Coordinator"]
 
 logger = logging.getLogger(__name__)
 
 _ERROR = "error:"
 _manager_ids = itertools.count()
 _manager_ids_lock = threading.Lock()
-
-
-class CoordinationError(AsyncCkptError, RuntimeError):
-    """Another process failed its part of a save, or did not answer in time."""
-
-
-def _client() -> Any:
-    from jax._src import distributed
-
-    return distributed.global_state.client
 
 
 def process_layout() -> tuple[int, int]:
@@ -61,41 +60,32 @@ def process_layout() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-class Coordinator:
-    """Key-value store coordination for one manager's saves.
+class CommitCoordinator:
+    """The multi-process commit protocol of one manager's saves, over the key-value store.
 
     Args:
-        client: The JAX distributed runtime client.
-        process_index: This process.
-        process_count: All processes of the run.
+        store: The run's key-value store (``JaxCoordinator``; any
+            ``asyncckpt._coordination.Coordinator`` works, e.g. in tests).
         timeout_s: Longest wait for another process at any step.
     """
 
-    def __init__(self, client: Any, *, process_index: int, process_count: int, timeout_s: float):
-        self._client = client
-        self.process_index = process_index
-        self.process_count = process_count
+    def __init__(self, store: KeyValueStore, *, timeout_s: float):
+        self._store = store
+        self.process_index = store.worker_id
+        self.process_count = store.num_workers
         self.timeout_s = timeout_s
         self._prefix: str | None = None
 
     @classmethod
-    def for_this_run(cls, *, timeout_s: float) -> Coordinator | None:
+    def for_this_run(cls, *, timeout_s: float) -> CommitCoordinator | None:
         """A coordinator when several processes run, else None.
 
         Raises:
-            RuntimeError: several processes but no ``jax.distributed`` client.
+            CoordinationError: several processes but no ``jax.distributed``
+                client (a ``RuntimeError``).
         """
-        index, count = process_layout()
-        if count == 1:
-            return None
-        client = _client()
-        if client is None:
-            raise RuntimeError(
-                f"JAX runs {count} processes but jax.distributed is not initialized; "
-                "asyncckpt coordinates multi-process saves through its key-value store: "
-                "call jax.distributed.initialize() first"
-            )
-        return cls(client, process_index=index, process_count=count, timeout_s=timeout_s)
+        store = JaxCoordinator.for_processes()
+        return None if store is None else cls(store, timeout_s=timeout_s)
 
     @property
     def primary(self) -> bool:
@@ -104,17 +94,16 @@ class Coordinator:
     # -- helpers --------------------------------------------------------------
 
     def _get(self, key: str, deadline: float, what: str) -> str:
-        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            return self._client.blocking_key_value_get(key, remaining_ms)
-        except Exception as e:  # the runtime raises its own error type on timeout
-            raise CoordinationError(
+        value = self._store.get(key, max(0.001, deadline - time.monotonic()))
+        if value is None:
+            raise CoordinationTimeoutError(
                 f"[process {self.process_index}] no answer for {what} within "
-                f"{self.timeout_s:.0f} s (key {key!r}): {e}"
-            ) from e
+                f"{self.timeout_s:.0f} s (key {key!r})"
+            )
+        return value
 
     def _set(self, key: str, value: str) -> None:
-        self._client.key_value_set(key, value)
+        self._store.set(key, value)
 
     # -- first save of a manager ------------------------------------------------
 
@@ -200,3 +189,7 @@ class Coordinator:
             raise CoordinationError(
                 f"process 0 did not commit step {step}: {value[len(_ERROR):]}"
             )
+
+
+# The JAX manager's name for the commit protocol.
+Coordinator = CommitCoordinator

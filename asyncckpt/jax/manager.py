@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from asyncckpt import catalog, layout
+from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
 from asyncckpt.engine.lock import DirectoryLock
@@ -59,7 +60,7 @@ def _json_checked(value: Any, what: str) -> Any:
         raise TypeError(f"{what} must be JSON-serializable: {e}") from e
 
 
-class CheckpointManager:
+class CheckpointManager(ClosingContext):
     """Numbered asynchronous checkpoints of a pytree, in a layout orbax restores.
 
     ``save(step, state)`` returns once the state is copied to host memory; a
@@ -456,18 +457,6 @@ class CheckpointManager:
         finally:
             self._dir_lock.release()
             self._tiers.close(timeout)  # [storage]
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except Exception:
-                logger.exception("error while closing the checkpoint manager after another error")
 
     # -- restoring ------------------------------------------------------------------
 

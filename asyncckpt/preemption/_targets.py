@@ -9,20 +9,23 @@ itself imports neither framework.
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
 import shutil
 from typing import Any
 
 from asyncckpt.engine.writer import AsyncEngine
-from asyncckpt.preemption.grace import ESTIMATE_KEYS
+from asyncckpt.preemption.grace import decode_estimates, encode_estimates
 
 logger = logging.getLogger(__name__)
 
 # Name of the handler's bookkeeping inside TF checkpoints and JAX metadata.
 TRACKER_NAME = "_asyncckpt_preemption"
 METADATA_KEY = "asyncckpt_preemption"
+# Times of final saves, beside the checkpoints: a final save's own time is
+# known only once it is durable, too late to go into it.
+TIMINGS_FILE = ".asyncckpt-preemption-timings.json"
 
 
 class Target:
@@ -54,6 +57,36 @@ class Target:
     def close(self) -> None:
         """Closes what the handler created."""
 
+    @property
+    def directory(self) -> str:
+        raise NotImplementedError
+
+    def read_timings(self) -> dict:
+        """What ``write_timings`` stored beside the checkpoints; ``{}`` if nothing (valid)."""
+        path = os.path.join(self.directory, TIMINGS_FILE)
+        try:
+            with open(path) as f:
+                value = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            logger.warning("ignoring %s: %s", path, e)
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    def write_timings(self, timings: dict) -> None:
+        """Stores ``timings`` beside the checkpoints (atomic replace; errors logged)."""
+        path = os.path.join(self.directory, TIMINGS_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(timings, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("could not store the final save's time in %s: %s", path, e)
+
 
 def make_target(obj: Any, *, checkpoint_dir: str | None, worker_id: int,
                 num_workers: int) -> Target:
@@ -69,17 +102,6 @@ def make_target(obj: Any, *, checkpoint_dir: str | None, worker_id: int,
         "asyncckpt.tf.Checkpoint or tf.train.Checkpoint (with checkpoint_dir), or an "
         f"asyncckpt.jax.CheckpointManager; got {type(obj).__module__}.{type(obj).__name__}"
     )
-
-
-def _encode_estimates(estimates: dict | None) -> list[float]:
-    estimates = estimates or {}
-    return [float("nan") if estimates.get(k) is None else float(estimates[k])
-            for k in ESTIMATE_KEYS]
-
-
-def _decode_estimates(values) -> dict:
-    return {k: (None if math.isnan(float(v)) else float(v))
-            for k, v in zip(ESTIMATE_KEYS, values, strict=True)}
 
 
 class TFTarget(Target):
@@ -134,7 +156,7 @@ class TFTarget(Target):
                 tracker.total_run_calls = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                       name="total_run_calls")
                 tracker.estimates = tf.Variable(
-                    _encode_estimates(None), dtype=tf.float64, trainable=False,
+                    encode_estimates(None), dtype=tf.float64, trainable=False,
                     name="estimates")
             setattr(tf_ckpt, TRACKER_NAME, tracker)
         self._tracker = tracker
@@ -144,12 +166,16 @@ class TFTarget(Target):
     def engine(self) -> AsyncEngine:
         return self._write.engine
 
+    @property
+    def directory(self) -> str:
+        return os.fspath(self._read.directory)
+
     def restore_bookkeeping(self) -> tuple[int, dict]:
         path = self._read.restore_or_initialize()
         if path is None:
             return 0, {}
         runs = int(self._tracker.total_run_calls.numpy())
-        estimates = _decode_estimates(self._tracker.estimates.numpy())
+        estimates = decode_estimates(self._tracker.estimates.numpy())
         self._tracked_runs = runs
         logger.info("restored %s: total_run_calls %d", path, runs)
         return runs, estimates
@@ -159,7 +185,7 @@ class TFTarget(Target):
             self._tracker.total_run_calls.assign(runs)
             self._tracked_runs = runs
         if estimates is not None:
-            self._tracker.estimates.assign(_encode_estimates(estimates))
+            self._tracker.estimates.assign(encode_estimates(estimates))
 
     def save(self, runs: int, estimates: dict, state: Any, args: tuple, kwargs: dict) -> None:
         del state
@@ -205,6 +231,10 @@ class JaxTarget(Target):
     @property
     def engine(self) -> AsyncEngine:
         return self._mgr.engine
+
+    @property
+    def directory(self) -> str:
+        return self._mgr.directory
 
     def _bookkeeping(self, step: int) -> tuple[int, dict]:
         meta = self._mgr.metadata(step).custom_metadata or {}

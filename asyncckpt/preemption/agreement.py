@@ -29,7 +29,12 @@ handler's namespace ``ns``):
    enough to afford it), training continues. At each
    boundary a worker compares ``now + margin`` with the earliest deadline it
    knows (the cluster's, or an earlier one of its own later notice); the
-   first worker to cross it opens round 1 (final) the same way.
+   first worker to cross it opens round 1 (final) the same way. The margin
+   is the *largest* of any worker's: in round 0 each worker publishes its
+   margin (and the part of it owed to saves in flight, which shrinks as time
+   passes) under ``ns/round/0/margin/<worker>`` before its step, so the
+   slowest worker's estimate decides even where its training thread checks
+   late (a slow step, a slow disk).
 5. **Errors.** A worker whose training function raises claims ``ns/error``;
    every watcher polls it and the other workers raise ``PeerFailedError`` at
    their next step boundary.
@@ -48,7 +53,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncckpt.preemption.coordination import (
+from asyncckpt._coordination import (
     CoordinationTimeoutError,
     Coordinator,
     PeerFailedError,
@@ -102,6 +107,8 @@ class StepAgreement:
             margins long, or if no margin is known yet (the save measures
             one). Shorter grace periods go straight to the final save, which
             a save at the notice would only delay.
+        queued_fn: The part of ``margin_fn``'s answer owed to saves in
+            flight (it shrinks while they are written); default 0.
         options: Protocol timing.
     """
 
@@ -114,12 +121,16 @@ class StepAgreement:
         margin_fn: Callable[[], float | None],
         unknown_write_fraction: float = 0.5,
         save_at_notice_ratio: float = 4.0,
+        queued_fn: Callable[[], float] | None = None,
         options: AgreementOptions | None = None,
     ):
         self.coordinator = coordinator
         self.ns = namespace.rstrip("/")
         self.options = options or AgreementOptions()
         self._margin_fn = margin_fn
+        self._queued_fn = queued_fn or (lambda: 0.0)
+        # Other workers' margins published at round 0: (margin, queued, monotonic time).
+        self._peer_margins: list[tuple[float, float, float]] = []
         self._unknown_fraction = unknown_write_fraction
         self._save_ratio = save_at_notice_ratio
         self._cond = threading.Condition()
@@ -317,11 +328,45 @@ class StepAgreement:
         if deadline is None:
             return False
         now = time.time()
-        margin = self._margin_fn()
+        margin = self.margin()
         if margin is None:
             start = self._notice["time"] if self._notice else now
             return now >= start + self._unknown_fraction * max(deadline - start, 0.0)
         return now + margin >= deadline
+
+    def margin(self) -> float | None:
+        """The largest margin of any worker: this one's now, the others' as published.
+
+        A peer's margin is the one it published at the notice, less what its
+        saves in flight have been written since (their part never drops below
+        a quarter, as in ``grace.GraceClock.queued_seconds``).
+        """
+        own = self._margin_fn()
+        now = time.monotonic()
+        values = [] if own is None else [own]
+        for margin, queued, at in self._peer_margins:
+            left = max(queued - (now - at), queued / 4) if queued > 0 else 0.0
+            values.append(margin - queued + left)
+        return max(values) if values else None
+
+    def _publish_margin(self) -> None:
+        margin = self._margin_fn()
+        if margin is None:
+            return
+        self.coordinator.claim_json(self._key("round", 0, "margin", self.me),
+                                    {"margin": margin, "queued": float(self._queued_fn())})
+
+    def _read_peer_margins(self) -> list[tuple[float, float, float]]:
+        now = time.monotonic()
+        out = []
+        for w in range(self.coordinator.num_workers):
+            if w == self.me:
+                continue
+            value = self.coordinator.try_get(self._key("round", 0, "margin", w))
+            if value is not None:
+                m = json.loads(value)
+                out.append((float(m["margin"]), float(m.get("queued", 0.0)), now))
+        return out
 
     # -- watcher thread -------------------------------------------------------
 
@@ -339,11 +384,16 @@ class StepAgreement:
                     if not self._known[n]:
                         self._known[n] = True
                         self._seen_at[n] = time.monotonic()
+                if n == 0:  # before "at": whoever sees every "at" sees every margin
+                    self._publish_margin()
                 self.coordinator.claim(self._key("round", n, "at", self.me), str(at))
                 ats = [int(self._wait_key(self._key("round", n, "at", w)))
                        for w in range(self.coordinator.num_workers)]
                 target = max(ats)
+                peers = self._read_peer_margins() if n == 0 else None
                 with self._cond:
+                    if peers is not None:
+                        self._peer_margins = peers
                     self._target[n] = target
                     self._final[n] = bool(go["final"])
                     if n == 0:

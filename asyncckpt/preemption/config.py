@@ -8,12 +8,13 @@ GCE VM without GPUs (60 seconds), a Spot VM (30 seconds) and anything else (a
 SIGTERM from a scheduler). ``TerminationConfig`` holds what the user chose;
 ``resolve_termination_config`` fills every field the user left out from the
 preset of the detected platform.
+
+Imports ``platform`` (detection), never the other way round.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import logging
 import os
@@ -21,6 +22,8 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from asyncckpt.preemption.platform import Platform, detect_platform
 
 logger = logging.getLogger(__name__)
 
@@ -35,29 +38,6 @@ GRACE_GCE_GPU_S = 3600.0
 GRACE_GCE_OTHER_S = 60.0
 # GCE Spot and preemptible VMs: 30 s from the preemption notice to the hard stop.
 SPOT_NOTICE_S = 30.0
-
-
-class Platform(enum.Enum):
-    """Where the job runs, as far as termination notices are concerned."""
-
-    GCE_GPU = "gce-gpu"
-    GCE_TPU = "gce-tpu"
-    GCE_CPU = "gce-cpu"
-    OTHER = "other"
-
-    @property
-    def on_gce(self) -> bool:
-        return self is not Platform.OTHER
-
-    @classmethod
-    def parse(cls, value: Platform | str) -> Platform:
-        if isinstance(value, Platform):
-            return value
-        try:
-            return cls(str(value).strip().lower().replace("_", "-"))
-        except ValueError:
-            names = ", ".join(p.value for p in cls)
-            raise ValueError(f"unknown platform {value!r}; expected one of {names}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,9 +204,7 @@ def resolve_termination_config(
     if config.platform is not None:
         platform = Platform.parse(config.platform)
     else:
-        if detect is None:
-            from asyncckpt.preemption.platform import detect_platform as detect
-        platform = detect(framework=framework)
+        platform = (detect or detect_platform)(framework=framework)
     preset = PRESETS[platform]
     grace = preset.grace_period if config.grace_period is None else float(config.grace_period)
     if config.exit_fn is not None:

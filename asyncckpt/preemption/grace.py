@@ -1,32 +1,62 @@
-"""When to start the final save of a grace period: the margin, from measurements.
+"""When to start the final save of a grace period: a margin from measured distributions.
 
 With a grace period ``G`` after a notice at ``t0``, training goes on and the
-final save must *start* early enough to be durable before ``t0 + G``. The
-handler checks at every step boundary and starts the final round at the first
-boundary ``t`` with ``t + margin >= t0 + G``, where::
+final save must *start* early enough to be durable before ``D = t0 + G``. At
+every step boundary ``t`` the handler starts the final round if
+``t + margin >= D``, where::
 
-    margin = safety * (W + B + Q + k * S) + slack
+    margin = T_hi + Q + a * S_hi + slack
 
-* ``W``: background write time of one save (write + commit + fsync), the
-  engine's slowly decaying peak (``WriteTimeEstimator.peak_seconds``), so one
-  slow save on a shared disk is remembered;
-* ``B``: blocking time of a save (host copy), the peak of recent saves;
-* ``Q``: what the saves still in flight need (the engine writes in order, so
-  the final save waits for them): ``W`` for each queued save, and for the one
-  being written ``W`` minus the time it has run (at least ``W / 4``: a write
-  already past its estimate is slow, not nearly done);
-* ``S``: step time, a decaying peak of the time between step boundaries;
-* ``k = 3`` steps: the check runs once per step (the deadline can be crossed
-  just after one), and the agreed step is at most one step after the boundary
-  where the round starts, on the slowest worker one more;
-* ``safety = 1.5`` absorbs variance of the write (a disk shared with other
-  jobs), ``slack = 0.5 s`` the fixed costs (coordination round trips, the
-  barrier, process exit).
+Every ``X_hi`` is a robust upper bound of the last ``N`` measured samples of
+``X`` (``bound``): the larger of their maximum and ``median + k * sigma``
+with ``sigma = 1.4826 * MAD`` (a ``k``-sigma bound that stays honest when the
+spread is wide but the window has not yet seen a bad sample), but at least
+``min_spread`` of the median (a few samples taken close together can agree
+by chance more than the next one will); with fewer than ``min_samples``
+samples it is the maximum times ``cold_factor``.
+
+* ``T``: what one save costs from its start to durable when nothing is
+  queued before it: the copy to host (blocking time less any wait for a free
+  slot) plus the background write, commit and fsync. Samples of the tier the
+  next save goes to only (``GraceOptions.tier_fn``: the local disk, an
+  object store...), each scaled up to the state's current size (a state that
+  grew since the sample was taken writes longer). Bounding the sum per save,
+  not each part, keeps the bound tight: a save with a slow copy (the first
+  use of a staging slot) need not also have the slowest write. Saves made
+  while training runs compete with it for CPU and the GIL (the writer runs
+  at a lower priority); the final save does not, the training thread waits.
+  So once ``min_samples`` final saves of earlier preemptions were measured
+  (the last ``FINAL_WINDOW``, kept beside the checkpoints), the bound of the
+  recent saves is scaled by ``median(finals) / median(recent)`` when that is
+  below 1 (the recent window keeps its spread, which reflects the machine's
+  current state), but never below the finals' own bound;
+* ``Q``: what the saves in flight still need (the engine writes in order, so
+  the final save waits for them): ``T_hi`` per queued save and, for the one
+  being written, ``T_hi`` minus the time it has run, at least ``T_hi / 4`` (a
+  write already past the bound is slow, not nearly done);
+* ``S``: step time; ``a`` steps: one because the check runs once per step
+  (the deadline can be crossed just after one), one more with several
+  workers (the agreed step is the largest current step + 1);
+* ``slack``: fixed costs (coordination round trips, waking the waiter).
+
+Why it is safe: the final save is durable in time unless it takes longer
+than ``T_hi`` plus what the step and slack terms leave over, i.e. unless it is
+slower than the slowest of the last ``N`` saves *and* than the median plus
+``k`` robust standard deviations. The risk it accepts is exactly that: a save
+from the tail beyond anything seen recently (with the defaults ``N = 16``,
+``k = 3``, at least 5% of the median per sigma: about 1 in 1000 saves for a
+Gaussian spread, more for heavier tails, e.g. about 1 in 100 for log-normal
+noise of sigma 0.25).
+
+The samples (last ``N`` of each) are stored in every checkpoint and seed the
+next run, so a restarted job starts from its measured distribution, not from
+zero. With several workers, each publishes its margin at the notice and the
+final round starts at the boundary where the *largest* margin of any worker
+crosses the deadline (see ``agreement``).
 
 TensorFlow's handler uses ``G - 6 * mean step time``: it ignores the write,
 so a final save that takes longer than six steps misses the deadline, and it
-starts from zero after a restart. Here every estimate is stored in the
-checkpoint and seeds the next run. If ``G <= margin`` the save starts at once.
+starts from zero after a restart. If ``G <= margin`` the save starts at once.
 A save is also made at the notice itself when ``G >= 4 * margin`` (a guard for
 long grace periods; in a short one it would only delay the final save).
 Without any measured write (a first run that never saved), the final round
@@ -37,22 +67,52 @@ soon as the save made at the notice has been measured.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
+from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine
 
-ESTIMATE_KEYS = ("step_s", "step_peak_s", "write_s", "write_peak_s", "blocking_s", "nbytes")
+# Samples kept per quantity, in memory and in each checkpoint.
+WRITE_WINDOW = 16
+STEP_WINDOW = 32
+# Final saves kept (in a file beside the checkpoints: see ``_targets``).
+FINAL_WINDOW = 8
+# Layout of the estimates as a flat float vector (TensorFlow stores them in a
+# float64 variable of fixed shape): a version, then each window, NaN-padded.
+ESTIMATES_VERSION = 2.0
+_LAYOUT: tuple[tuple[str, int], ...] = (
+    ("save_s", WRITE_WINDOW),
+    ("save_bytes", WRITE_WINDOW),
+    ("step_s", STEP_WINDOW),
+)
+ESTIMATES_LENGTH = 1 + sum(n for _, n in _LAYOUT)
+
+
+def local_tier(stats: SaveStats) -> str:
+    """Default ``tier_fn``: the URL scheme of the checkpoint (``s3``, ``gs``), else ``local``."""
+    label = stats.label or ""
+    return label.split("://", 1)[0] if "://" in label else "local"
 
 
 @dataclass(frozen=True, kw_only=True)
 class GraceOptions:
-    """Tuning of the margin (see the module docstring for the formula).
+    """Tuning of the margin (see the module docstring for the rule).
 
     Attributes:
-        safety_factor: Multiplies the measured part of the margin.
-        step_allowance: Steps between the check and the start of the save.
-        slack_s: Fixed seconds added for coordination and exit.
+        window: Recent saves the bound is taken over (at most
+            ``WRITE_WINDOW``, what checkpoints store).
+        spread_k: Robust standard deviations above the median the bound
+            reaches at least.
+        min_spread: Least robust standard deviation assumed, as a share of
+            the median.
+        min_samples: Below this many samples the bound is the maximum times
+            ``cold_factor`` (the spread is not known yet).
+        cold_factor: See ``min_samples``.
+        slack_s: Fixed seconds for coordination round trips and wake-ups.
         unknown_write_fraction: Share of the grace period to train for when no
             write time has ever been measured.
         save_at_notice_ratio: Save at the notice as well only if the grace
@@ -60,38 +120,50 @@ class GraceOptions:
             never). That save guards a long grace period against a notice
             that overstates the time left; in a short one it would only
             delay the final save, which waits for it.
-        peak_decay: Per-step decay of the step-time peak.
+        tier_fn: Names the storage tier of a save from its stats; write times
+            are bounded per tier and the final save is assumed to go to the
+            tier of the latest save.
     """
 
-    safety_factor: float = 1.5
-    step_allowance: float = 3.0
-    slack_s: float = 0.5
+    window: int = WRITE_WINDOW
+    spread_k: float = 3.0
+    min_spread: float = 0.05
+    min_samples: int = 4
+    cold_factor: float = 1.5
+    slack_s: float = 0.05
     unknown_write_fraction: float = 0.5
     save_at_notice_ratio: float = 4.0
-    peak_decay: float = 0.99
+    tier_fn: Callable[[SaveStats], str] = field(default=local_tier, compare=False)
 
     def __post_init__(self) -> None:
-        if self.safety_factor < 1:
-            raise ValueError(f"safety_factor must be >= 1, got {self.safety_factor!r}")
-        if self.step_allowance < 0 or self.slack_s < 0:
-            raise ValueError("step_allowance and slack_s must be >= 0")
+        if not 1 <= self.window <= WRITE_WINDOW:
+            raise ValueError(f"window must be within [1, {WRITE_WINDOW}], got {self.window!r}")
+        if self.spread_k < 0 or self.slack_s < 0 or self.min_spread < 0:
+            raise ValueError("spread_k, min_spread and slack_s must be >= 0")
+        if self.min_samples < 1 or self.cold_factor < 1:
+            raise ValueError("min_samples and cold_factor must be >= 1")
         if not 0 <= self.unknown_write_fraction <= 1:
             raise ValueError("unknown_write_fraction must be within [0, 1]")
         if self.save_at_notice_ratio < 0:
             raise ValueError("save_at_notice_ratio must be >= 0")
 
 
-def margin_seconds(
-    *,
-    write_s: float,
-    blocking_s: float,
-    queued_s: float,
-    step_s: float,
-    options: GraceOptions,
-) -> float:
-    """``safety * (write + blocking + queued + k * step) + slack``."""
-    measured = write_s + blocking_s + queued_s + options.step_allowance * step_s
-    return options.safety_factor * measured + options.slack_s
+def bound(samples: Sequence[float], *, k: float, min_samples: int,
+          cold_factor: float, min_spread: float = 0.0) -> float | None:
+    """A robust upper bound of the next sample: see the module docstring.
+
+    ``max(max(x), median + k * sigma)`` with ``sigma = max(1.4826 * MAD,
+    min_spread * median)``, or ``max(x) * cold_factor`` with fewer than
+    ``min_samples`` samples; None without any.
+    """
+    if not samples:
+        return None
+    top = max(samples)
+    if len(samples) < min_samples:
+        return top * cold_factor
+    med = statistics.median(samples)
+    sigma = max(1.4826 * statistics.median(abs(x - med) for x in samples), min_spread * med)
+    return max(top, med + k * sigma)
 
 
 def tf_final_save_start(notice_time: float, grace_period: float, mean_step_s: float) -> float:
@@ -103,42 +175,39 @@ def tf_final_save_start(notice_time: float, grace_period: float, mean_step_s: fl
     return notice_time + grace_period - 6.0 * mean_step_s
 
 
-class StepTimeEstimator:
-    """Running mean and decaying peak of the seconds between step boundaries."""
+class StepTimes:
+    """The last ``STEP_WINDOW`` seconds between step boundaries."""
 
-    def __init__(self, *, alpha: float = 0.1, peak_decay: float = 0.99):
-        self._alpha = alpha
-        self._decay = peak_decay
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._mean: float | None = None
-        self._peak: float | None = None
+        self._samples: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._seeded = False
         self.count = 0
 
     def update(self, seconds: float) -> None:
         with self._lock:
+            if self._seeded:  # the first measured step replaces the earlier run's
+                self._samples.clear()
+                self._seeded = False
             self.count += 1
-            if self._mean is None:
-                self._mean = seconds
-            else:
-                self._mean += self._alpha * (seconds - self._mean)
-            self._peak = seconds if self._peak is None else max(seconds, self._peak * self._decay)
+            self._samples.append(seconds)
 
-    def seed(self, mean: float | None, peak: float | None) -> None:
-        """Starts from estimates of an earlier run (no-op once measured here)."""
+    def seed(self, samples: Iterable[float]) -> None:
+        """Starts from an earlier run's samples (no-op once measured here)."""
         with self._lock:
-            if self._mean is None and mean is not None:
-                self._mean = mean
-                self._peak = max(peak or mean, mean)
+            if not self._samples:
+                self._samples.extend(samples)
+                self._seeded = bool(self._samples)
+
+    @property
+    def samples(self) -> list[float]:
+        with self._lock:
+            return list(self._samples)
 
     @property
     def mean(self) -> float | None:
-        with self._lock:
-            return self._mean
-
-    @property
-    def peak(self) -> float | None:
-        with self._lock:
-            return self._peak
+        samples = self.samples
+        return statistics.fmean(samples) if samples else None
 
 
 def _finite(value) -> float | None:
@@ -149,6 +218,34 @@ def _finite(value) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+def _finite_list(values) -> list[float]:
+    if not isinstance(values, (list, tuple)):
+        values = [] if values is None else [values]
+    return [v for v in (_finite(x) for x in values) if v is not None]
+
+
+def encode_estimates(estimates: dict | None) -> list[float]:
+    """``estimates()`` as a fixed-length float vector (NaN-padded windows)."""
+    estimates = estimates or {}
+    out = [ESTIMATES_VERSION]
+    for key, n in _LAYOUT:
+        values = _finite_list(estimates.get(key))[-n:]
+        out += values + [float("nan")] * (n - len(values))
+    return out
+
+
+def decode_estimates(values: Sequence[float]) -> dict:
+    """The inverse of ``encode_estimates``; ``{}`` for an unknown layout."""
+    values = [float(v) for v in values]
+    if len(values) != ESTIMATES_LENGTH or values[0] != ESTIMATES_VERSION:
+        return {}
+    out, i = {}, 1
+    for key, n in _LAYOUT:
+        out[key] = [v for v in values[i:i + n] if not math.isnan(v)]
+        i += n
+    return out
+
+
 class GraceClock:
     """The margin of one handler, from its engine's and its own measurements.
 
@@ -156,24 +253,94 @@ class GraceClock:
         engine: The checkpoint's engine (write and blocking times, saves in
             flight).
         options: Margin tuning.
+        num_workers: Workers taking part (one more step of allowance if > 1).
     """
 
-    def __init__(self, engine: AsyncEngine, options: GraceOptions | None = None):
+    def __init__(self, engine: AsyncEngine, options: GraceOptions | None = None, *,
+                 num_workers: int = 1):
         self.engine = engine
         self.options = options or GraceOptions()
-        self.steps = StepTimeEstimator(peak_decay=self.options.peak_decay)
-        self._seeded_blocking: float | None = None
+        self.steps = StepTimes()
+        self.step_allowance = 1.0 if num_workers <= 1 else 2.0
+        self._seeded: dict[str, list[float]] = {}
+        self._finals: deque[tuple[float, float]] = deque(maxlen=FINAL_WINDOW)
+        self._lock = threading.Lock()  # the watcher thread reads the margin too
 
-    def write_seconds(self) -> float | None:
-        est = self.engine.estimator
-        values = [v for v in (est.peak_seconds, est.estimate()) if v is not None]
-        return max(values) if values else None
+    # -- samples ----------------------------------------------------------------
 
-    def blocking_seconds(self) -> float:
-        recent = [s.blocking_s for s in self.engine.history[-8:]]
-        if recent:
-            return max(recent)
-        return self._seeded_blocking or 0.0
+    def _save_samples(self) -> tuple[list[float], list[float]]:
+        """``(seconds, bytes)`` of recent saves of the tier the next save goes to.
+
+        The engine's own saves come after the seeded ones (from the restored
+        checkpoint) and push them out of the window.
+        """
+        history = self.engine.history
+        seconds = list(self._seeded.get("save_s", []))
+        sizes = list(self._seeded.get("save_bytes", []))
+        if history:
+            tier = self.options.tier_fn(history[-1])
+            mine = [s for s in history if self.options.tier_fn(s) == tier]
+            seconds += [self.save_cost(s) for s in mine]
+            sizes += [float(s.nbytes) for s in mine]
+        n = self.options.window
+        return seconds[-n:], sizes[-n:]
+
+    def _bound(self, samples: Sequence[float]) -> float | None:
+        o = self.options
+        return bound(samples, k=o.spread_k, min_samples=o.min_samples,
+                     cold_factor=o.cold_factor, min_spread=o.min_spread)
+
+    def save_seconds(self) -> float | None:
+        """Upper bound of the next save's time to durable; None if never measured."""
+        seconds, sizes = self._save_samples()
+        last = self.engine.last_stats
+        nbytes = float(last.nbytes) if last is not None else (sizes[-1] if sizes else 0.0)
+
+        def scaled(pairs):
+            return [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t for t, b in pairs]
+
+        during = scaled(zip(seconds, sizes, strict=True))
+        with self._lock:
+            finals = scaled(list(self._finals))
+        if not during:
+            return self._bound(finals)
+        hi = self._bound(during)
+        if len(finals) >= self.options.min_samples:
+            # Final saves run while training waits: scale the recent saves'
+            # distribution (its spread included) by how much faster final
+            # saves were, never up, never below the finals' own bound.
+            ratio = min(1.0, statistics.median(finals) / statistics.median(during))
+            hi = max(hi * ratio, self._bound(finals))
+        return hi
+
+    @staticmethod
+    def save_cost(stats: SaveStats) -> float:
+        """What a save cost from its start to durable, queueing aside."""
+        return stats.blocking_s - stats.slot_wait_s + stats.background_s
+
+    def record_final(self, stats: SaveStats) -> None:
+        """Adds the measured cost of a final save (made while training waited)."""
+        with self._lock:
+            self._finals.append((self.save_cost(stats), float(stats.nbytes)))
+
+    def final_samples(self) -> list[list[float]]:
+        """``[[seconds, bytes], ...]`` of recent final saves, oldest first."""
+        with self._lock:
+            return [[t, b] for t, b in self._finals]
+
+    def seed_finals(self, samples) -> None:
+        """Starts from the final saves of earlier runs (``final_samples()``'s format)."""
+        for item in samples or ():
+            try:
+                t, b = (_finite(x) for x in item)
+            except (TypeError, ValueError):
+                continue
+            if t is not None:
+                with self._lock:
+                    self._finals.append((t, b or 0.0))
+
+    def step_seconds(self) -> float:
+        return self._bound(self.steps.samples) or 0.0
 
     def queued_seconds(self, write: float) -> float:
         """Seconds the saves in flight still need before a new one can start."""
@@ -185,38 +352,42 @@ class GraceClock:
             return pending * write
         return (pending - 1) * write + max(write - busy, write / 4)
 
+    def margin_parts(self) -> tuple[float, float] | None:
+        """``(margin, queued)``: the margin and its part for saves in flight; None if unknown."""
+        save = self.save_seconds()
+        if save is None:
+            return None
+        queued = self.queued_seconds(save)
+        margin = (save + queued + self.step_allowance * self.step_seconds()
+                  + self.options.slack_s)
+        return margin, queued
+
     def margin(self) -> float | None:
         """Seconds before the deadline the final round must start; None if unknown."""
-        write = self.write_seconds()
-        if write is None:
-            return None
-        return margin_seconds(
-            write_s=write,
-            blocking_s=self.blocking_seconds(),
-            queued_s=self.queued_seconds(write),
-            step_s=self.steps.peak or 0.0,
-            options=self.options,
-        )
+        parts = self.margin_parts()
+        return None if parts is None else parts[0]
 
-    def estimates(self) -> dict[str, float | None]:
-        """What is stored in each checkpoint to seed the next run."""
-        est = self.engine.estimator
-        last = self.engine.last_stats
-        return {
-            "step_s": self.steps.mean,
-            "step_peak_s": self.steps.peak,
-            "write_s": est.seconds,
-            "write_peak_s": est.peak_seconds,
-            "blocking_s": self.blocking_seconds() if (last or self._seeded_blocking) else None,
-            "nbytes": float(last.nbytes) if last is not None else None,
-        }
+    def queued(self) -> float:
+        """The part of ``margin()`` that the saves in flight account for."""
+        parts = self.margin_parts()
+        return 0.0 if parts is None else parts[1]
+
+    # -- persistence -----------------------------------------------------------
+
+    def estimates(self) -> dict:
+        """What is stored in each checkpoint to seed the next run (JSON-able lists)."""
+        seconds, sizes = self._save_samples()
+        return {"save_s": seconds, "save_bytes": sizes, "step_s": self.steps.samples}
 
     def seed(self, estimates: dict) -> None:
         """Starts from the estimates stored in a restored checkpoint."""
-        values = {k: _finite(estimates.get(k)) for k in ESTIMATE_KEYS}
-        self.steps.seed(values["step_s"], values["step_peak_s"])
-        write = values["write_peak_s"] or values["write_s"]
-        if write:
-            self.engine.estimator.seed(write, int(values["nbytes"] or 0))
-        if values["blocking_s"] is not None:
-            self._seeded_blocking = values["blocking_s"]
+        if not estimates:
+            return
+        seconds = _finite_list(estimates.get("save_s"))
+        sizes = _finite_list(estimates.get("save_bytes"))
+        if len(sizes) != len(seconds):
+            sizes = [0.0] * len(seconds)
+        self._seeded = {"save_s": seconds[-WRITE_WINDOW:], "save_bytes": sizes[-WRITE_WINDOW:]}
+        if seconds:
+            self.engine.estimator.seed(seconds[-1], int(sizes[-1]) if sizes else 0)
+        self.steps.seed(_finite_list(estimates.get("step_s"))[-STEP_WINDOW:])

@@ -19,17 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncckpt._closing import ClosingContext
+from asyncckpt._coordination import (
+    CoordinationTimeoutError,
+    Coordinator,
+    auto_coordinator,
+)
 from asyncckpt.preemption._targets import JaxTarget, Target, make_target
 from asyncckpt.preemption.agreement import AgreementOptions, Decision, StepAgreement
 from asyncckpt.preemption.config import (
     ResolvedTermination,
     TerminationConfig,
     resolve_termination_config,
-)
-from asyncckpt.preemption.coordination import (
-    CoordinationTimeoutError,
-    Coordinator,
-    auto_coordinator,
 )
 from asyncckpt.preemption.grace import GraceClock, GraceOptions
 from asyncckpt.preemption.watchers import (
@@ -58,6 +59,9 @@ class PreemptionSave:
         notice_time: When the cluster's first notice was received.
         deadline: The deadline the save was made for.
         margin_s: The margin when the save began (None: unknown).
+        adopted: No new save was made: the save in flight at the final
+            boundary became the final checkpoint (``run`` is its step), as a
+            new one could not be durable in time.
     """
 
     run: int
@@ -67,6 +71,7 @@ class PreemptionSave:
     notice_time: float | None
     deadline: float | None
     margin_s: float | None
+    adopted: bool = False
 
 
 def _framework_of(obj: Any) -> str:
@@ -89,7 +94,7 @@ def _jax_sync_point() -> Callable[[int], bool] | None:
     return multihost_utils.reached_preemption_sync_point
 
 
-class PreemptionCheckpointHandler:
+class PreemptionCheckpointHandler(ClosingContext):
     """Saves a checkpoint at an agreed step when termination is near, then exits.
 
     TensorFlow::
@@ -146,14 +151,17 @@ class PreemptionCheckpointHandler:
         self._config: ResolvedTermination = resolve_termination_config(
             termination_config, framework=framework
         )
-        self._clock = GraceClock(self._target.engine, grace_options)
+        self._clock = GraceClock(self._target.engine, grace_options,
+                                 num_workers=self._coordinator.num_workers)
         runs, estimates = self._target.restore_bookkeeping()
         self._clock.seed(estimates)
+        self._clock.seed_finals(self._target.read_timings().get("final_s"))
         self._agreement = StepAgreement(
             self._coordinator,
             namespace=f"asyncckpt/preemption/{next(_handler_ids)}",
             runs=runs,
             margin_fn=self._clock.margin,
+            queued_fn=self._clock.queued,
             unknown_write_fraction=self._clock.options.unknown_write_fraction,
             save_at_notice_ratio=self._clock.options.save_at_notice_ratio,
             options=agreement_options,
@@ -167,6 +175,7 @@ class PreemptionCheckpointHandler:
         self._jax_noticed = False
         self._last_boundary: float | None = None
         self._last_estimates_at = 0.0
+        self._last_stats = None
         self._finished = False
         self._closed = False
         self.saves: list[PreemptionSave] = []
@@ -340,9 +349,12 @@ class PreemptionCheckpointHandler:
         self._agreement.step_done()
         now = time.monotonic()
         estimates = None
-        if now - self._last_estimates_at >= _ESTIMATE_REFRESH_S:
+        last = self._target.engine.last_stats
+        if now - self._last_estimates_at >= _ESTIMATE_REFRESH_S or last is not self._last_stats:
+            # Every second, and after every save: the next save carries its time.
             estimates = self._clock.estimates()
             self._last_estimates_at = now
+            self._last_stats = last
         self._target.track(self._agreement.runs, estimates)
 
     def _boundary(self, state: Any, args: tuple, kwargs: dict) -> None:
@@ -371,10 +383,13 @@ class PreemptionCheckpointHandler:
     def _save(self, state: Any, args: tuple, kwargs: dict, *, final: bool) -> None:
         runs = self._agreement.runs
         notice = self._agreement.cluster_notice or {}
-        margin = self._clock.margin()
+        margin = self._agreement.margin()
         started = time.time()
         estimates = self._clock.estimates()
-        if self._config.save_fn is not None:
+        adopted = final and self._adopt_in_flight()
+        if adopted:
+            pass  # the save in flight becomes the final checkpoint
+        elif self._config.save_fn is not None:
             self._target.track(runs, estimates)
             save_args = ((state,) if self._target.needs_state else ()) + tuple(args)
             self._config.save_fn(*save_args, **kwargs)
@@ -384,10 +399,17 @@ class PreemptionCheckpointHandler:
         if final:
             self._target.sync()
             durable = time.time()
+        if final and not adopted and self._config.save_fn is None:
+            self._record_final()
+        if adopted:
+            last = self._target.engine.last_stats
+            runs = last.step if last is not None and last.step is not None else runs
+            logger.warning("[worker %d] no time for a new save: the save in flight (step %d) "
+                           "is the final checkpoint", self._coordinator.worker_id, runs)
         record = PreemptionSave(
             run=runs, final=final, started_at=started, durable_at=durable,
             notice_time=notice.get("time"), deadline=self._agreement.deadline(),
-            margin_s=margin,
+            margin_s=margin, adopted=adopted,
         )
         self.saves.append(record)
         if not final:
@@ -395,6 +417,35 @@ class PreemptionCheckpointHandler:
                            "on in the grace period", self._coordinator.worker_id, runs)
             return
         self._finish(record)
+
+    def _record_final(self) -> None:
+        """Keeps the final save's cost for the next run's margin (worker 0 writes it)."""
+        last = self._target.engine.last_stats
+        if last is None:
+            return
+        self._clock.record_final(last)
+        if self._coordinator.worker_id == 0:
+            self._target.write_timings({"final_s": self._clock.final_samples()})
+
+    def _adopt_in_flight(self) -> bool:
+        """Single worker: a save is in flight and a new one would end after the deadline.
+
+        The engine writes in order, so a new save would first wait for the
+        one in flight; when both do not fit in the time left (a periodic save
+        started just before a short notice), the one in flight is the newest
+        checkpoint that can be durable in time: wait for it instead. Not with
+        several workers (they would have to agree on it) nor with ``save_fn``.
+        """
+        if (self._coordinator.num_workers != 1 or self._config.save_fn is not None
+                or self._target.engine.pending == 0):
+            return False
+        deadline = self._agreement.deadline()
+        parts = self._clock.margin_parts()
+        if deadline is None or parts is None:
+            return False
+        margin, _ = parts
+        at_boundary = margin - self._clock.step_allowance * self._clock.step_seconds()
+        return time.time() + at_boundary > deadline
 
     def _finish(self, record: PreemptionSave) -> None:
         me = self._coordinator.worker_id
@@ -427,16 +478,3 @@ class PreemptionCheckpointHandler:
         self._closed = True
         self._stop_watching()
         self._target.close()
-
-    def __enter__(self) -> PreemptionCheckpointHandler:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except Exception:
-                logger.exception("error while closing the preemption handler after another "
-                                 "error")

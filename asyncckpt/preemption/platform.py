@@ -12,6 +12,7 @@ a whole is bounded even where name resolution hangs (off GCE,
 from __future__ import annotations
 
 import contextlib
+import enum
 import http.client
 import logging
 import os
@@ -20,8 +21,6 @@ import sys
 import threading
 import urllib.parse
 from dataclasses import dataclass
-
-from asyncckpt.preemption.config import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +33,30 @@ PLATFORM_ENV = "ASYNCCKPT_PLATFORM"
 _GPU_FAMILIES = ("a2-", "a3-", "a4-", "a4x-", "g2-", "g4-")
 # Cloud TPU VM machine types (v5e, v5p, v6e...): "ct5lp-hightpu-4t".
 _TPU_FAMILIES = ("ct",)
+
+
+class Platform(enum.Enum):
+    """Where the job runs, as far as termination notices are concerned."""
+
+    GCE_GPU = "gce-gpu"
+    GCE_TPU = "gce-tpu"
+    GCE_CPU = "gce-cpu"
+    OTHER = "other"
+
+    @property
+    def on_gce(self) -> bool:
+        return self is not Platform.OTHER
+
+    @classmethod
+    def parse(cls, value: Platform | str) -> Platform:
+        if isinstance(value, Platform):
+            return value
+        try:
+            return cls(str(value).strip().lower().replace("_", "-"))
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown platform {value!r}; expected one of {names}") from None
+
 
 
 def metadata_host() -> str:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from asyncckpt import errors
+from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.manifest import is_owned, load_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
@@ -249,7 +250,7 @@ def _graph_checkpoint(instance):
     return instance
 
 
-class Checkpoint(tf.train.Checkpoint):
+class Checkpoint(tf.train.Checkpoint, ClosingContext):
     """A ``tf.train.Checkpoint`` whose ``save()`` and ``write()`` are asynchronous.
 
     It is a ``tf.train.Checkpoint`` (dependency tracking, nesting, restore,
@@ -466,18 +467,11 @@ class Checkpoint(tf.train.Checkpoint):
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves in flight and frees the staging memory."""
         engine = self._asyncckpt.engine_if_any
-        if engine is not None:
-            engine.close(timeout)
-        self._asyncckpt.stager.clear()
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        engine = self._asyncckpt.engine_if_any
-        if engine is not None:
-            engine.__exit__(exc_type, exc, tb)
-        self._asyncckpt.stager.clear()
+        try:
+            if engine is not None:
+                engine.close(timeout)
+        finally:
+            self._asyncckpt.stager.clear()
 
     # -- restoring -----------------------------------------------------------------
 

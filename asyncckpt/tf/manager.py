@@ -9,6 +9,7 @@ import os
 import re
 
 from asyncckpt import layout
+from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
 from asyncckpt.engine.writer import SaveHandle
@@ -37,7 +38,7 @@ def _positive_or_none(value, name: str) -> int | None:
     return int(value)
 
 
-class CheckpointManager:
+class CheckpointManager(ClosingContext):
     """Manages numbered asynchronous checkpoints in a directory.
 
     Same constructor, properties and methods as ``tf.train.CheckpointManager``,
@@ -327,17 +328,6 @@ class CheckpointManager:
             finally:
                 self._tiers.close(timeout)
 
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except Exception:
-                logger.exception("error while closing the checkpoint manager after another error")
 
 
 def _hand_to_tiers(tiers: TieredDirectory, prefix: str) -> None:

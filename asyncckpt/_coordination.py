@@ -1,9 +1,12 @@
-"""Coordination services the workers agree through, behind one small interface.
+"""The cluster-wide key-value store every multi-worker part of asyncckpt uses.
 
-The preemption protocol needs four primitives from a cluster-wide key-value
-store: an atomic *claim* (create a key; fails if it exists, so the first
-claimant wins), a *get* that waits for a key with a timeout, a *try_get*, and
-a *barrier*. Three implementations:
+One interface, one error hierarchy, for both users of a coordination service:
+the preemption handler (workers agree on the step to save at) and the JAX
+manager's multi-process commit (``asyncckpt.jax._distributed``: processes
+report their files, the primary publishes). Both need the same primitives:
+an atomic *claim* (create a key; fails if it exists, so the first claimant
+wins), a *get* that waits for a key with a timeout, a *try_get*, a *delete*
+and a *barrier*. Three implementations:
 
 * ``TFCoordinator``: TensorFlow's coordination service, which
   ``MultiWorkerMirroredStrategy`` starts (``context.set_config_key_value``
@@ -16,7 +19,13 @@ a *barrier*. Three implementations:
 
 None of them runs a collective: every call is an RPC to the coordination
 service (or a local lock), safe from any thread while the training thread is
-inside a collective.
+inside a collective. Errors: a service failure is a ``CoordinationError``, a
+wait that runs out a ``CoordinationTimeoutError``, a peer's reported failure a
+``PeerFailedError`` (both subclass ``CoordinationError``). A get that finds
+nothing in time returns None; callers that must have the value turn that into
+a ``CoordinationTimeoutError`` themselves (they know what they waited for).
+
+This module imports neither TensorFlow nor JAX at import time.
 """
 
 from __future__ import annotations
@@ -33,7 +42,15 @@ from asyncckpt.errors import AsyncCkptError
 logger = logging.getLogger(__name__)
 
 
-class PeerFailedError(AsyncCkptError, RuntimeError):
+class CoordinationError(AsyncCkptError, RuntimeError):
+    """A coordination service failed, or another worker failed its part."""
+
+
+class CoordinationTimeoutError(CoordinationError, TimeoutError):
+    """A worker did not take its part in the protocol in time."""
+
+
+class PeerFailedError(CoordinationError):
     """Another worker's training function raised; this worker stops too.
 
     Attributes:
@@ -45,10 +62,6 @@ class PeerFailedError(AsyncCkptError, RuntimeError):
         super().__init__(f"worker {worker} failed: {error}")
         self.worker = worker
         self.error = error
-
-
-class CoordinationTimeoutError(AsyncCkptError, TimeoutError):
-    """A worker did not take its part in the protocol in time."""
 
 
 class Coordinator(abc.ABC):
@@ -84,6 +97,10 @@ class Coordinator(abc.ABC):
             CoordinationTimeoutError: Not all workers arrived in time.
         """
 
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Removes ``key`` (and keys below ``key/``); no error if absent."""
+
     def report_error(self, exc: BaseException) -> None:
         """Makes ``exc`` visible to the framework's own failure handling.
 
@@ -95,6 +112,30 @@ class Coordinator(abc.ABC):
 
     def claim_json(self, key: str, value: dict) -> bool:
         return self.claim(key, json.dumps(value, sort_keys=True))
+
+    def set(self, key: str, value: str) -> None:
+        """Creates ``key``, which must not exist yet.
+
+        Raises:
+            CoordinationError: The key exists (two writers for one key).
+        """
+        if not self.claim(key, value):
+            raise CoordinationError(f"[worker {self.worker_id}] key {key!r} is already set")
+
+    def wait(self, key: str, timeout_s: float, what: str) -> str:
+        """The value of ``key``, waiting up to ``timeout_s``.
+
+        Raises:
+            CoordinationTimeoutError: Not set in time; ``what`` names what was
+                waited for.
+        """
+        value = self.get(key, timeout_s)
+        if value is None:
+            raise CoordinationTimeoutError(
+                f"[worker {self.worker_id}] no answer for {what} within {timeout_s:.0f} s "
+                f"(key {key!r})"
+            )
+        return value
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(worker {self.worker_id} of {self.num_workers})"
@@ -140,6 +181,12 @@ class InProcessCoordinator(Coordinator):
     def try_get(self, key: str) -> str | None:
         with self._store.cond:
             return self._store.values.get(key)
+
+    def delete(self, key: str) -> None:
+        with self._store.cond:
+            values = self._store.values
+            for k in [k for k in values if k == key or k.startswith(key + "/")]:
+                del values[k]
 
     def barrier(self, name: str, timeout_s: float) -> None:
         s = self._store
@@ -213,12 +260,24 @@ class TFCoordinator(Coordinator):
             return True
         except self._errors.AlreadyExistsError:
             return False
+        except self._errors.OpError as e:
+            raise CoordinationError(f"claim {key!r}: {e}") from e
 
     def get(self, key: str, timeout_s: float) -> str | None:
         try:
             return self._context.get_config_key_value(key, _ms(timeout_s))
         except self._errors.DeadlineExceededError:
             return None
+        except self._errors.OpError as e:
+            raise CoordinationError(f"get {key!r}: {e}") from e
+
+    def delete(self, key: str) -> None:
+        try:
+            self._context.delete_config_key_value(key)
+        except self._errors.NotFoundError:
+            pass
+        except self._errors.OpError as e:
+            raise CoordinationError(f"delete {key!r}: {e}") from e
 
     def try_get(self, key: str) -> str | None:
         return self.get(key, 0.001)
@@ -228,6 +287,8 @@ class TFCoordinator(Coordinator):
             self._context.wait_at_barrier(name, _ms(timeout_s))
         except self._errors.DeadlineExceededError as e:
             raise CoordinationTimeoutError(f"barrier {name!r}: {e}") from e
+        except self._errors.OpError as e:
+            raise CoordinationError(f"barrier {name!r}: {e}") from e
 
     def report_error(self, exc: BaseException) -> None:
         code = getattr(exc, "error_code", None) or self._errors.UNKNOWN
@@ -263,6 +324,32 @@ class JaxCoordinator(Coordinator):
             return None
         return cls(state.client, worker_id=state.process_id, num_workers=state.num_processes)
 
+    @classmethod
+    def for_processes(cls) -> JaxCoordinator | None:
+        """The coordinator of this JAX run when it has several processes, else None.
+
+        Unlike ``from_environment`` it asks JAX for the process layout (so JAX
+        must be imported) and insists on the key-value store.
+
+        Raises:
+            CoordinationError: Several processes but ``jax.distributed`` is
+                not initialized.
+        """
+        import jax
+        from jax._src import distributed
+
+        index, count = jax.process_index(), jax.process_count()
+        if count == 1:
+            return None
+        client = distributed.global_state.client
+        if client is None:
+            raise CoordinationError(
+                f"JAX runs {count} processes but jax.distributed is not initialized; "
+                "asyncckpt coordinates multi-process saves through its key-value store: "
+                "call jax.distributed.initialize() first"
+            )
+        return cls(client, worker_id=index, num_workers=count)
+
     def claim(self, key: str, value: str) -> bool:
         try:
             self._client.key_value_set(key, value)
@@ -270,7 +357,7 @@ class JaxCoordinator(Coordinator):
         except Exception as e:
             if _jax_status(e, "ALREADY_EXISTS"):
                 return False
-            raise
+            raise CoordinationError(f"claim {key!r}: {e}") from e
 
     def get(self, key: str, timeout_s: float) -> str | None:
         try:
@@ -278,7 +365,7 @@ class JaxCoordinator(Coordinator):
         except Exception as e:
             if _jax_status(e, "DEADLINE_EXCEEDED"):
                 return None
-            raise
+            raise CoordinationError(f"get {key!r}: {e}") from e
 
     def try_get(self, key: str) -> str | None:
         try:
@@ -286,7 +373,14 @@ class JaxCoordinator(Coordinator):
         except Exception as e:
             if _jax_status(e, "NOT_FOUND"):
                 return None
-            raise
+            raise CoordinationError(f"try_get {key!r}: {e}") from e
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.key_value_delete(key)
+        except Exception as e:
+            if not _jax_status(e, "NOT_FOUND"):
+                raise CoordinationError(f"delete {key!r}: {e}") from e
 
     def barrier(self, name: str, timeout_s: float) -> None:
         try:
@@ -294,7 +388,7 @@ class JaxCoordinator(Coordinator):
         except Exception as e:
             if _jax_status(e, "DEADLINE_EXCEEDED"):
                 raise CoordinationTimeoutError(f"barrier {name!r}: {e}") from e
-            raise
+            raise CoordinationError(f"barrier {name!r}: {e}") from e
 
 
 def auto_coordinator(framework: str | None) -> Coordinator:
