@@ -394,3 +394,24 @@ def test_save_fn_replaces_the_managers_save(ckpt_dir):
     assert calls == [f"{ckpt_dir}/ckpt-1000"]
     # Durable before exit_fn ran: the state file names it.
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == calls[0]
+
+
+def test_checkpoint_of_the_earlier_estimates_layout_still_resumes(ckpt_dir):
+    """Checkpoints written before the grace samples grew hold a 6-value vector.
+
+    That vector was saved as the handler's ``estimates``; restoring must skip
+    it (the margin starts from scratch), not fail on its shape.
+    """
+    import asyncckpt.tf as at
+
+    v = tf.Variable(7, dtype=tf.int64)
+    old = tf.Module(name="asyncckpt_preemption")
+    old.total_run_calls = tf.Variable(3, dtype=tf.int64)
+    old.estimates = tf.Variable([1.0, 0.5, 0.1, 0.2, 0.3, 0.4], dtype=tf.float64)
+    tf.train.Checkpoint(v=v, _asyncckpt_preemption=old).save(f"{ckpt_dir}/ckpt")
+    v2 = tf.Variable(0, dtype=tf.int64)
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v2), str(ckpt_dir), max_to_keep=2)
+    with _in_process_handler(mgr, exit_fn=lambda: None) as handler:
+        assert handler.total_run_calls == 3
+        assert int(v2.numpy()) == 7
+    mgr.close()

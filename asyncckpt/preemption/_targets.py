@@ -155,9 +155,12 @@ class TFTarget(Target):
                 tracker = tf.Module(name="asyncckpt_preemption")
                 tracker.total_run_calls = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                       name="total_run_calls")
-                tracker.estimates = tf.Variable(
+                # Not named "estimates": checkpoints of earlier versions hold a
+                # vector of another shape under that name, which restoring
+                # into this one would refuse; under a new name it is skipped.
+                tracker.grace_samples = tf.Variable(
                     encode_estimates(None), dtype=tf.float64, trainable=False,
-                    name="estimates")
+                    name="grace_samples")
             setattr(tf_ckpt, TRACKER_NAME, tracker)
         self._tracker = tracker
         self._tracked_runs: int | None = None
@@ -175,7 +178,7 @@ class TFTarget(Target):
         if path is None:
             return 0, {}
         runs = int(self._tracker.total_run_calls.numpy())
-        estimates = decode_estimates(self._tracker.estimates.numpy())
+        estimates = decode_estimates(self._tracker.grace_samples.numpy())
         self._tracked_runs = runs
         logger.info("restored %s: total_run_calls %d", path, runs)
         return runs, estimates
@@ -185,7 +188,7 @@ class TFTarget(Target):
             self._tracker.total_run_calls.assign(runs)
             self._tracked_runs = runs
         if estimates is not None:
-            self._tracker.estimates.assign(encode_estimates(estimates))
+            self._tracker.grace_samples.assign(encode_estimates(estimates))
 
     def save(self, runs: int, estimates: dict, state: Any, args: tuple, kwargs: dict) -> None:
         del state
