@@ -47,6 +47,8 @@ class JaxSaveJob:
         metrics: Saved in ``_CHECKPOINT_METADATA`` (orbax reads them there).
         custom_metadata: Likewise; also copied into the manifest.
         on_committed: Called after the publish (the manager's retention).
+        dir_name: The step directory's name (default: the step).
+        item_handlers: orbax's handler of each item, for ``_CHECKPOINT_METADATA``.
     """
 
     def __init__(
@@ -62,8 +64,10 @@ class JaxSaveJob:
         metrics: dict | None,
         custom_metadata: dict | None,
         on_committed: CommitCallback | None,
+        dir_name: str | None = None,
+        item_handlers: dict[str, str] | None = None,
     ):
-        self.label = str(step)
+        self.label = dir_name or str(step)
         self.step = step
         self.nbytes = staged.nbytes
         self._directory = directory
@@ -75,6 +79,7 @@ class JaxSaveJob:
         self._metrics = metrics
         self._custom = custom_metadata
         self._on_committed = on_committed
+        self._item_handlers = item_handlers
         self._primary = coordinator is None or coordinator.primary
         self._init_ns = time.time_ns()
         self._tmp: str | None = None
@@ -105,17 +110,18 @@ class JaxSaveJob:
                 self._tmp, fsync=self._options.fsync, checksums=self._options.checksums
             )
             self._writer = writer
-            for name, buf in staged.chunks:
+            for name, buf in staged.chunks:  # names are relative to the step directory
                 # A byte view: extension dtypes (bfloat16) have no buffer format.
-                writer.write(f"{fmt.ITEM}/{name}", (buf.reshape(-1).view(np.uint8),))
+                writer.write(name, (buf.reshape(-1).view(np.uint8),))
             for name, data in staged.metadata_files:
-                writer.write(f"{fmt.ITEM}/{name}", (data,))
+                writer.write(name, (data,))
             if self._primary:
                 step_meta = fmt.step_metadata_json(
                     metrics=self._metrics,
                     custom_metadata=self._custom,
                     init_ns=self._init_ns,
                     commit_ns=time.time_ns(),
+                    item_handlers=self._item_handlers,
                 )
                 writer.write(fmt.STEP_METADATA, (step_meta.encode(),))
         finally:
