@@ -167,8 +167,11 @@ class DirectoryView:
                         del self.doomed[s]
                 self.records.pop(step, None)
                 return
+            for s, cause in self.doomed.items():
+                if cause == step:
+                    self.doomed[s] = None  # due now, or at its own commit if in flight
             due = [s for s, cause in self.doomed.items()
-                   if (cause == step or cause is None or s == step) and s not in self.in_flight]
+                   if cause is None and s not in self.in_flight]
         for s in sorted(due):
             if deleter is None:
                 with self.lock:
