@@ -82,6 +82,9 @@ class DirectoryView:
         """Durable and in-flight steps, minus those retention has condemned."""
         on_disk = self.disk_steps()
         with self.lock:
+            for s, cause in list(self.doomed.items()):
+                if cause is None and s not in on_disk and s not in self.in_flight:
+                    del self.doomed[s]  # deleted (here, or by the primary process)
             return sorted((on_disk | set(self.in_flight)) - set(self.doomed))
 
     # -- the writer lock and stale temporaries, once per process ----------------------
@@ -156,8 +159,9 @@ class DirectoryView:
     def settle(self, step: int, *, committed: bool, deleter: Callable[[int], None] | None) -> None:
         """A save ended: drop it from the in-flight set; on success delete what it condemned.
 
-        ``deleter`` is None on processes that do not delete (not the primary).
-        A failed deletion is logged and retried at the next commit.
+        ``deleter`` is None on processes that do not delete (not the primary):
+        there the condemned steps stay hidden until the primary has deleted
+        them. A failed deletion is logged and retried at the next commit.
         """
         with self.lock:
             self.in_flight.pop(step, None)
@@ -172,11 +176,9 @@ class DirectoryView:
                     self.doomed[s] = None  # due now, or at its own commit if in flight
             due = [s for s, cause in self.doomed.items()
                    if cause is None and s not in self.in_flight]
+        if deleter is None:
+            return  # the primary process deletes; they stay hidden until gone from disk
         for s in sorted(due):
-            if deleter is None:
-                with self.lock:
-                    self.doomed.pop(s, None)
-                continue
             try:
                 deleter(s)
             except Exception as e:  # the save is durable; a stale step must not fail it
