@@ -53,6 +53,7 @@ class DirectoryView:
         self.in_flight: dict[int, Any] = {}  # step -> SaveHandle (None while staging)
         self.doomed: dict[int, int | None] = {}  # step -> the step whose commit deletes it
         self.records: dict[int, StepRecord] = {}
+        self._listing: tuple[int, frozenset[int]] | None = None  # (mtime_ns, steps)
         self.preserved: set[int] = set()
         self.last_preserved_ts = 0.0
         self.prepared = False
@@ -66,17 +67,36 @@ class DirectoryView:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, self.names.name(step))
 
-    def disk_steps(self) -> set[int]:
+    def disk_steps(self) -> frozenset[int]:
+        """The step directories on disk.
+
+        Cached while the directory's mtime stays the same and this process
+        changed nothing (``invalidate``): a ``save()`` then costs one ``stat``,
+        not a listing. The mtime catches other processes' changes.
+        """
+        try:
+            mtime = os.stat(self.directory).st_mtime_ns
+        except FileNotFoundError:
+            return frozenset()
+        cached = self._listing
+        if cached is not None and cached[0] == mtime:
+            return cached[1]
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
-            return set()
+            return frozenset()
         steps = set()
         for name in names:
             step = self.names.parse(name)
             if step is not None and os.path.isdir(os.path.join(self.directory, name)):
                 steps.add(step)
-        return steps
+        found = frozenset(steps)
+        self._listing = (mtime, found)
+        return found
+
+    def invalidate(self) -> None:
+        """This process changed the directory: list it again next time."""
+        self._listing = None
 
     def steps(self) -> list[int]:
         """Durable and in-flight steps, minus those retention has condemned."""
@@ -99,6 +119,7 @@ class DirectoryView:
             # Holding the lock, nobody else writes here: temporaries are stale.
             commit_lib.cleanup_stale_temps(self.directory)
             self.prepared = True
+            self.invalidate()
 
     # -- retention ------------------------------------------------------------------
 
@@ -162,7 +183,18 @@ class DirectoryView:
         ``deleter`` is None on processes that do not delete (not the primary):
         there the condemned steps stay hidden until the primary has deleted
         them. A failed deletion is logged and retried at the next commit.
+        Runs on the writer thread, which also lists the directory afresh, so
+        the next ``save()`` finds the listing cached.
         """
+        try:
+            self._settle(step, committed=committed, deleter=deleter)
+        finally:
+            self.invalidate()
+            self.disk_steps()
+
+    def _settle(self, step: int, *, committed: bool,
+                deleter: Callable[[int], None] | None) -> None:
+        self.invalidate()  # published (or a failed save's leftovers removed)
         with self.lock:
             self.in_flight.pop(step, None)
             if not committed:
@@ -187,11 +219,13 @@ class DirectoryView:
                 with self.lock:
                     self.doomed[s] = None
                 continue
+            self.invalidate()
             with self.lock:
                 self.doomed.pop(s, None)
                 self.records.pop(s, None)
 
     def forget(self, step: int) -> None:
+        self.invalidate()
         with self.lock:
             self.records.pop(step, None)
             self.preserved.discard(step)

@@ -197,6 +197,7 @@ class CheckpointManager:
 
     def reload(self) -> None:
         """Forgets what was read from the directory (metrics, times), to read it afresh."""
+        self._view.invalidate()
         with self._view.lock:
             for step in list(self._view.records):
                 if step not in self._view.in_flight:
@@ -352,7 +353,7 @@ class CheckpointManager:
         self._metric(metrics)
         view = self._view
         with view.lock:
-            if (step in view.steps() or step in view.in_flight
+            if (step in view.in_flight or step in view.disk_steps()
                     or os.path.lexists(view.step_dir(step))):
                 raise _compat.step_already_exists_error()(
                     f"step {step} is already saved (or being saved) in {self._directory!r}"
