@@ -50,7 +50,9 @@ class DirectoryView:
         self.directory = directory
         self.names = names
         self.lock = threading.RLock()
+        self.settled = threading.Condition(self.lock)  # notified as each save is settled
         self.in_flight: dict[int, Any] = {}  # step -> SaveHandle (None while staging)
+        self.unsettled: set[int] = set()  # saves whose settle (deletions included) is pending
         self.doomed: dict[int, int | None] = {}  # step -> the step whose commit deletes it
         self.records: dict[int, StepRecord] = {}
         self._listing: tuple[int, frozenset[int]] | None = None  # (mtime_ns, steps)
@@ -191,6 +193,15 @@ class DirectoryView:
         finally:
             self.invalidate()
             self.disk_steps()
+            with self.settled:
+                self.unsettled.discard(step)
+                self.settled.notify_all()
+
+    def wait_settled(self, steps: set[int] | None) -> None:
+        """Waits until the saves of these steps (None: all) are settled, deletions included."""
+        with self.settled:
+            self.settled.wait_for(
+                lambda: not (self.unsettled if steps is None else self.unsettled & steps))
 
     def _settle(self, step: int, *, committed: bool,
                 deleter: Callable[[int], None] | None) -> None:

@@ -359,6 +359,7 @@ class CheckpointManager:
                     f"step {step} is already saved (or being saved) in {self._directory!r}"
                 )
             view.in_flight[step] = None  # reserved: listed from now on
+            view.unsettled.add(step)
             view.records[step] = _view.StepRecord(time.time(), metrics)
         try:
             self._start_save(step, items, metrics, custom_metadata)
@@ -505,6 +506,8 @@ class CheckpointManager:
                        if h is not None and (steps is None or s in steps)]
         if handles:
             concurrent.futures.wait([h.committed for h in handles])
+            # The futures resolve before their callbacks (retention) have run.
+            self._view.wait_settled(None if steps is None else set(steps))
             self._engine.raise_pending_error()
 
     def close(self, timeout: float | None = None) -> None:
