@@ -13,6 +13,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
+from tests.helpers import run_python, write_script  # noqa: E402
 
 
 def _state(step: int) -> dict:
@@ -107,18 +108,32 @@ def test_leftover_temporaries_are_never_listed_and_are_cleaned_up(ckpt_dir, capl
     assert orbax_tmp.exists()  # orbax's own leftovers: ignored, not ours to delete
 
 
-def test_one_writer_per_directory(ckpt_dir):
-    # One process may have several managers of a directory (they share its
-    # lock); other processes are refused (tests/test_engine_lifecycle.py).
+def test_one_writer_per_directory_other_processes_are_refused(ckpt_dir, tmp_path):
     first = aj.CheckpointManager(ckpt_dir)
     first.save(1, _state(1))
     first.wait_until_finished()
+    # Another process is refused while this one holds the directory...
+    script = write_script(tmp_path, "other.py", f"""
+        import jax.numpy as jnp
+        import asyncckpt.jax as aj
+        from asyncckpt import DirectoryLockedError
+        mgr = aj.CheckpointManager({str(ckpt_dir)!r})
+        assert mgr.restore(1)["step"] == 1  # restoring needs no lock
+        try:
+            mgr.save(2, {{"w": jnp.ones(2)}})
+        except DirectoryLockedError as e:
+            print("REFUSED", e)
+    """)
+    done = run_python(script)
+    assert "REFUSED" in done.stdout and f"pid {os.getpid()}" in done.stdout, done.stderr[-2000:]
+    # ...while a second manager of this process cooperates with the first.
     second = aj.CheckpointManager(ckpt_dir)
-    assert second.restore(1, target=_state(0))["step"] == 1
     assert second.save(2, _state(2))
+    assert first.all_steps() == second.all_steps() == [1, 2]
     first.close()
     second.close()
     assert second.all_steps() == [1, 2]
+    assert "REFUSED" not in run_python(script).stdout  # released at the last close()
 
 
 def test_metadata_of_the_newest_step_and_json_checks(ckpt_dir):
@@ -126,7 +141,7 @@ def test_metadata_of_the_newest_step_and_json_checks(ckpt_dir):
         mgr.save(1, _state(1), custom_metadata={"a": 1})
         mgr.save(2, _state(2), custom_metadata={"a": 2}, metrics={"loss": 0.5})
         mgr.wait_until_finished()
-        meta = mgr.metadata()
+        meta = mgr.metadata(mgr.latest_step())
         assert (meta.step, meta.custom_metadata, meta.metrics) == (2, {"a": 2}, {"loss": 0.5})
         with pytest.raises(TypeError, match="custom_metadata must be JSON-serializable"):
             mgr.save(3, _state(3), custom_metadata={"x": object()})

@@ -1,8 +1,10 @@
-"""JAX front end: an orbax-style ``CheckpointManager`` for pytrees of sharded arrays.
+"""JAX front end: orbax's ``CheckpointManager`` for pytrees of sharded arrays, asynchronous.
 
 Checkpoints are written asynchronously in orbax's zarr layout, so
-``orbax.checkpoint`` restores them too. Importing this subpackage imports JAX;
-``import asyncckpt`` alone does not.
+``orbax.checkpoint`` restores them too; orbax's ``args=`` and
+``CheckpointManagerOptions`` spellings are accepted (see ``docs/compat.md``).
+Importing this subpackage imports JAX; ``import asyncckpt`` alone does not,
+and orbax is imported only when its types are used.
 """
 
 try:
@@ -12,7 +14,24 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "asyncckpt.jax needs JAX: pip install 'asyncckpt[jax]' (or pip install jax)"
     ) from e
 
+from asyncckpt.jax._args import PLACEHOLDER
+from asyncckpt.jax._compat import step_already_exists_error
 from asyncckpt.jax._distributed import CoordinationError
-from asyncckpt.jax.manager import CheckpointManager, StepMetadata
+from asyncckpt.jax.manager import CheckpointManager, RootMetadata, StepMetadata
 
-__all__ = ["CheckpointManager", "CoordinationError", "StepMetadata"]
+__all__ = [
+    "PLACEHOLDER",
+    "CheckpointManager",
+    "CoordinationError",
+    "RootMetadata",
+    "StepAlreadyExistsError",
+    "StepMetadata",
+]
+
+
+def __getattr__(name: str):
+    # Made on first use: a subclass of orbax's StepAlreadyExistsError when
+    # orbax is installed, so importing asyncckpt.jax does not import orbax.
+    if name == "StepAlreadyExistsError":
+        return step_already_exists_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

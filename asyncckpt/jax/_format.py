@@ -43,6 +43,13 @@ OCDBT_MANIFEST = "manifest.ocdbt"
 STANDARD_HANDLER = (
     "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 )
+JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+# A JSON item is one file in its directory; orbax names it "metadata", and the
+# metrics item (what orbax's best_fn ranks) "metrics".
+JSON_FILE = "metadata"
+METRICS_ITEM = "metrics"
+# Manager-level metadata (CheckpointManager(metadata=...)), written once.
+ROOT_METADATA = "metadata/_ROOT_METADATA"
 
 # orbax's value types.
 JAX_ARRAY = "jax.Array"
@@ -229,12 +236,21 @@ def sharding_file_json(shardings: dict[str, str]) -> str:
 
 
 def step_metadata_json(
-    *, metrics: dict | None, custom_metadata: dict | None, init_ns: int, commit_ns: int
+    *,
+    metrics: dict | None,
+    custom_metadata: dict | None,
+    init_ns: int,
+    commit_ns: int,
+    item_handlers: dict[str, str] | None = None,
 ) -> str:
-    """orbax's step-level ``_CHECKPOINT_METADATA`` (metrics, custom metadata)."""
+    """orbax's step-level ``_CHECKPOINT_METADATA`` (metrics, custom metadata).
+
+    ``item_handlers`` names orbax's handler of each item directory (default:
+    the one ``default`` pytree item).
+    """
     return json.dumps(
         {
-            "item_handlers": {ITEM: STANDARD_HANDLER},
+            "item_handlers": item_handlers or {ITEM: STANDARD_HANDLER},
             "metrics": metrics or {},
             "performance_metrics": {},
             "init_timestamp_nsecs": init_ns,
@@ -252,6 +268,31 @@ def read_step_metadata(step_dir: str) -> dict:
         return body if isinstance(body, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def json_item_bytes(value: Any) -> bytes:
+    """A JSON item's file, as orbax's ``JsonCheckpointHandler`` writes it."""
+    return json.dumps(value).encode()
+
+
+def read_json_item(item_dir: str) -> Any:
+    """The value of a JSON item directory (its one file).
+
+    Raises:
+        CorruptCheckpointError: no file or not JSON.
+    """
+    names = [n for n in (JSON_FILE, os.path.basename(item_dir)) if
+             os.path.isfile(os.path.join(item_dir, n))]
+    if not names:
+        raise CorruptCheckpointError(f"{item_dir!r} holds no JSON item file",
+                                     checkpoint=os.path.dirname(item_dir))
+    path = os.path.join(item_dir, names[0])
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"JSON item {path!r} is unreadable: {e}",
+                                     checkpoint=os.path.dirname(item_dir), file=path) from e
 
 
 def is_ocdbt(item_dir: str) -> bool:

@@ -52,6 +52,8 @@ class JaxSaveJob:
         on_published: Called with the step right after the publish, as part of
             the commit: if it raises, the save fails (a URL directory's
             upload, which is what makes such a save durable).
+        dir_name: The step directory's name (default: the step).
+        item_handlers: orbax's handler of each item, for ``_CHECKPOINT_METADATA``.
     """
 
     def __init__(
@@ -68,8 +70,10 @@ class JaxSaveJob:
         custom_metadata: dict | None,
         on_committed: CommitCallback | None,
         on_published: Callable[[int], None] | None = None,
+        dir_name: str | None = None,
+        item_handlers: dict[str, str] | None = None,
     ):
-        self.label = str(step)
+        self.label = dir_name or str(step)
         self.step = step
         self.nbytes = staged.nbytes
         self._directory = directory
@@ -82,6 +86,7 @@ class JaxSaveJob:
         self._custom = custom_metadata
         self._on_committed = on_committed
         self._on_published = on_published
+        self._item_handlers = item_handlers
         self._primary = coordinator is None or coordinator.primary
         self._init_ns = time.time_ns()
         self._tmp: str | None = None
@@ -114,17 +119,18 @@ class JaxSaveJob:
                 self._tmp, fsync=self._options.fsync, checksums=self._options.checksums
             )
             self._writer = writer
-            for name, buf in staged.chunks:
+            for name, buf in staged.chunks:  # names are relative to the step directory
                 # A byte view: extension dtypes (bfloat16) have no buffer format.
-                writer.write(f"{fmt.ITEM}/{name}", (buf.reshape(-1).view(np.uint8),))
+                writer.write(name, (buf.reshape(-1).view(np.uint8),))
             for name, data in staged.metadata_files:
-                writer.write(f"{fmt.ITEM}/{name}", (data,))
+                writer.write(name, (data,))
             if self._primary:
                 step_meta = fmt.step_metadata_json(
                     metrics=self._metrics,
                     custom_metadata=self._custom,
                     init_ns=self._init_ns,
                     commit_ns=time.time_ns(),
+                    item_handlers=self._item_handlers,
                 )
                 writer.write(fmt.STEP_METADATA, (step_meta.encode(),))
                 # Says "asyncckpt wrote this": without its manifest it is corrupt.

@@ -27,9 +27,13 @@ import numpy as np
 from asyncckpt import layout
 from asyncckpt.engine.files import FileRecord, crc32_file
 from asyncckpt.engine.manifest import Manifest, has_owner_marker, load_manifest, verify_files
-from asyncckpt.errors import CorruptCheckpointError, UnsupportedObjectError
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedObjectError,
+)
+from asyncckpt.jax import _args, _metadata, _tree
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax import _tree
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +103,25 @@ class ChunkStore:
             for path, data in zip(todo, pool.map(self._load, todo), strict=True):
                 self._data[path] = data
 
-    def check_the_rest(self) -> None:
-        """CRC32-checks every manifest file not read here (other processes' chunks)."""
+    def check_the_rest(self, item: str, params: set[str]) -> None:
+        """CRC32-checks the files of the restored arrays not read here (other processes' chunks).
+
+        Files of arrays not restored (and of other items) are not read: a
+        partial restore reads only what it restores. Every process checks the
+        same files, so all reach the same verdict.
+        """
         if not self._checksums or not self._records:
             return
         read = {os.path.relpath(p, self._dir).replace(os.sep, "/") for p in self._data}
-        rest = [r for name, r in sorted(self._records.items()) if name not in read]
+
+        def wanted(name: str) -> bool:
+            parts = name.split("/")
+            if len(parts) <= 2:  # step-level files and the item's own metadata files
+                return len(parts) == 1 or parts[0] == item
+            return parts[0] == item and parts[1] in params
+
+        rest = [r for name, r in sorted(self._records.items())
+                if name not in read and wanted(name)]
         if not rest:
             return
 
@@ -157,16 +174,34 @@ def _restore_with_orbax(item_dir: str, target: Any) -> Any:
         return checkpointer.restore(item_dir, target)
 
 
-def restore_tree(step_dir: str, target: Any = None, *, checksums: bool = True) -> Any:
-    """Verifies and reads the pytree of a step directory.
+def restore_tree(
+    step_dir: str,
+    target: Any = None,
+    *,
+    checksums: bool = True,
+    item: str = fmt.ITEM,
+    partial: bool = False,
+    restore_args: Any = None,
+) -> Any:
+    """Verifies and reads the pytree of one item of a step directory.
+
+    Only the bytes of the arrays asked for are read: leaves of the target
+    that are ``PLACEHOLDER`` (``...``), and with ``partial`` saved leaves the
+    target leaves out, are neither read nor checked beyond their size.
 
     Args:
         step_dir: The checkpoint's directory.
         target: A pytree like the saved one whose leaves say what to restore
             into: ``jax.ShapeDtypeStruct`` (with a sharding) or ``jax.Array``
-            (onto its sharding), NumPy arrays and scalars, Python scalars.
-            None restores nested dicts/lists, arrays on the default device.
+            (onto its sharding), NumPy arrays and scalars, Python scalars,
+            ``PLACEHOLDER`` (skipped, returned as is). None restores nested
+            dicts/lists, arrays on the default device.
         checksums: Check CRC32s against the manifest (sizes are always checked).
+        item: The item directory (``default`` for an unnamed item).
+        partial: ``target`` may hold a subset of the saved leaves.
+        restore_args: orbax ``RestoreArgs``/``ArrayRestoreArgs`` tree; says
+            the type, dtype and sharding of each leaf (and, without a target,
+            the tree's structure).
 
     Raises:
         CorruptCheckpointError: a file is missing, truncated or corrupt (named),
@@ -181,9 +216,16 @@ def restore_tree(step_dir: str, target: Any = None, *, checksums: bool = True) -
     else:
         logger.info("%s has no asyncckpt manifest (written by orbax?); restoring unverified",
                     step_dir)
-    item_dir = os.path.join(step_dir, fmt.ITEM)
+    item_dir = os.path.join(step_dir, item)
     entries = fmt.read_tree_metadata(item_dir)
+    if restore_args is not None:
+        target = _target_from_restore_args(item_dir, entries, target, restore_args)
     if _needs_orbax(item_dir, entries):
+        if partial or restore_args is not None or _has_placeholder(target):
+            raise UnsupportedObjectError(
+                f"{item_dir!r} is an orbax (compressed/OCDBT) checkpoint; restore it whole, "
+                "or restore the subset with orbax's own manager"
+            )
         if manifest is not None:
             verify_files(step_dir, manifest.files, checksums=checksums, checkpoint=step_dir)
         return _restore_with_orbax(item_dir, target)
@@ -193,39 +235,96 @@ def restore_tree(step_dir: str, target: Any = None, *, checksums: bool = True) -
         treedef = None
     else:
         leaves, treedef = _tree.flatten(target)
-        pairs = list(zip(_match(step_dir, entries, target), leaves, strict=True))
+        pairs = list(zip(_match(step_dir, entries, target, partial=partial), leaves,
+                         strict=True))
+    selected = [(e, leaf) for e, leaf in pairs if not e.skipped and leaf is not PLACEHOLDER]
     arrays = {
         e.path.param: fmt.ZarrArray(os.path.join(item_dir, e.path.param),
                                     checkpoint=step_dir, source=store)
-        for e, _ in pairs if not e.skipped
+        for e, _ in selected
     }
-    for e, leaf in pairs:  # check every leaf before reading any bytes
-        if not e.skipped:
-            _check_target(e, arrays[e.path.param], leaf, step_dir)
+    for e, leaf in selected:  # check every leaf before reading any bytes
+        _check_target(e, arrays[e.path.param], leaf, step_dir)
     store.prefetch(
-        path for e, leaf in pairs if not e.skipped
-        for path in _chunks_needed(arrays[e.path.param], leaf)
+        path for e, leaf in selected for path in _chunks_needed(arrays[e.path.param], leaf)
     )
-    store.check_the_rest()
-    values = [_read_leaf(e, arrays.get(e.path.param), leaf) for e, leaf in pairs]
+    store.check_the_rest(item, {e.path.param for e, _ in selected})
+    values = [leaf if leaf is PLACEHOLDER else _read_leaf(e, arrays.get(e.path.param), leaf)
+              for e, leaf in pairs]
     if treedef is None:
         return _tree.build_tree((e.path, v) for (e, _), v in zip(pairs, values, strict=True))
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _match(step_dir: str, entries: list[fmt.TreeEntry], target: Any) -> list[fmt.TreeEntry]:
+PLACEHOLDER = ...  # orbax.checkpoint.PLACEHOLDER
+
+
+def _has_placeholder(target: Any) -> bool:
+    return target is not None and any(x is PLACEHOLDER for x in _tree.flatten(target)[0])
+
+
+def _target_from_restore_args(item_dir: str, entries: list[fmt.TreeEntry], target: Any,
+                              restore_args: Any) -> Any:
+    """A target tree from orbax ``RestoreArgs``: each leaf's type, dtype and sharding."""
+    by_param = {e.path.param: e for e in entries}
+    args_leaves, args_def = jax.tree_util.tree_flatten(
+        restore_args, is_leaf=lambda x: type(x).__name__ in ("RestoreArgs", "ArrayRestoreArgs")
+    )
+    if target is not None:
+        target_leaves, target_def = _tree.flatten(target)
+        if target_def != args_def:
+            raise ValueError("restore_args must have the same tree structure as the item")
+    else:
+        target_leaves = [None] * len(args_leaves)
+    paths = _tree.leaf_paths(jax.tree_util.tree_unflatten(args_def, args_leaves))
+    out = []
+    for path, arg, given in zip(paths, args_leaves, target_leaves, strict=True):
+        entry = by_param.get(path.param)
+        if given is PLACEHOLDER or arg is PLACEHOLDER or entry is None or entry.skipped:
+            out.append(PLACEHOLDER if PLACEHOLDER in (given, arg) else given)
+            continue
+        saved = fmt.ZarrArray(os.path.join(item_dir, entry.path.param), checkpoint=item_dir)
+        dtype = np.dtype(getattr(arg, "dtype", None) or saved.dtype)
+        shape = tuple(getattr(arg, "global_shape", None) or getattr(arg, "shape", None)
+                      or saved.shape)
+        kind = getattr(arg, "restore_type", None)
+        sharding = getattr(arg, "sharding", None)
+        mesh = getattr(arg, "mesh", None)
+        if sharding is None and mesh is not None:
+            sharding = jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(*(getattr(arg, "mesh_axes", None) or ())))
+        if type(arg).__name__ == "ArrayRestoreArgs" or kind is jax.Array:
+            out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+        elif kind is np.ndarray or (kind is None and entry.value_type == fmt.NUMPY_ARRAY):
+            out.append(np.zeros(shape, dtype))
+        elif kind in (int, float, bool):
+            out.append(kind(0))
+        elif kind is None and entry.value_type == fmt.SCALAR:
+            out.append(saved.dtype.type(0).item())
+        elif kind is None:
+            out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+        else:
+            raise UnsupportedObjectError(f"leaf {path.display}: restore_type {kind!r} is not "
+                                         "supported (jax.Array, np.ndarray, int, float, bool)")
+    return jax.tree_util.tree_unflatten(args_def, out)
+
+
+def _match(step_dir: str, entries: list[fmt.TreeEntry], target: Any, *,
+           partial: bool = False) -> list[fmt.TreeEntry]:
     """The checkpoint entry of each target leaf, or a clear error."""
     paths = _tree.leaf_paths(target)
     by_param = {e.path.param: e for e in entries}
     missing = [p.display for p in paths if p.param not in by_param]
     wanted = {p.param for p in paths}
-    extra = [e.path.display for e in entries if e.path.param not in wanted]
+    extra = [] if partial else [e.path.display for e in entries if e.path.param not in wanted]
     if missing or extra:
         parts = []
         if missing:
             parts.append(f"not in the checkpoint: {', '.join(missing[:10])}")
         if extra:
-            parts.append(f"in the checkpoint but not in the target: {', '.join(extra[:10])}")
+            parts.append(f"in the checkpoint but not in the target: {', '.join(extra[:10])} "
+                         "(restore a subset with PyTreeRestore(..., partial_restore=True) or "
+                         "PLACEHOLDER leaves)")
         raise ValueError(
             f"the target's structure does not match checkpoint {step_dir!r}: " + "; ".join(parts)
         )
@@ -314,3 +413,42 @@ def _to_device(array: fmt.ZarrArray, dtype: np.dtype, sharding: Any) -> jax.Arra
         return data
 
     return jax.make_array_from_callback(array.shape, sharding, region)
+
+
+def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named: bool, *,
+                 checksums: bool) -> Any:
+    """Restores the items of a step: one unnamed item, or a ``Composite`` of named ones.
+
+    ``requests`` None restores every item on disk (the metrics item too, as orbax).
+    """
+    handlers = fmt.read_step_metadata(step_dir).get("item_handlers") or {}
+    on_disk = _metadata.item_names(step_dir, handlers if isinstance(handlers, dict) else {})
+    default_mode = on_disk == [fmt.ITEM]
+    if requests is None:
+        if default_mode and not named:
+            return _restore_item(step_dir, _args.RestoreItem(fmt.ITEM, "pytree"),
+                                 checksums=checksums)
+        everything = on_disk + ([fmt.METRICS_ITEM] if os.path.isdir(
+            os.path.join(step_dir, fmt.METRICS_ITEM)) else [])
+        requests = [_args.RestoreItem(n, "auto") for n in everything]
+        named = True
+    if not named and not default_mode:
+        raise ValueError(f"{step_dir!r} holds named items {on_disk}: restore with "
+                         "args=ocp.args.Composite(name=...)")
+    out = {r.name: _restore_item(step_dir, r, checksums=checksums) for r in requests}
+    return _args.composite(out) if named else out[fmt.ITEM]
+
+
+def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool) -> Any:
+    item_dir = os.path.join(step_dir, request.name)
+    if not os.path.isdir(item_dir):
+        raise CheckpointNotFoundError(
+            f"checkpoint {step_dir!r} has no item {request.name!r} (items there: "
+            f"{_metadata.item_names(step_dir)})")
+    kind = request.kind
+    if kind == "auto":
+        kind = "json" if _metadata.is_json_item(step_dir, request.name) else "pytree"
+    if kind == "json":
+        return fmt.read_json_item(item_dir)
+    return restore_tree(step_dir, request.target, checksums=checksums, item=request.name,
+                        partial=request.partial, restore_args=request.restore_args)

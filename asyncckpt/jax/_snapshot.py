@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,8 @@ class Plan:
 class StagedTree:
     """One save's bytes in host memory: chunk files and metadata files.
 
+    File names are relative to the step directory (``default/w/0.1``).
+
     Attributes:
         chunks: ``(file, host array)``: slot buffers, or views of ``keepalive``.
         metadata_files: ``(file, bytes)`` written by the primary.
@@ -109,6 +112,17 @@ class StagedTree:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for _, b in self.chunks) + sum(len(b) for _, b in self.metadata_files)
+
+    @staticmethod
+    def combine(trees: Sequence[StagedTree]) -> StagedTree:
+        """Several items' staged files as one save."""
+        if len(trees) == 1:
+            return trees[0]
+        return StagedTree(
+            tuple(c for t in trees for c in t.chunks),
+            tuple(m for t in trees for m in t.metadata_files),
+            tuple(k for t in trees for k in t.keepalive),
+        )
 
 
 def _kind(leaf: Any) -> str:
@@ -295,11 +309,16 @@ class Snapshotter:
             self._cache.move_to_end(key)
         return plan, leaves
 
-    def stage(self, tree: Any, slot: Slot) -> StagedTree:
+    def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM) -> StagedTree:
         """Copies this process's part of ``tree`` into ``slot``'s buffers.
 
         Returns once every value is in host memory that nothing else
         references: the caller may donate, delete or update the arrays.
+
+        Args:
+            tree: The pytree.
+            slot: Staging buffers, reused from save to save by file name.
+            item: The item directory the files go in (several items share a slot).
         """
         plan, leaves = self.plan(tree)
         for lp, leaf in zip(plan.leaves, leaves, strict=True):
@@ -330,11 +349,12 @@ class Snapshotter:
             if i in pinned:
                 shards = pinned[i].addressable_shards
                 for c in lp.chunks:
-                    chunks.append((c.file, np.asarray(shards[c.shard].data)))
+                    chunks.append((f"{item}/{c.file}", np.asarray(shards[c.shard].data)))
                 continue
             for c, data in zip(lp.chunks, datas or [None] * len(lp.chunks), strict=True):
-                buf = slot.buffer(c.file, c.shape, lp.dtype)  # type: ignore[arg-type]
-                chunks.append((c.file, buf))
+                name = f"{item}/{c.file}"
+                buf = slot.buffer(name, c.shape, lp.dtype)  # type: ignore[arg-type]
+                chunks.append((name, buf))
                 if lp.kind == "jax":
                     dst = buf if c.region is None else buf[c.region]
                     pairs.append((dst, np.asarray(data)))
@@ -343,7 +363,8 @@ class Snapshotter:
                 else:
                     _set_scalar(buf, leaf, lp)
         copy_arrays(pairs)
-        return StagedTree(tuple(chunks), plan.metadata_files, tuple(pinned.values()))
+        metadata = tuple((f"{item}/{name}", data) for name, data in plan.metadata_files)
+        return StagedTree(tuple(chunks), metadata, tuple(pinned.values()))
 
 
 def _set_scalar(buf: np.ndarray, value: Any, lp: LeafPlan) -> None:

@@ -1,76 +1,55 @@
-"""``asyncckpt.jax.CheckpointManager``: orbax-style step checkpoints, saved asynchronously."""
+"""``asyncckpt.jax.CheckpointManager``: orbax's ``CheckpointManager``, saving asynchronously."""
 
 from __future__ import annotations
 
-import json
+import concurrent.futures
+import functools
 import logging
+import operator
 import os
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from asyncckpt import catalog, layout
 from asyncckpt._closing import ClosingContext
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine.lock import DirectoryLock
-from asyncckpt.engine.manifest import read_manifest
-from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
-from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, EngineClosedError
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    EngineClosedError,
+)
+from asyncckpt.jax import _args, _compat, _metadata, _options, _view
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator
 from asyncckpt.jax._job import JaxSaveJob
-from asyncckpt.jax._restore import restore_tree
-from asyncckpt.jax._snapshot import Snapshotter
+from asyncckpt.jax._metadata import RootMetadata, StepMetadata
+from asyncckpt.jax._restore import restore_step
+from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class StepMetadata:
-    """What a checkpoint records besides its arrays.
-
-    Attributes:
-        step: The step.
-        custom_metadata: The ``custom_metadata`` given to ``save`` ({} if none).
-        metrics: The ``metrics`` given to ``save``, or None.
-        stats: The save's timings (``SaveStats.to_dict``), if asyncckpt wrote it.
-        created: When it was committed (``time.time()``), if known.
-    """
-
-    step: int
-    custom_metadata: dict = field(default_factory=dict)
-    metrics: dict | None = None
-    stats: dict = field(default_factory=dict)
-    created: float | None = None
-
-
-def _json_checked(value: Any, what: str) -> Any:
-    if value is None:
-        return None
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{what} must be JSON-serializable: {e}") from e
+__all__ = ["CheckpointManager", "RootMetadata", "StepMetadata"]
 
 
 class CheckpointManager(ClosingContext):
-    """Numbered asynchronous checkpoints of a pytree, in a layout orbax restores.
+    """Numbered asynchronous checkpoints of pytrees, spelled and laid out as orbax's.
 
-    ``save(step, state)`` returns once the state is copied to host memory; a
-    background thread writes ``<directory>/<step>/`` in orbax's zarr layout,
-    checksums and fsyncs it, and publishes it with one rename, so a listed
-    step is always complete. Two saves can be in flight at once (one per
-    staging slot). Checkpoints restore with this manager (verified against
-    their manifest, onto any sharding) or with
-    ``orbax.checkpoint.CheckpointManager(directory).restore(step,
-    args=orbax.checkpoint.args.StandardRestore(target))``.
+    ``save(step, args=ocp.args.StandardSave(state))`` (or ``save(step, state)``)
+    returns once the state is copied to host memory; a background thread
+    writes ``<directory>/<step>/`` in orbax's zarr layout, checksums and
+    fsyncs it, and publishes it with one rename. The step is listed by
+    ``all_steps()`` as soon as ``save`` returns (as orbax's async manager), and
+    ``restore`` of a step still in flight waits for it. Two saves can be in
+    flight at once (one per staging slot). Checkpoints restore with this
+    manager (verified against their manifest, onto any sharding) or with
+    ``orbax.checkpoint.CheckpointManager`` given the same options.
+
+    Options come either as orbax's ``options=ocp.CheckpointManagerOptions(...)``
+    (every field honoured or, if asyncckpt cannot, refused by name) or as
+    the keyword arguments below. ``docs/compat.md`` lists each behaviour.
 
     With several JAX processes, every process calls ``save`` with the same
     step; each writes only its own shards and process 0 commits once all are
@@ -78,14 +57,23 @@ class CheckpointManager(ClosingContext):
 
     Example::
 
-        with asyncckpt.jax.CheckpointManager("/ckpts", max_to_keep=3) as mgr:
+        options = ocp.CheckpointManagerOptions(max_to_keep=3, save_interval_steps=100)
+        with asyncckpt.jax.CheckpointManager("/ckpts", options=options) as mgr:
             for step in range(steps):
                 state = train_step(state)
-                mgr.save(step, state)          # blocks only for the host copy
-            restored = mgr.restore(target=abstract_state)
+                mgr.save(step, args=ocp.args.StandardSave(state))  # blocks for the copy
+            restored = mgr.restore(mgr.latest_step(),
+                                   args=ocp.args.StandardRestore(abstract_state))
 
     Args:
         directory: Where step directories are written.
+        options: orbax ``CheckpointManagerOptions``; excludes the keyword
+            options below.
+        metadata: Manager-level metadata, written once per directory
+            (``metadata()`` reads it).
+        item_names: Names of the items saved with ``args=Composite(...)``.
+        item_handlers: orbax handlers by item name (Standard, PyTree, Json);
+            taken as ``item_names``.
         max_to_keep: Checkpoints to keep (None keeps all). With ``best_fn``,
             the best ones by metric; the newest is never deleted.
         save_interval_steps: ``should_save`` is true on multiples of this.
@@ -102,14 +90,24 @@ class CheckpointManager(ClosingContext):
         remote: A persistent second tier (``s3://`` / ``gs://`` URL or a
             path) for a local ``directory``: saves commit locally and every
             ``remote_options.every_n_steps`` are uploaded in the background.
+            ``directory`` itself may be such a URL (saves stage in a local
+            scratch directory and are durable once committed remotely).
         remote_options: Schedule, retention and retries of the remote tier
             (default: every step, ``max_to_keep`` as above).
+
+    Raises:
+        ValueError: an orbax option asyncckpt cannot honour (named), or
+            conflicting arguments.
     """
 
     def __init__(
         self,
         directory: str | os.PathLike,
         *,
+        options: Any = None,
+        metadata: dict | None = None,
+        item_names: Sequence[str] | None = None,
+        item_handlers: Any = None,
         max_to_keep: int | None = None,
         save_interval_steps: int = 1,
         keep_period: int | None = None,
@@ -122,28 +120,39 @@ class CheckpointManager(ClosingContext):
         remote: str | None = None,
         remote_options: RemoteOptions | None = None,
     ):
-        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be a positive int, got "
-                             f"{save_interval_steps!r}")
-        if best_mode not in ("max", "min"):
-            raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
-        # [storage] URL check; a URL directory stages in a local scratch directory.
+        if options is not None:
+            if (max_to_keep, save_interval_steps, keep_period, best_fn, best_mode,
+                    keep_checkpoints_without_metrics) != (None, 1, None, None, "max", True):
+                raise ValueError("give either options= or the keyword options "
+                                 "(max_to_keep, save_interval_steps, ...), not both")
+            self._config = _options.from_orbax(options)
+        else:
+            self._config = _options.ManagerConfig(
+                max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
+                keep_period=keep_period, best_fn=best_fn, best_mode=best_mode,
+                keep_checkpoints_without_metrics=keep_checkpoints_without_metrics,
+            )
+        if item_names is not None and item_handlers is not None:
+            raise ValueError("give either item_names or item_handlers, not both")
+        names = item_names if item_names is not None else _compat.handler_item_names(item_handlers)
+        self._item_names = None if names is None else tuple(
+            _args._check_item_name(n) for n in names)
+        # A URL directory stages in a local scratch directory (storage tier).
         self._tiers = TieredDirectory(
             directory, remote=remote,
-            remote_options=remote_options or RemoteOptions(max_to_keep=max_to_keep))
+            remote_options=remote_options or RemoteOptions(
+                max_to_keep=self._config.max_to_keep or None))
         self._directory = self._tiers.local_dir
-        self._policy = retention.RetentionPolicy(
-            max_to_keep=max_to_keep,
-            keep_period=keep_period,
-            best_mode=best_mode if best_fn is not None else None,
-            keep_checkpoints_without_metrics=keep_checkpoints_without_metrics,
-        )
-        self._save_interval = save_interval_steps
-        self._best_fn = best_fn
+        if self._tiers.remote is not None and self._config.names.name(12) != "12":
+            self._tiers.close()
+            raise ValueError("step_prefix / step_format_fixed_length are not supported with an "
+                             "object-storage directory or remote tier yet (steps are named by "
+                             "their number there)")
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
+        self._root_metadata = _compat.json_checked(metadata, "metadata")
         self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s)
-        if self._coord is not None and self._tiers.remote is not None:  # [storage]
+        if self._coord is not None and self._tiers.remote is not None:
             self._tiers.close()
             raise NotImplementedError(
                 f"multi-process saves to a remote tier ({self._tiers.remote.url}) are not "
@@ -151,48 +160,25 @@ class CheckpointManager(ClosingContext):
                 f"directory, which process 0 cannot commit. Use a directory every process "
                 f"shares (see docs/storage.md)")
         self._primary = self._coord is None or self._coord.primary
+        if self._config.create and not self._config.read_only:
+            os.makedirs(self._directory, exist_ok=True)
+        self._view = _view.view_for(self._directory, self._config.names)
         name = "asyncckpt.jax" if self._coord is None else (
             f"asyncckpt.jax[p{self._coord.process_index}]"  # log lines name the process
         )
         self._engine = AsyncEngine(options=self._options, name=name)
         self._snapshotter = Snapshotter(primary=self._primary)
-        self._dir_lock = DirectoryLock(self._directory)
         self._token: str | None = None
         self._seq = 0
-        self._lock = threading.Lock()
-        self._in_flight: set[int] = set()
-        self._last_requested: int | None = None
         self._last_save: SaveHandle | None = None
-        self._managed: dict[int, retention.Candidate] = {}
-        self._recover()
-
-    # -- state recovered from the directory ---------------------------------
-
-    def _recover(self) -> None:
-        for step in self.all_steps():
-            self._managed[step] = self._candidate_from_disk(step)
-        if self._managed:
-            self._last_requested = max(self._managed)
-
-    def _candidate_from_disk(self, step: int) -> retention.Candidate:
-        meta = self._read_metadata(step)
-        try:
-            metric = self._metric(meta.metrics)
-        except Exception as e:  # metrics of an older run that best_fn does not expect
-            logger.warning("best_fn failed on the metrics of step %d (%r): ranking it as a "
-                           "checkpoint without metrics", step, e)
-            metric = None
-        return retention.Candidate(
-            key=str(step),
-            step=step,
-            timestamp=meta.created if meta.created is not None else 0.0,
-            metric=metric,
-        )
-
-    def _metric(self, metrics: dict | None) -> float | None:
-        if self._best_fn is None or not metrics:
-            return None
-        return float(self._best_fn(metrics))
+        self._preemption: tuple[int, bool] | None = None
+        self._closed = False
+        with self._view.lock:
+            self._view.users += 1
+        if (self._root_metadata is not None and self._primary and not self._config.read_only
+                and self._config.save_root_metadata and os.path.isdir(self._directory)):
+            _metadata.write_root_metadata(self._directory, self._root_metadata,
+                                          fsync=self._options.fsync)
 
     # -- properties -----------------------------------------------------------
 
@@ -213,66 +199,121 @@ class CheckpointManager(ClosingContext):
     # -- listing ----------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Committed steps in the directory, oldest first.
+        """Steps saved or being saved, oldest first, as orbax lists them.
 
-        Saves in flight are not listed until durable; temporaries of
-        interrupted saves (asyncckpt's or orbax's) never are.
+        A step is listed from the moment ``save`` returns; steps that
+        retention will delete once the newest save is durable are not.
+        Temporaries of interrupted saves (asyncckpt's or orbax's) never are.
         """
-        try:
-            found = catalog.list_checkpoints(self._directory)
-        except CheckpointNotFoundError:
-            found = []
-        steps = {c.step for c in found if c.framework == "jax" and c.step is not None}
-        steps.update(int(n) for n in self._tiers.remote_names() if n.isdigit())  # [storage]
-        return sorted(steps)
+        steps = self._view.steps()
+        if self._tiers.remote is None:
+            return steps
+        # Steps only the remote tier has count too.
+        remote = (self._config.names.parse(n) for n in self._tiers.remote_names())
+        return sorted({*steps, *(s for s in remote if s is not None)})
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest listed step, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def best_step(self) -> int | None:
+        """The best listed step by ``best_fn`` (without ``best_fn``: the latest)."""
+        if self._config.best_fn is None:
+            return self.latest_step()
+        ranked = [(self._metric(self._view.record(s, self._read_record).metrics), s)
+                  for s in self.all_steps()]
+        ranked = [(m, s) for m, s in ranked if m is not None]
+        if not ranked:
+            return None
+        sign = 1.0 if self._config.best_mode == "max" else -1.0
+        return max(ranked, key=lambda ms: (sign * ms[0], ms[1]))[1]
+
+    def reload(self) -> None:
+        """Forgets what was read from the directory (metrics, times), to read it afresh."""
+        self._view.invalidate()
+        with self._view.lock:
+            for step in list(self._view.records):
+                if step not in self._view.in_flight:
+                    self._view.records.pop(step, None)
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether JAX's preemption sync point is ``step`` (every process agrees).
+
+        False unless ``jax.distributed`` runs with its preemption service.
+        Asked once per step; the answer is remembered for that step.
+        """
+        step = operator.index(step)
+        if self._preemption is None or self._preemption[0] != step:
+            self._preemption = (step, _compat.preemption_reached(step))
+        return self._preemption[1]
+
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step, ...)`` would save: a new step on the interval."""
-        with self._lock:
-            last = self._last_requested
-        if last is not None and step <= last:
+        """Whether ``save(step, ...)`` would save, by orbax's rules.
+
+        False for a step not after the latest; else true at a preemption
+        sync point, on the save schedule (``save_interval_steps``,
+        ``save_on_steps`` or ``should_save_fn``) and, without
+        ``should_save_fn``, for the first save of an empty directory.
+        """
+        step = operator.index(step)
+        if self._config.read_only:
+            logger.warning("%s is read only: save of step %d skipped", self._directory, step)
             return False
-        return step % self._save_interval == 0
+        latest = self.latest_step()
+        if latest is not None and latest >= step:
+            return False
+        if self.reached_preemption(step):
+            return True
+        if latest is None and self._config.should_save_fn is None:
+            return True
+        return self._config.on_schedule(step, latest)
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save of this manager is not yet durable."""
+        return self._engine.pending > 0
+
+    def check_for_errors(self) -> None:
+        """Raises the failure of a background save not yet reported, if any."""
+        self._engine.raise_pending_error()
 
     def step_dir(self, step: int) -> str:
         """The directory of a step's checkpoint."""
-        return os.path.join(self._directory, str(int(step)))
+        return self._view.step_dir(operator.index(step))
 
-    def metadata(self, step: int | None = None) -> StepMetadata:
-        """Custom metadata, metrics and save stats of a step (default: the newest).
+    # -- metadata ---------------------------------------------------------------
+
+    def metadata(self, step: int | None = None) -> StepMetadata | RootMetadata:
+        """A step's metadata, or with no step the manager-level ``metadata=``.
 
         Raises:
             CheckpointNotFoundError: no such step.
         """
-        return self._read_metadata(self._existing_step(step))
+        if step is None:
+            found = _metadata.read_root_metadata(self._directory)
+            if found is not None:
+                return found
+            return RootMetadata(custom_metadata=dict(self._root_metadata or {}))
+        step = self._existing_step(step)
+        return _metadata.read_step_metadata(step, self.step_dir(step))
 
-    def _read_metadata(self, step: int) -> StepMetadata:
-        step_dir = self.step_dir(step)
-        orbax_meta = fmt.read_step_metadata(step_dir)
+    def item_metadata(self, step: int) -> Any:
+        """Shapes and dtypes of a step's items (``metadata(step).item_metadata``)."""
+        return self.metadata(operator.index(step)).item_metadata  # type: ignore[union-attr]
+
+    def _read_record(self, step: int) -> _view.StepRecord:
+        meta = _metadata.read_step_metadata(step, self.step_dir(step), with_items=False)
+        return _view.StepRecord(meta.created or 0.0, meta.metrics)
+
+    def _metric(self, metrics: Any) -> float | None:
+        if self._config.best_fn is None or not metrics:
+            return None
         try:
-            manifest = read_manifest(layout.jax_manifest_path(step_dir))
-        except (FileNotFoundError, CorruptCheckpointError):
-            manifest = None
-        commit_ns = orbax_meta.get("commit_timestamp_nsecs")
-        created = manifest.created if manifest else (commit_ns / 1e9 if commit_ns else None)
-        if manifest is not None:
-            custom = manifest.extra.get("custom_metadata") or {}
-            metrics = manifest.extra.get("metrics")
-        else:
-            custom = orbax_meta.get("custom_metadata") or {}
-            metrics = orbax_meta.get("metrics") or None
-        return StepMetadata(
-            step=step,
-            custom_metadata=custom,
-            metrics=metrics,
-            stats=manifest.stats if manifest else {},
-            created=created,
-        )
+            return float(self._config.best_fn(metrics))
+        except Exception as e:  # metrics of an older run that best_fn does not expect
+            logger.warning("best_fn failed on metrics %r (%r): ranking the checkpoint as one "
+                           "without metrics", metrics, e)
+            return None
 
     def _existing_step(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -280,101 +321,164 @@ class CheckpointManager(ClosingContext):
             if not steps:
                 raise CheckpointNotFoundError(f"no checkpoints in {self._directory!r}")
             return steps[-1]
-        if int(step) not in steps:
+        step = operator.index(step)
+        if step not in steps:
             shown = ", ".join(map(str, steps[-20:])) or "none"
             raise CheckpointNotFoundError(
                 f"no checkpoint for step {step} in {self._directory!r} (steps there: {shown})"
             )
-        return int(step)
+        return step
 
     # -- saving ---------------------------------------------------------------------
 
     def save(
         self,
         step: int,
-        state: Any,
+        state: Any = None,
         *,
+        args: Any = None,
         metrics: dict | None = None,
         force: bool = False,
         custom_metadata: dict | None = None,
     ) -> bool:
-        """Snapshots ``state`` and writes it as step ``step`` in the background.
+        """Snapshots the state and writes it as step ``step`` in the background.
 
-        Returns after every value is copied to host memory, so ``state`` may
-        be updated, donated or deleted at once.
+        Returns after every value is copied to host memory, so the state may
+        be updated, donated or deleted at once. The step is listed at once;
+        with ``enable_async_checkpointing=False`` this returns only once it
+        is durable.
 
         Args:
-            step: The step number (the checkpoint's directory name).
+            step: The step number (names the checkpoint's directory).
             state: A pytree of ``jax.Array``s, NumPy arrays and scalars.
+            args: orbax's spelling instead of ``state``: ``StandardSave``,
+                ``PyTreeSave`` or ``JsonSave``, or a ``Composite`` of named items.
             metrics: JSON-serializable metrics, ranked by ``best_fn``.
             force: Save even if ``should_save(step)`` is false.
             custom_metadata: JSON-serializable data stored with the checkpoint
-                (read back with ``metadata(step)``).
+                (read back with ``metadata(step).custom_metadata``).
 
         Returns:
             Whether a save was started.
 
         Raises:
-            ValueError: ``step`` is already saved or being saved.
+            StepAlreadyExistsError: ``step`` is already saved or being saved
+                (a subclass of orbax's, and of ValueError).
             UnsupportedObjectError: a leaf cannot be saved (named in the message).
             Exception: a failure of an earlier background save.
         """
-        if self._engine.closed:
+        if self._closed or self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
         self._engine.raise_pending_error()
-        self._tiers.raise_pending_error()  # [storage] a failed upload surfaces here
-        step = int(step)
+        items, named = _args.save_items(state, args)
+        self._check_items(items, named)
+        step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if self._config.read_only:
+            logger.warning("%s is read only: save of step %d skipped", self._directory, step)
+            return False
         if not force and not self.should_save(step):
             return False
-        with self._lock:
-            if step in self._in_flight or step in self._managed or os.path.lexists(
-                self.step_dir(step)
-            ):
-                raise ValueError(
+        if self.reached_preemption(step):
+            logger.info("saving step %d at the preemption sync point", step)
+        metrics = _compat.json_checked(metrics, "metrics")
+        custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
+        self._metric(metrics)
+        view = self._view
+        with view.lock:
+            if (step in view.in_flight or step in view.disk_steps()
+                    or os.path.lexists(view.step_dir(step))):
+                raise _compat.step_already_exists_error()(
                     f"step {step} is already saved (or being saved) in {self._directory!r}"
                 )
-        metrics = _json_checked(metrics, "metrics")
-        custom_metadata = _json_checked(custom_metadata, "custom_metadata")
-        self._metric(metrics)  # a failing best_fn fails here, not in the background
+            view.in_flight[step] = None  # reserved: listed from now on
+            view.unsettled.add(step)
+            view.records[step] = _view.StepRecord(time.time(), metrics)
+        try:
+            self._start_save(step, items, metrics, custom_metadata)
+        except BaseException:
+            view.settle(step, committed=False, deleter=None)
+            raise
+        if not self._config.enable_async:
+            self._engine.sync()
+        return True
+
+    def _check_items(self, items: list[_args.SaveItem], named: bool) -> None:
+        if self._item_names is None:
+            return
+        if not named:
+            raise ValueError(f"this manager has item_names {list(self._item_names)}: save "
+                             "with args=ocp.args.Composite(name=...)")
+        unknown = [i.name for i in items if i.name not in self._item_names]
+        if unknown:
+            raise ValueError(f"items {unknown} are not among item_names "
+                             f"{list(self._item_names)}")
+
+    def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
+                    custom_metadata: Any) -> SaveHandle:
+        view = self._view
         token = self._join()
         seq = self._seq
         save_key = self._coord.save_key(seq, step) if self._coord is not None else None
+        condemned = view.condemn(step, self._config, self._metric, self._read_record)
+        if condemned:
+            logger.debug("step %d condemns steps %s (deleted once it is durable)",
+                         step, condemned)
+        handlers = {i.name: fmt.STANDARD_HANDLER if i.kind == "pytree" else fmt.JSON_HANDLER
+                    for i in items}
+        extra: list[tuple[str, bytes]] = []
+        if self._primary:
+            extra = [(f"{i.name}/{fmt.JSON_FILE}", fmt.json_item_bytes(i.value))
+                     for i in items if i.kind == "json"]
+        if metrics is not None and self._config.best_fn is not None and self._config.write_metrics:
+            handlers[fmt.METRICS_ITEM] = fmt.JSON_HANDLER  # where orbax's best_fn reads them
+            if self._primary:
+                extra.append((f"{fmt.METRICS_ITEM}/{fmt.METRICS_ITEM}",
+                              fmt.json_item_bytes(metrics)))
 
         def stage(slot):
-            staged = self._snapshotter.stage(state, slot)
+            trees = [self._snapshotter.stage(i.value, slot, item=i.name)
+                     for i in items if i.kind == "pytree"]
+            trees.append(StagedTree((), tuple(extra)))
             return JaxSaveJob(
                 directory=self._directory,
                 step=step,
-                staged=staged,
+                staged=StagedTree.combine(trees),
                 options=self._options,
                 temp_token=f"{token}-{seq}",
                 coordinator=self._coord,
                 save_key=save_key,
                 metrics=metrics,
                 custom_metadata=custom_metadata,
-                on_committed=self._on_committed,
-                # [storage] upload as part of the commit (URL dir: before durable)
-                on_published=None if self._tiers.remote is None else self._tiers.after_step,
+                on_committed=None,
+                # Upload as part of the commit (a URL directory: before it is durable).
+                on_published=None if self._tiers.remote is None else functools.partial(
+                    _hand_to_tiers, self._tiers, view.names),
+                dir_name=view.names.name(step),
+                item_handlers=handlers,
             )
 
-        with self._lock:
-            self._in_flight.add(step)
         try:
             handle = self._engine.save(stage, label=str(step), step=step)
         except BaseException as e:
-            with self._lock:
-                self._in_flight.discard(step)
             if self._coord is not None and save_key is not None:
                 self._report_staging_failure(save_key, e)
             raise
-        handle.committed.add_done_callback(lambda _f: self._settle(step))
         self._seq += 1
-        with self._lock:
-            self._last_requested = max(step, self._last_requested or step)
+        with view.lock:
+            view.in_flight[step] = handle
+        deleter = self._deleter() if self._primary else None
+        handle.committed.add_done_callback(
+            lambda f: view.settle(step, committed=f.exception() is None, deleter=deleter)
+        )
         self._last_save = handle
-        return True
+        return handle
+
+    def _deleter(self) -> Callable[[int], None]:
+        # Holds the view, not the manager: a dropped manager's saves still finish.
+        view, subdir = self._view, self._config.todelete_subdir
+        return lambda step: _view.delete_step_dir(view, step, subdir)
 
     def _join(self) -> str:
         """Before the first save: lock, clean up, agree on a token with the others."""
@@ -382,10 +486,7 @@ class CheckpointManager(ClosingContext):
             return self._token
 
         def prepare() -> str:
-            commit_lib.ensure_writable_dir(self._directory)
-            self._dir_lock.acquire()
-            # Holding the lock, nobody else writes here: temporaries are stale.
-            commit_lib.cleanup_stale_temps(self._directory)
+            self._view.prepare()
             return uuid.uuid4().hex[:12]
 
         if self._coord is None:
@@ -406,38 +507,24 @@ class CheckpointManager(ClosingContext):
             logger.exception("could not tell the other processes that staging failed")
         self._seq += 1  # the others used this save's keys too
 
-    def _settle(self, step: int) -> None:
-        with self._lock:
-            self._in_flight.discard(step)
+    def delete(self, step: int) -> None:
+        """Deletes a step (waiting first if it is still being saved).
 
-    def _on_committed(self, step: int, stats: SaveStats, extra: dict) -> None:
-        """Writer thread: record a durable step; the primary applies retention."""
-        del stats
-        if not self._primary:
+        Raises:
+            CheckpointNotFoundError: no such step (a FileNotFoundError, as orbax).
+        """
+        if self._config.read_only:
+            logger.warning("%s is read only: delete of step %d skipped", self._directory, step)
             return
-        with self._lock:
-            self._managed[step] = retention.Candidate(
-                key=str(step), step=step, timestamp=time.time(),
-                metric=self._metric(extra.get("metrics")),
-            )
-            ordered = [self._managed[s] for s in sorted(self._managed)]
-            decision = retention.apply(ordered, self._policy)
-            for c in decision.delete + decision.preserve:
-                self._managed.pop(int(c.key), None)
-        for c in decision.delete:
-            self._delete_step(int(c.key))
-
-    def _delete_step(self, step: int) -> None:
-        # Rename first, so a half-deleted directory is never listed as a step.
-        path = self.step_dir(step)
-        doomed = os.path.join(self._directory, f"{commit_lib.TEMP_PREFIX}deleted-{step}-"
-                              f"{uuid.uuid4().hex[:8]}")
-        try:
-            os.rename(path, doomed)
-        except FileNotFoundError:
-            return
-        commit_lib.remove_tree(doomed)
-        logger.debug("retention deleted step %d", step)
+        step = self._existing_step(step)
+        self._wait_for([step])
+        if self._primary:
+            _view.delete_step_dir(self._view, step, self._config.todelete_subdir)
+            self._view.forget(step)
+        else:
+            self._view.forget(step)
+            with self._view.lock:
+                self._view.doomed[step] = None  # hidden until the primary has deleted it
 
     # -- waiting --------------------------------------------------------------------
 
@@ -448,23 +535,51 @@ class CheckpointManager(ClosingContext):
             Exception: a background failure not yet reported.
         """
         self._engine.sync(timeout)
-        self._tiers.wait(timeout)  # [storage]
+        self._tiers.wait(timeout)
+
+    def _wait_for(self, steps: Sequence[int] | None) -> None:
+        """Waits for in-flight saves of these steps (None: all) of any manager here."""
+        with self._view.lock:
+            handles = [h for s, h in self._view.in_flight.items()
+                       if h is not None and (steps is None or s in steps)]
+        if handles:
+            concurrent.futures.wait([h.committed for h in handles])
+            # The futures resolve before their callbacks (retention) have run.
+            self._view.wait_settled(None if steps is None else set(steps))
+            self._engine.raise_pending_error()
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves in flight, frees the staging memory, releases the directory."""
+        if self._closed:
+            self._engine.close(timeout)
+            return
         try:
             self._engine.close(timeout)
         finally:
-            self._dir_lock.release()
-            self._tiers.close(timeout)  # [storage]
+            self._closed = True
+            view = self._view
+            with view.lock:
+                view.users -= 1
+                if view.users == 0 and not view.in_flight:
+                    view.dir_lock.release()
+                    view.prepared = False
+            self._tiers.close(timeout)
 
     # -- restoring ------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None) -> Any:
-        """Restores a step (default: the newest that verifies) into ``target``'s shape.
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        args: Any = None,
+        directory: str | os.PathLike | None = None,
+    ) -> Any:
+        """Restores a step (default: the newest that verifies).
 
-        Waits for saves in flight first. The files are checked against the
-        manifest (sizes, and CRC32s unless ``RestoreOptions`` turns them off).
+        Waits for the step's save if it is still in flight. The files are
+        checked against the manifest (sizes, and CRC32s unless
+        ``RestoreOptions`` turns them off); only the arrays asked for are read.
         Without ``step``, a checkpoint that fails the check is skipped with a
         warning naming it and the file at fault, and the next newer is tried.
 
@@ -473,38 +588,68 @@ class CheckpointManager(ClosingContext):
             target: A pytree like the saved one; each leaf says what to
                 restore: ``jax.ShapeDtypeStruct`` with a sharding (any mesh or
                 device count), ``jax.Array`` (onto its sharding), NumPy arrays,
-                NumPy or Python scalars. None returns nested dicts/lists with
-                arrays on the default device.
+                NumPy or Python scalars, ``ocp.PLACEHOLDER`` (not read). None
+                returns nested dicts/lists with arrays on the default device.
+            args: orbax's spelling instead of ``target``: ``StandardRestore``,
+                ``PyTreeRestore`` (``restore_args``, ``partial_restore``),
+                ``JsonRestore``, or a ``Composite`` of them by item name
+                (returns a ``Composite``; items left out are not read).
+            directory: Restore from this directory instead (same step names).
 
         Raises:
-            CheckpointNotFoundError: no such step, or no checkpoint at all.
+            CheckpointNotFoundError: no such step or item, or no checkpoint at all.
             CorruptCheckpointError: the step's files do not match the manifest
                 (the file is named), or, for ``step=None``, none does.
             ValueError: ``target`` does not match the saved tree.
         """
-        self.wait_until_finished()
+        requests, named = _args.restore_items(target, args)
+        if directory is None:
+            self._wait_for(None if step is None else [operator.index(step)])
+            root, steps = self._directory, self.all_steps()
+        else:
+            root = os.path.abspath(os.fspath(directory))
+            names = self._config.names
+            steps = sorted(s for s in (names.parse(n) for n in os.listdir(root))
+                           if s is not None and os.path.isdir(os.path.join(root, names.name(s))))
+
         checksums = self._restore_options.verify_checksums
+
+        def step_dir(s: int) -> str:
+            return os.path.join(root, self._config.names.name(s))
+
         if step is not None:
-            chosen = self._existing_step(step)
-            self._tiers.ensure_local(str(chosen), checksums=checksums)  # [storage]
-            return restore_tree(self.step_dir(chosen), target, checksums=checksums)
-        steps = self.all_steps()
+            step = operator.index(step)
+            if step not in steps:
+                shown = ", ".join(map(str, steps[-20:])) or "none"
+                raise CheckpointNotFoundError(
+                    f"no checkpoint for step {step} in {root!r} (steps there: {shown})")
+            if directory is None and self._tiers.remote is not None:
+                self._tiers.ensure_local(self._config.names.name(step), checksums=checksums)
+            return restore_step(step_dir(step), requests, named, checksums=checksums)
         if not steps:
-            raise CheckpointNotFoundError(f"no checkpoints in {self._directory!r}")
+            raise CheckpointNotFoundError(f"no checkpoints in {root!r}")
         failures = []
         for candidate in reversed(steps):
             try:
-                self._tiers.ensure_local(str(candidate), checksums=checksums)  # [storage]
-                return restore_tree(self.step_dir(candidate), target, checksums=checksums)
+                if directory is None and self._tiers.remote is not None:
+                    self._tiers.ensure_local(self._config.names.name(candidate),
+                                             checksums=checksums)
+                return restore_step(step_dir(candidate), requests, named, checksums=checksums)
             except CorruptCheckpointError as e:
                 # Every file is checked before anything is placed on a device,
                 # and every process checks every file: all processes skip alike.
-                logger.warning("skipping checkpoint step %d in %s: %s",
-                               candidate, self._directory, e)
+                logger.warning("skipping checkpoint step %d in %s: %s", candidate, root, e)
                 failures.append(e)
         raise CorruptCheckpointError(
-            f"none of the {len(steps)} checkpoint(s) in {self._directory!r} verifies; "
+            f"none of the {len(steps)} checkpoint(s) in {root!r} verifies; "
             f"newest failure: {failures[0]}",
-            checkpoint=self._directory,
+            checkpoint=root,
             file=failures[0].file,
         )
+
+
+def _hand_to_tiers(tiers: TieredDirectory, names: _options.StepNames, step: int) -> None:
+    # Writer thread, right after the local publish: a URL directory uploads
+    # here (the save is durable only once committed remotely); two tiers hand
+    # the step to the background uploader.
+    tiers.after_commit(names.name(step))

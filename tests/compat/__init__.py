@@ -1,0 +1,1 @@
+"""Drop-in compatibility with the checkpoint managers of TensorFlow and orbax."""

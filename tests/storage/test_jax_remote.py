@@ -72,3 +72,11 @@ def test_two_tiers_upload_every_n_and_restore_from_remote(remote_url, tmp_path):
                               remote_options=opts) as mgr:
         assert mgr.latest_step() == 6
         assert _same(mgr.restore(target=_state(0)), _state(6))
+
+
+def test_step_names_other_than_the_number_are_refused_with_a_remote_tier(remote_url, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=6)
+    with pytest.raises(ValueError, match="step_prefix"):
+        aj.CheckpointManager(tmp_path / "local", options=options, remote=remote_url)
+    assert not (tmp_path / "s3:").exists()

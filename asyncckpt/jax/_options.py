@@ -1,0 +1,221 @@
+"""The manager's settings, from keyword arguments or from orbax's ``CheckpointManagerOptions``.
+
+``ManagerConfig`` is what the manager works from. ``from_orbax`` maps every
+field of ``orbax.checkpoint.CheckpointManagerOptions`` onto it: fields with
+an asyncckpt meaning are honoured, performance hints with no effect on what
+is saved are accepted, and every other field set away from orbax's default
+is refused with an error naming it, so no setting is silently ignored.
+orbax is never imported here: its options object is read by attribute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# Fields of orbax's CheckpointManagerOptions that change nothing asyncckpt
+# saves or lists (how orbax schedules its own work); any value is accepted.
+_HINTS = frozenset({
+    "cleanup_tmp_directories",  # asyncckpt always removes stale temporaries under its lock
+    "enable_background_delete",  # deletions already run on the writer thread
+    "num_deletion_threads",
+    "lightweight_initialize",
+    "enable_should_save_is_saving_in_progress_check",  # only for continuous checkpointing
+    "single_host_load_and_broadcast",  # listing is one local directory read
+})
+
+# Fields honoured by ManagerConfig.
+_HONOURED = frozenset({
+    "save_interval_steps", "max_to_keep", "keep_time_interval", "keep_period", "best_fn",
+    "best_mode", "keep_checkpoints_without_metrics", "step_prefix", "step_format_fixed_length",
+    "create", "save_on_steps", "todelete_subdir", "read_only", "enable_async_checkpointing",
+    "should_save_fn", "save_root_metadata", "prevent_write_metrics",
+})
+
+# Why the others are refused when set.
+_REFUSED = {
+    "step_name_format": "custom NameFormat classes (use step_prefix / step_format_fixed_length)",
+    "todelete_full_path": "soft deletion to a bucket path (GCS only)",
+    "async_options": "orbax's AsyncOptions (use asyncckpt's async_options=AsyncOptions(...))",
+    "multiprocessing_options": "orbax's MultiprocessingOptions (asyncckpt coordinates all "
+                               "JAX processes itself)",
+    "file_options": "orbax's FileOptions (path permissions, sync validations)",
+    "atomicity_options": "orbax's atomicity modes (asyncckpt commits by rename)",
+    "temporary_path_class": "orbax's TemporaryPath classes (asyncckpt commits by rename)",
+    "save_decision_policy": "orbax's SaveDecisionPolicy objects (use save_interval_steps, "
+                            "save_on_steps or should_save_fn)",
+    "preservation_policy": "orbax's PreservationPolicy objects (use max_to_keep, keep_period, "
+                           "keep_time_interval or best_fn)",
+    "enable_per_process_directory_creation": "per-process step directories",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepNames:
+    """How a step's directory is named: ``[prefix_]<step, zero padded to fixed_length>``.
+
+    The same rule as orbax's standard name format, so either manager finds
+    the other's steps.
+    """
+
+    prefix: str | None = None
+    fixed_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefix is not None and (not self.prefix or "/" in self.prefix
+                                        or self.prefix.startswith(".")):
+            raise ValueError(f"step_prefix must be a plain name, got {self.prefix!r}")
+        if self.fixed_length is not None and self.fixed_length < 0:
+            raise ValueError(f"step_format_fixed_length must be >= 0, got {self.fixed_length}")
+        n = self.fixed_length
+        digits = rf"(0\d{{{n - 1}}}|[1-9]\d{{{n - 1}}}\d*)" if n else r"(0|[1-9]\d*)"
+        head = re.escape(f"{self.prefix}_") if self.prefix else ""
+        object.__setattr__(self, "_pattern", re.compile(f"{head}{digits}"))
+
+    def name(self, step: int) -> str:
+        digits = f"{step:0{self.fixed_length}d}" if self.fixed_length else str(step)
+        return f"{self.prefix}_{digits}" if self.prefix else digits
+
+    def parse(self, name: str) -> int | None:
+        """The step a directory name stands for, or None if it is not a step."""
+        m = self._pattern.fullmatch(name)  # type: ignore[attr-defined]
+        return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """Everything that decides when the manager saves, what it keeps and how it names steps.
+
+    Attributes:
+        max_to_keep: Checkpoints kept (None: all; 0: none, as orbax: every
+            save is deleted once written, unless a preserving rule keeps it).
+        keep_time_interval_s: Preserve one checkpoint per this many seconds.
+        keep_period: Preserve every step divisible by this.
+        best_fn: Ranks checkpoints by their metrics (with ``max_to_keep``).
+        best_mode: ``"max"`` or ``"min"``.
+        keep_checkpoints_without_metrics: With ``best_fn``, keep checkpoints
+            saved without metrics.
+        save_interval_steps: ``should_save`` is true on multiples of this.
+        save_on_steps: Further steps ``should_save`` is true on.
+        should_save_fn: ``(step, latest_step) -> bool``; replaces the two above.
+        names: Step directory names.
+        read_only: Saves and deletes are skipped (with a warning).
+        create: Create the directory at construction.
+        todelete_subdir: Deleted steps are moved into this subdirectory.
+        enable_async: False makes ``save`` return only once the step is durable.
+        save_root_metadata: Write the manager-level ``metadata=`` once.
+        write_metrics: Write the ``metrics`` item orbax's ``best_fn`` reads.
+    """
+
+    max_to_keep: int | None = None
+    keep_time_interval_s: float | None = None
+    keep_period: int | None = None
+    best_fn: Callable[[Any], float] | None = None
+    best_mode: Literal["max", "min"] = "max"
+    keep_checkpoints_without_metrics: bool = True
+    save_interval_steps: int = 1
+    save_on_steps: frozenset[int] = frozenset()
+    should_save_fn: Callable[[int, int | None], bool] | None = None
+    names: StepNames = StepNames()
+    read_only: bool = False
+    create: bool = True
+    todelete_subdir: str | None = None
+    enable_async: bool = True
+    save_root_metadata: bool = True
+    write_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_to_keep", self.max_to_keep, minimum=0, optional=True)
+        _check_int("keep_period", self.keep_period, minimum=1, optional=True)
+        _check_int("save_interval_steps", self.save_interval_steps, minimum=0)
+        if self.best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.keep_time_interval_s is not None and self.keep_time_interval_s <= 0:
+            raise ValueError(f"keep_time_interval must be positive, got "
+                             f"{self.keep_time_interval_s} s")
+        if self.todelete_subdir is not None and (
+            not self.todelete_subdir or self.names.parse(self.todelete_subdir.split("/")[0])
+            is not None
+        ):
+            raise ValueError(f"todelete_subdir must be a name that is not a step, got "
+                             f"{self.todelete_subdir!r}")
+
+    def on_schedule(self, step: int, latest: int | None) -> bool:
+        """Whether the save rules (not preemption, not the first save) pick ``step``."""
+        if self.should_save_fn is not None:
+            return bool(self.should_save_fn(step, latest))
+        if self.save_interval_steps and step % self.save_interval_steps == 0:
+            return True
+        return step in self.save_on_steps
+
+
+def _check_int(name: str, value: Any, *, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, "
+                         f"got {value!r}")
+
+
+def from_orbax(options: Any) -> ManagerConfig:
+    """A ``ManagerConfig`` from an ``orbax.checkpoint.CheckpointManagerOptions``.
+
+    Raises:
+        ValueError: a field asyncckpt cannot honour is set away from orbax's
+            default (the field is named, with what to use instead).
+        TypeError: ``options`` is not orbax's options dataclass.
+    """
+    if not dataclasses.is_dataclass(options) or type(options).__name__ != (
+        "CheckpointManagerOptions"
+    ):
+        raise TypeError(f"options must be orbax.checkpoint.CheckpointManagerOptions, got "
+                        f"{type(options).__module__}.{type(options).__qualname__}")
+    defaults = type(options)()
+    for f in dataclasses.fields(options):
+        if f.name in _HONOURED or f.name in _HINTS:
+            continue
+        value = getattr(options, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        why = _REFUSED.get(f.name, "an option this version of asyncckpt does not know")
+        raise ValueError(
+            f"CheckpointManagerOptions.{f.name}={value!r} is not supported by "
+            f"asyncckpt.jax.CheckpointManager: {why}"
+        )
+    interval = options.keep_time_interval
+    if isinstance(interval, datetime.timedelta):
+        interval_s: float | None = interval.total_seconds()
+    else:
+        interval_s = None if interval is None else float(interval)
+    return ManagerConfig(
+        max_to_keep=options.max_to_keep,
+        keep_time_interval_s=interval_s,
+        keep_period=options.keep_period,
+        best_fn=options.best_fn,
+        best_mode=options.best_mode,
+        keep_checkpoints_without_metrics=options.keep_checkpoints_without_metrics,
+        save_interval_steps=options.save_interval_steps,
+        save_on_steps=_steps(options.save_on_steps),
+        should_save_fn=options.should_save_fn,
+        names=StepNames(prefix=options.step_prefix,
+                        fixed_length=options.step_format_fixed_length),
+        read_only=options.read_only,
+        create=options.create,
+        todelete_subdir=options.todelete_subdir,
+        enable_async=options.enable_async_checkpointing,
+        save_root_metadata=options.save_root_metadata,
+        write_metrics=not options.prevent_write_metrics,
+    )
+
+
+def _steps(steps: Container[int] | None) -> frozenset[int]:
+    if steps is None:
+        return frozenset()
+    try:
+        return frozenset(int(s) for s in steps)  # type: ignore[attr-defined]
+    except TypeError as e:
+        raise ValueError(f"save_on_steps must be an iterable of steps, got {steps!r}") from e

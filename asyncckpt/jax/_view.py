@@ -1,0 +1,299 @@
+"""The in-process view of one checkpoint directory, shared by every manager on it.
+
+orbax's manager lists a step as soon as ``save()`` returns and drops the
+steps its retention will delete at that moment; the files follow in the
+background. ``DirectoryView`` keeps that view for asyncckpt: the steps on
+disk, plus the saves in flight, minus the steps retention has condemned
+(deleted once the save that condemned them is durable). Every manager of
+one directory in a process shares one view (by real path, weakly held), so
+a restart modelled as ``del mgr; mgr = CheckpointManager(same dir)``, or two
+live managers, agree on the listing and share the directory lock instead of
+refusing each other. Other processes are still kept out by the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine import retention
+from asyncckpt.engine.lock import DirectoryLock
+from asyncckpt.jax._options import ManagerConfig, StepNames
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What retention knows of a step: when it was saved and its metrics."""
+
+    timestamp: float
+    metrics: Any = None
+
+
+class DirectoryView:
+    """Steps of one directory as this process sees them, and its writer lock.
+
+    Args:
+        directory: The directory's real path.
+        names: How step directories are named.
+    """
+
+    def __init__(self, directory: str, names: StepNames):
+        self.directory = directory
+        self.names = names
+        self.lock = threading.RLock()
+        self.settled = threading.Condition(self.lock)  # notified as each save is settled
+        self.in_flight: dict[int, Any] = {}  # step -> SaveHandle (None while staging)
+        self.unsettled: set[int] = set()  # saves whose settle (deletions included) is pending
+        self.doomed: dict[int, int | None] = {}  # step -> the step whose commit deletes it
+        self.records: dict[int, StepRecord] = {}
+        self._listing: tuple[int, frozenset[int]] | None = None  # (mtime_ns, steps)
+        self.preserved: set[int] = set()
+        self.last_preserved_ts = 0.0
+        self.prepared = False
+        self.users = 0  # open managers; the lock is released when the last closes
+        self.dir_lock = DirectoryLock(directory)
+        # Released once no manager and no save in flight refers to this view.
+        weakref.finalize(self, self.dir_lock.release)
+
+    # -- listing ------------------------------------------------------------------
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, self.names.name(step))
+
+    def disk_steps(self) -> frozenset[int]:
+        """The step directories on disk.
+
+        Cached while the directory's mtime stays the same and this process
+        changed nothing (``invalidate``): a ``save()`` then costs one ``stat``,
+        not a listing. The mtime catches other processes' changes.
+        """
+        try:
+            mtime = os.stat(self.directory).st_mtime_ns
+        except FileNotFoundError:
+            return frozenset()
+        cached = self._listing
+        if cached is not None and cached[0] == mtime:
+            return cached[1]
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return frozenset()
+        steps = set()
+        for name in names:
+            step = self.names.parse(name)
+            if step is not None and os.path.isdir(os.path.join(self.directory, name)):
+                steps.add(step)
+        found = frozenset(steps)
+        self._listing = (mtime, found)
+        return found
+
+    def invalidate(self) -> None:
+        """This process changed the directory: list it again next time."""
+        self._listing = None
+
+    def steps(self) -> list[int]:
+        """Durable and in-flight steps, minus those retention has condemned."""
+        on_disk = self.disk_steps()
+        with self.lock:
+            for s, cause in list(self.doomed.items()):
+                if cause is None and s not in on_disk and s not in self.in_flight:
+                    del self.doomed[s]  # deleted (here, or by the primary process)
+            return sorted((on_disk | set(self.in_flight)) - set(self.doomed))
+
+    # -- the writer lock and stale temporaries, once per process ----------------------
+
+    def prepare(self) -> None:
+        """Before this process's first save here: take the lock, clear stale temporaries."""
+        with self.lock:
+            if self.prepared:
+                return
+            commit_lib.ensure_writable_dir(self.directory)
+            self.dir_lock.acquire()
+            # Holding the lock, nobody else writes here: temporaries are stale.
+            commit_lib.cleanup_stale_temps(self.directory)
+            self.prepared = True
+            self.invalidate()
+
+    # -- retention ------------------------------------------------------------------
+
+    def record(self, step: int, read: Callable[[int], StepRecord]) -> StepRecord:
+        with self.lock:
+            rec = self.records.get(step)
+        if rec is None:
+            rec = read(step)
+            with self.lock:
+                self.records.setdefault(step, rec)
+        return rec
+
+    def condemn(self, new_step: int, config: ManagerConfig, metric: Callable[[Any], float | None],
+                read: Callable[[int], StepRecord]) -> list[int]:
+        """Applies retention as if ``new_step`` were saved; returns the steps condemned.
+
+        They are hidden at once and deleted when ``new_step`` is durable.
+        """
+        if config.max_to_keep is None:
+            return []
+        with self.lock:
+            listed = [s for s in self.steps() if s not in self.preserved]
+            candidates = []
+            for s in listed:
+                rec = self.record(s, read)
+                candidates.append(retention.Candidate(str(s), s, rec.timestamp,
+                                                      metric(rec.metrics)))
+            n = config.max_to_keep
+            policy = retention.RetentionPolicy(
+                max_to_keep=max(n, 1),
+                keep_every_n_hours=(None if config.keep_time_interval_s is None
+                                    else config.keep_time_interval_s / 3600.0),
+                keep_period=config.keep_period,
+                best_mode=config.best_mode if config.best_fn is not None else None,
+                keep_checkpoints_without_metrics=config.keep_checkpoints_without_metrics,
+            )
+            decision = retention.apply(candidates, policy,
+                                       last_preserved_timestamp=self.last_preserved_ts)
+            delete = [int(c.key) for c in decision.delete]
+            preserve = [int(c.key) for c in decision.preserve]
+            last = decision.last_preserved_timestamp
+            if n == 0 and decision.keep:  # orbax: keep none; only the preserving rules keep
+                newest = decision.keep[-1]
+                interval = config.keep_time_interval_s
+                if config.keep_period and newest.step % config.keep_period == 0:
+                    preserve.append(newest.step)
+                elif interval is not None and newest.timestamp - interval >= last:
+                    preserve.append(newest.step)
+                    last = newest.timestamp
+                else:
+                    delete.append(newest.step)  # type: ignore[arg-type]
+            self.last_preserved_ts = last
+            self.preserved.update(preserve)
+            for s in delete:
+                self.doomed[s] = new_step
+            return delete
+
+    def settle(self, step: int, *, committed: bool, deleter: Callable[[int], None] | None) -> None:
+        """A save ended: drop it from the in-flight set; on success delete what it condemned.
+
+        ``deleter`` is None on processes that do not delete (not the primary):
+        there the condemned steps stay hidden until the primary has deleted
+        them. A failed deletion is logged and retried at the next commit.
+        Runs on the writer thread, which also lists the directory afresh, so
+        the next ``save()`` finds the listing cached.
+        """
+        try:
+            self._settle(step, committed=committed, deleter=deleter)
+        finally:
+            self.invalidate()
+            self.disk_steps()
+            with self.settled:
+                self.unsettled.discard(step)
+                self.settled.notify_all()
+
+    def wait_settled(self, steps: set[int] | None) -> None:
+        """Waits until the saves of these steps (None: all) are settled, deletions included."""
+        with self.settled:
+            self.settled.wait_for(
+                lambda: not (self.unsettled if steps is None else self.unsettled & steps))
+
+    def _settle(self, step: int, *, committed: bool,
+                deleter: Callable[[int], None] | None) -> None:
+        self.invalidate()  # published (or a failed save's leftovers removed)
+        with self.lock:
+            self.in_flight.pop(step, None)
+            if not committed:
+                for s, cause in list(self.doomed.items()):
+                    if cause == step:
+                        del self.doomed[s]
+                self.records.pop(step, None)
+                return
+            for s, cause in self.doomed.items():
+                if cause == step:
+                    self.doomed[s] = None  # due now, or at its own commit if in flight
+            due = [s for s, cause in self.doomed.items()
+                   if cause is None and s not in self.in_flight]
+        if deleter is None:
+            return  # the primary process deletes; they stay hidden until gone from disk
+        for s in sorted(due):
+            try:
+                deleter(s)
+            except Exception as e:  # the save is durable; a stale step must not fail it
+                logger.warning("could not delete old checkpoint step %d in %s (retrying at the "
+                               "next save): %s", s, self.directory, e)
+                with self.lock:
+                    self.doomed[s] = None
+                continue
+            self.invalidate()
+            with self.lock:
+                self.doomed.pop(s, None)
+                self.records.pop(s, None)
+
+    def forget(self, step: int) -> None:
+        self.invalidate()
+        with self.lock:
+            self.records.pop(step, None)
+            self.preserved.discard(step)
+            self.doomed.pop(step, None)
+
+
+def delete_step_dir(view: DirectoryView, step: int, todelete_subdir: str | None) -> None:
+    """Removes a step: renamed out of the listing first, so a half-deleted step is never seen.
+
+    With ``todelete_subdir`` the step is only moved there (orbax's soft delete).
+
+    Raises:
+        OSError: the rename or removal failed.
+    """
+    path = view.step_dir(step)
+    if todelete_subdir is not None:
+        trash = os.path.join(view.directory, todelete_subdir)
+        os.makedirs(trash, exist_ok=True)
+        target = os.path.join(trash, view.names.name(step))
+        if os.path.lexists(target):
+            commit_lib.remove_tree(target)
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:
+            return
+        logger.debug("moved step %d to %s", step, trash)
+        return
+    doomed = os.path.join(view.directory, f"{commit_lib.TEMP_PREFIX}deleted-{step}-"
+                          f"{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    commit_lib.remove_tree(doomed)
+    logger.debug("deleted step %d in %s", step, view.directory)
+
+
+_VIEWS: weakref.WeakValueDictionary[str, DirectoryView] = weakref.WeakValueDictionary()
+_VIEWS_LOCK = threading.Lock()
+
+
+def view_for(directory: str, names: StepNames) -> DirectoryView:
+    """The view of ``directory`` shared by this process's managers (made on first use).
+
+    Raises:
+        ValueError: another live manager of this process names the steps of
+            this directory differently.
+    """
+    key = os.path.realpath(directory)
+    with _VIEWS_LOCK:
+        view = _VIEWS.get(key)
+        if view is None:
+            view = DirectoryView(directory, names)
+            _VIEWS[key] = view
+        elif view.names != names:
+            raise ValueError(
+                f"another CheckpointManager of this process uses {directory!r} with other step "
+                f"names ({view.names.name(1)!r} for step 1, this one {names.name(1)!r})"
+            )
+        return view
