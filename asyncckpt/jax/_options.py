@@ -198,7 +198,7 @@ def from_orbax(options: Any) -> ManagerConfig:
         best_fn=options.best_fn,
         best_mode=options.best_mode,
         keep_checkpoints_without_metrics=options.keep_checkpoints_without_metrics,
-        save_interval_steps=options.save_interval_steps,
+        save_interval_steps=options.save_interval_steps or 0,  # None: no interval rule
         save_on_steps=_steps(options.save_on_steps),
         should_save_fn=options.should_save_fn,
         names=StepNames(prefix=options.step_prefix,
