@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import operator
 import os
@@ -26,8 +25,9 @@ from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
 from asyncckpt.jax._restore import restore_step
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
+from asyncckpt.jax._tiers import StepTiers
 from asyncckpt.options import AsyncOptions, RestoreOptions
-from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
+from asyncckpt.storage.tier import RemoteOptions
 
 logger = logging.getLogger(__name__)
 
@@ -137,28 +137,15 @@ class CheckpointManager(ClosingContext):
         names = item_names if item_names is not None else _compat.handler_item_names(item_handlers)
         self._item_names = None if names is None else tuple(
             _args._check_item_name(n) for n in names)
-        # A URL directory stages in a local scratch directory (storage tier).
-        self._tiers = TieredDirectory(
-            directory, remote=remote,
-            remote_options=remote_options or RemoteOptions(
-                max_to_keep=self._config.max_to_keep or None))
+        self._tiers = StepTiers(directory, remote=remote, remote_options=remote_options,
+                                config=self._config)
         self._directory = self._tiers.local_dir
-        if self._tiers.remote is not None and self._config.names.name(12) != "12":
-            self._tiers.close()
-            raise ValueError("step_prefix / step_format_fixed_length are not supported with an "
-                             "object-storage directory or remote tier yet (steps are named by "
-                             "their number there)")
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
         self._root_metadata = _compat.json_checked(metadata, "metadata")
         self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s)
-        if self._coord is not None and self._tiers.remote is not None:
-            self._tiers.close()
-            raise NotImplementedError(
-                f"multi-process saves to a remote tier ({self._tiers.remote.url}) are not "
-                f"supported yet: each process would stage its shards in its own local scratch "
-                f"directory, which process 0 cannot commit. Use a directory every process "
-                f"shares (see docs/storage.md)")
+        if self._coord is not None:
+            self._tiers.refuse_multiprocess()
         self._primary = self._coord is None or self._coord.primary
         if self._config.create and not self._config.read_only:
             os.makedirs(self._directory, exist_ok=True)
@@ -205,12 +192,7 @@ class CheckpointManager(ClosingContext):
         retention will delete once the newest save is durable are not.
         Temporaries of interrupted saves (asyncckpt's or orbax's) never are.
         """
-        steps = self._view.steps()
-        if self._tiers.remote is None:
-            return steps
-        # Steps only the remote tier has count too.
-        remote = (self._config.names.parse(n) for n in self._tiers.remote_names())
-        return sorted({*steps, *(s for s in remote if s is not None)})
+        return self._tiers.steps(self._view.steps())
 
     def latest_step(self) -> int | None:
         """The newest listed step, or None."""
@@ -370,6 +352,7 @@ class CheckpointManager(ClosingContext):
         if self._closed or self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
         self._engine.raise_pending_error()
+        self._tiers.raise_pending_error()  # a failed background upload surfaces here
         items, named = _args.save_items(state, args)
         self._check_items(items, named)
         step = operator.index(step)
@@ -453,8 +436,7 @@ class CheckpointManager(ClosingContext):
                 custom_metadata=custom_metadata,
                 on_committed=None,
                 # Upload as part of the commit (a URL directory: before it is durable).
-                on_published=None if self._tiers.remote is None else functools.partial(
-                    _hand_to_tiers, self._tiers, view.names),
+                on_published=self._tiers.on_published(),
                 dir_name=view.names.name(step),
                 item_handlers=handlers,
             )
@@ -623,17 +605,16 @@ class CheckpointManager(ClosingContext):
                 shown = ", ".join(map(str, steps[-20:])) or "none"
                 raise CheckpointNotFoundError(
                     f"no checkpoint for step {step} in {root!r} (steps there: {shown})")
-            if directory is None and self._tiers.remote is not None:
-                self._tiers.ensure_local(self._config.names.name(step), checksums=checksums)
+            if directory is None:
+                self._tiers.ensure_local(step, checksums=checksums)
             return restore_step(step_dir(step), requests, named, checksums=checksums)
         if not steps:
             raise CheckpointNotFoundError(f"no checkpoints in {root!r}")
         failures = []
         for candidate in reversed(steps):
             try:
-                if directory is None and self._tiers.remote is not None:
-                    self._tiers.ensure_local(self._config.names.name(candidate),
-                                             checksums=checksums)
+                if directory is None:
+                    self._tiers.ensure_local(candidate, checksums=checksums)
                 return restore_step(step_dir(candidate), requests, named, checksums=checksums)
             except CorruptCheckpointError as e:
                 # Every file is checked before anything is placed on a device,
@@ -646,10 +627,3 @@ class CheckpointManager(ClosingContext):
             checkpoint=root,
             file=failures[0].file,
         )
-
-
-def _hand_to_tiers(tiers: TieredDirectory, names: _options.StepNames, step: int) -> None:
-    # Writer thread, right after the local publish: a URL directory uploads
-    # here (the save is durable only once committed remotely); two tiers hand
-    # the step to the background uploader.
-    tiers.after_commit(names.name(step))
