@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,13 +81,18 @@ def list_checkpoints(directory: str) -> list[CheckpointInfo]:
                     manifest_path=layout.tf_manifest_path(prefix),
                 )
             )
-        elif name.isdigit() and os.path.isdir(path):
+        elif os.path.isdir(path) and (
+            name.isdigit() or os.path.isfile(layout.jax_manifest_path(path))
+        ):
+            # Step directories: plain numbers, or orbax's prefixed / fixed-length
+            # names (``ckpt_000007``) when asyncckpt's manifest is inside.
+            digits = re.search(r"(\d+)$", name)
             found.append(
                 CheckpointInfo(
                     name=name,
                     path=path,
                     framework="jax",
-                    step=int(name),
+                    step=int(digits.group(1)) if digits else None,
                     manifest_path=layout.jax_manifest_path(path),
                 )
             )

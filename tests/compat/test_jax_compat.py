@@ -160,6 +160,13 @@ def test_step_prefix_and_fixed_length_read_by_orbax_and_back(tmp_path):
         mgr.save(1234567, args=ocp.args.StandardSave(_state(8)))
     assert sorted(n for n in os.listdir(ours) if n.startswith("ckpt")) == [
         "ckpt_000007", "ckpt_1234567"]
+    # The catalog (asyncckpt list / verify) finds and verifies them by step too.
+    from asyncckpt import catalog
+
+    found = catalog.list_checkpoints(str(ours))
+    assert [(c.name, c.step) for c in found] == [("ckpt_000007", 7), ("ckpt_1234567", 1234567)]
+    for c in found:
+        assert catalog.verify(c).step == c.step
     with ocp.CheckpointManager(str(ours), options=_opts(**opts)) as mgr:
         assert mgr.all_steps() == [7, 1234567]
         _same(mgr.restore(7, args=ocp.args.StandardRestore(_abstract())), _state(7))
