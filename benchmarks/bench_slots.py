@@ -94,7 +94,7 @@ def _report(fw: str, mib: int, arrays: int, r: dict) -> None:
     print(f"{fw} {mib} MiB in {arrays} arrays: memcpy median {mem * 1e3:.2f} ms")
     print(f"  blocking ms per save   {ms(r['blocking'])}")
     print(f"  of which slot wait ms  {ms(r['slot_wait'])}")
-    print(f"  staging / memcpy       " + ",".join(f"{s / mem:.2f}" for s in staging))
+    print("  staging / memcpy       " + ",".join(f"{s / mem:.2f}" for s in staging))
     later = staging[1:]
     if later:
         print(f"  saves 2..: max staging / memcpy {max(later) / mem:.2f}, "
