@@ -9,6 +9,15 @@ writer's queue plays the reader side.
 
 Buffers are kept from save to save, keyed by a name the framework adapter
 chooses, so the steady state allocates nothing and touches only warm pages.
+
+First use of a slot would allocate and pre-fault a whole state's worth of
+memory on the training thread (100+ ms for a few hundred MiB). So once a save
+has shown the pool the state's layout (buffer names and sizes), a short-lived
+preparer thread, at the writer's low priority, builds the same buffers in the
+other free slots. It installs each buffer only once it is allocated and
+pre-faulted, and only while the slot is free, so ``acquire`` may take a slot
+at any moment and never sees a half-built buffer: whatever is still missing
+is allocated on demand, as before (and so is a changed layout).
 """
 
 from __future__ import annotations
@@ -16,9 +25,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -26,6 +36,39 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _ALIGNMENT = 64  # bytes; cache-line aligned, and what XLA/Eigen expect for zero-copy use.
+
+
+_FAULT_CHUNK = 1 << 20  # bytes touched per GIL-free step when pre-faulting
+_ZEROS = np.zeros(_FAULT_CHUNK, dtype=np.uint8)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raises the calling thread's niceness by ``nice`` (Linux only; best effort).
+
+    On Linux each thread has its own niceness and threads it starts inherit
+    it, so a background thread's helpers run at the same priority. Lowering
+    one's own priority needs no privilege; where it is refused or the
+    platform has no per-thread priority, the thread runs unchanged.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except OSError as e:
+        logger.debug("could not lower a background thread's priority: %s", e)
+
+
+def _prefault(buf: np.ndarray) -> None:
+    """Touches every page of ``buf`` in chunks that run without the GIL.
+
+    ``ndarray.fill`` holds the GIL for the whole buffer (tens of ms for
+    hundreds of MiB); ``copyto`` from a zero chunk releases it, so a
+    background thread pre-faulting never stalls the training thread.
+    """
+    for start in range(0, buf.nbytes, _FAULT_CHUNK):
+        part = buf[start : start + _FAULT_CHUNK]
+        np.copyto(part, _ZEROS[: part.nbytes])
 
 
 def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
@@ -40,7 +83,7 @@ def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
     offset = (-raw.ctypes.data) % _ALIGNMENT
     buf = raw[offset : offset + nbytes]
     if prefault and nbytes:
-        buf.fill(0)
+        _prefault(buf)
     return buf
 
 
@@ -133,16 +176,28 @@ def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 class Slot:
-    """One set of reusable host buffers, holding at most one staged save."""
+    """One set of reusable host buffers, holding at most one staged save.
+
+    Attributes:
+        index: Position in the pool.
+        allocations: Buffers allocated on demand (on the saving thread) by
+            the save staged last; 0 when the slot was ready for its layout.
+        prepared: Buffers the pool's preparer has built in this slot, in all.
+    """
 
     def __init__(self, index: int):
         self.index = index
+        self.allocations = 0
+        self.prepared = 0
         self._buffers: dict[str, np.ndarray] = {}
         self._used: set[str] = set()
+        self._changed = True  # allocated or trimmed since the pool last learned from it
+        self._ready = -1  # the pool's layout version this slot holds in full
 
     def begin(self) -> None:
         """Starts filling the slot for a new save."""
         self._used.clear()
+        self.allocations = 0
 
     def buffer(self, key: str, shape: Iterable[int], dtype: np.dtype | type) -> np.ndarray:
         """Returns a writable C-contiguous host buffer for one array.
@@ -162,18 +217,37 @@ class Slot:
         if raw is None or raw.nbytes != nbytes:
             raw = aligned_empty(nbytes)
             self._buffers[key] = raw
+            self.allocations += 1
+            self._changed = True
         self._used.add(key)
         return raw.view(dtype).reshape(shape)
 
     def trim(self) -> None:
         """Frees buffers that the save being staged did not use."""
-        for key in [k for k in self._buffers if k not in self._used]:
+        unused = [k for k in self._buffers if k not in self._used]
+        for key in unused:
             del self._buffers[key]
+        if unused:
+            self._changed = True
+
+    def layout(self) -> dict[str, int]:
+        """Byte size of each buffer, by key."""
+        return {k: b.nbytes for k, b in self._buffers.items()}
+
+    def _missing(self, layout: Mapping[str, int]) -> list[tuple[str, int]]:
+        """The ``(key, nbytes)`` of ``layout`` this slot has no buffer for."""
+        out = []
+        for key, nbytes in layout.items():
+            b = self._buffers.get(key)
+            if b is None or b.nbytes != nbytes:
+                out.append((key, nbytes))
+        return out
 
     @property
     def nbytes(self) -> int:
         """Host memory held by this slot."""
-        return sum(b.nbytes for b in self._buffers.values())
+        # list() copies the values atomically: the preparer may be installing one.
+        return sum(b.nbytes for b in list(self._buffers.values()))
 
     def clear(self) -> None:
         """Drops every buffer (used when the pool is closed)."""
@@ -182,14 +256,24 @@ class Slot:
 
 
 class StagingPool:
-    """A fixed number of slots; ``acquire`` blocks while all are in use."""
+    """A fixed number of slots; ``acquire`` blocks while all are in use.
 
-    def __init__(self, num_slots: int):
+    Args:
+        num_slots: Number of slots.
+        prepare_nice: Niceness added to the preparer thread (see module doc).
+    """
+
+    def __init__(self, num_slots: int, *, prepare_nice: int = 0):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self._slots = [Slot(i) for i in range(num_slots)]
         self._free = list(self._slots)
         self._cond = threading.Condition()
+        self._prepare_nice = prepare_nice
+        self._layout: dict[str, int] = {}
+        self._version = 0  # bumped whenever the layout changes
+        self._preparer: threading.Thread | None = None
+        self._closed = False
 
     @property
     def num_slots(self) -> int:
@@ -216,10 +300,16 @@ class StagingPool:
         """
         start = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: self._free, timeout=timeout):
+            if not self._free and not self._cond.wait_for(lambda: self._free, timeout=timeout):
                 raise TimeoutError(f"no staging slot became free within {timeout} s")
-            # Prefer the most recently released slot: its pages are the warmest.
-            slot = self._free.pop()
+            # Prefer the most recently released slot that holds the whole
+            # layout: its pages are the warmest, and it allocates nothing.
+            pick = len(self._free) - 1
+            for i in range(pick, -1, -1):
+                if self._free[i]._ready == self._version:
+                    pick = i
+                    break
+            slot = self._free.pop(pick)
         slot.begin()
         return slot, time.perf_counter() - start
 
@@ -231,8 +321,103 @@ class StagingPool:
             self._free.append(slot)
             self._cond.notify()
 
+    def learn(self, slot: Slot) -> None:
+        """Records the layout ``slot`` was just staged with, and prepares the others.
+
+        Called on the saving thread after staging (and ``trim``); costs
+        nothing when the layout is the one already known.
+        """
+        if not slot._changed and slot._ready == self._version:
+            return
+        slot._changed = False
+        self.prepare(slot.layout(), _ready=slot)
+
+    def prepare(self, layout: Mapping[str, int], *, _ready: Slot | None = None) -> None:
+        """Builds buffers of ``layout`` (key to byte size) in the free slots.
+
+        Runs on a background thread; returns at once. Buffers a free slot
+        holds outside ``layout`` are dropped first, so a layout change does
+        not hold two layouts' memory.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            if layout != self._layout:
+                self._layout = dict(layout)
+                self._version += 1
+            if _ready is not None:
+                _ready._ready = self._version
+            if self._preparer is None and self._next_work() is not None:
+                self._preparer = threading.Thread(
+                    target=self._prepare_loop, name="asyncckpt-prepare", daemon=True
+                )
+                self._preparer.start()
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Waits until the preparer has nothing left to do; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._preparer is None, timeout=timeout)
+
+    def _next_work(self) -> tuple[Slot, list[tuple[str, int]]] | None:
+        """The next buffers to build: a free slot and what it misses of the layout.
+
+        Called with ``_cond`` held. Drops stale buffers of free slots on the way.
+        """
+        for slot in reversed(self._free):
+            stale = [k for k in slot._buffers if k not in self._layout]
+            for key in stale:
+                del slot._buffers[key]
+            if slot._ready == self._version:
+                continue
+            missing = slot._missing(self._layout)
+            if missing:
+                return slot, missing
+            slot._ready = self._version
+        return None
+
+    def _prepare_loop(self) -> None:
+        """The preparer thread: builds one buffer at a time, then exits when idle.
+
+        It holds the pool only while there is work, so a dropped engine's
+        staging memory is freed as usual.
+        """
+        lower_thread_priority(self._prepare_nice)
+        built = 0
+        try:
+            while True:
+                with self._cond:
+                    work = None if self._closed else self._next_work()
+                    if work is None:
+                        self._preparer = None
+                        self._cond.notify_all()
+                        break
+                slot, missing = work
+                for key, nbytes in missing:
+                    buf = aligned_empty(nbytes)
+                    with self._cond:
+                        # Installed only into a slot nobody holds, and only if
+                        # the layout still wants it: acquire() never sees a
+                        # half-built buffer.
+                        if self._closed or slot not in self._free:
+                            break
+                        if self._layout.get(key) == nbytes:
+                            slot._buffers[key] = buf
+                            slot.prepared += 1
+                            built += 1
+                    del buf
+                del work, slot, missing
+        except BaseException:
+            logger.exception("preparing staging slots failed; they are filled on demand")
+            with self._cond:
+                self._preparer = None
+                self._cond.notify_all()
+        if built:
+            logger.debug("prepared %d staging buffer(s) in the background", built)
+
     def close(self) -> None:
         """Frees all host buffers."""
         with self._cond:
+            self._closed = True
             for slot in self._slots:
                 slot.clear()
+            self._cond.notify_all()

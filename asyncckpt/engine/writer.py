@@ -21,9 +21,7 @@ saves already queued hold the engine until they are durable, then a
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -37,7 +35,7 @@ from typing import Protocol
 from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import _process
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
-from asyncckpt.engine.slots import Slot, StagingPool
+from asyncckpt.engine.slots import Slot, StagingPool, lower_thread_priority
 from asyncckpt.errors import EngineClosedError
 from asyncckpt.options import AsyncOptions
 
@@ -71,23 +69,6 @@ class SaveJob(Protocol):
 
 
 StageFn = Callable[[Slot], SaveJob]
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raises the calling thread's niceness by ``nice`` (Linux only; best effort).
-
-    On Linux each thread has its own niceness and threads it starts inherit
-    it, so the writer's helpers (the fsync thread) run at the same priority.
-    Lowering one's own priority needs no privilege; where it is refused or
-    the platform has no per-thread priority, the writer runs unchanged.
-    """
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError as e:
-        logger.debug("could not lower the writer thread's priority: %s", e)
 
 
 class SaveHandle:
@@ -185,7 +166,9 @@ class AsyncEngine(ClosingContext):
     def __init__(self, *, options: AsyncOptions | None = None, name: str = "asyncckpt"):
         self.options = options or AsyncOptions()
         self.name = name
-        self._pool = StagingPool(self.options.num_slots)
+        self._pool = StagingPool(
+            self.options.num_slots, prepare_nice=self.options.writer_nice
+        )
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._inflight = 0  # queued for the writer, not yet committed or failed
@@ -309,6 +292,9 @@ class AsyncEngine(ClosingContext):
                 self._deliver(None)
                 job = stage(slot)
                 slot.trim()
+                # The first save (or a new layout) teaches the pool the state's
+                # buffers; the other slots are then built in the background.
+                self._pool.learn(slot)
             except BaseException:
                 self._pool.release(slot)
                 raise

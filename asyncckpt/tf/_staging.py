@@ -11,6 +11,7 @@ the files are TensorFlow-native.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -168,8 +169,9 @@ class _Plan:
             and all(isinstance(e.value, _compat.TensorCallable) for e in self.entries)
             and not any("get_slot_names" in dir(o) for o in objects)
         )
-        self._batched = None  # tf.function reading every value, built on first reuse
+        self._batched = None  # tf.function reading every value, traced after the first read
         self._batched_failed = False
+        self.traced = threading.Event()  # set once tracing ended (well or not)
         self.uses = 0
 
     def matches(self, objects: list, names: tuple) -> bool:
@@ -184,11 +186,10 @@ class _Plan:
     def read(self) -> list[tf.Tensor | None]:
         """Current values of every entry (None for an uninitialized variable)."""
         self.uses += 1
-        if self.uses > 1 and not self._batched_failed:
+        if self.uses == 1 and self.reusable:
+            self._start_tracing()
+        if self._batched is not None and not self._batched_failed:
             try:
-                if self._batched is None:
-                    readers = [e.value._tensor for e in self.entries]
-                    self._batched = tf.function(lambda: [r() for r in readers])
                 values = self._batched()
                 for e, v in zip(self.entries, values, strict=True):
                     _check_dtype(v.dtype, e.key, e.owner)
@@ -199,6 +200,28 @@ class _Plan:
                 logger.debug("batched read failed (%r); reading variables one by one", e)
                 self._batched_failed = True
         return [_to_host(e.value, e.key, e.owner) for e in self.entries]
+
+    def _start_tracing(self) -> None:
+        """Traces the batched reader on a background thread (issue 13.3).
+
+        Tracing takes tens of ms of Python; done on the training thread it
+        made the second save the slowest one. Until it is ready, saves read
+        the variables one by one, as the first save does.
+        """
+        readers = [e.value._tensor for e in self.entries]
+
+        def trace() -> None:
+            try:
+                fn = tf.function(lambda: [r() for r in readers])
+                fn.get_concrete_function()
+                self._batched = fn
+            except Exception as e:
+                logger.debug("tracing the batched read failed (%r); reading one by one", e)
+                self._batched_failed = True
+            finally:
+                self.traced.set()
+
+        threading.Thread(target=trace, name="asyncckpt-tf-trace", daemon=True).start()
 
 
 def _graph_signature(checkpoint: tf.train.Checkpoint) -> tuple[list, tuple]:

@@ -1,0 +1,142 @@
+"""Blocking of the first saves of a fresh checkpointer against a memcpy (issue 13).
+
+For each framework and size: a fresh ``asyncckpt.tf.Checkpoint`` or
+``asyncckpt.jax.CheckpointManager``, then saves 1..N with ``--steps`` training
+steps between them (so save 2 runs while save 1 is still being written and
+takes a slot never used before, as in the demo). Each save's blocking is
+reported next to a memcpy of the same tensors into warm buffers, timed in the
+same run right after the save, and split into the wait for a free slot (disk
+bound) and the staging itself.
+
+    python benchmarks/bench_slots.py --sizes 16,256 --arrays 20 --saves 5
+    python benchmarks/bench_slots.py --profile jax   # cProfile of 200 16 MiB saves
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def _memcpy_floor(arrays: list[np.ndarray], dsts: list[np.ndarray]) -> float:
+    t0 = time.perf_counter()
+    for d, s in zip(dsts, arrays, strict=True):
+        np.copyto(d, s)
+    return time.perf_counter() - t0
+
+
+def _host_arrays(fw: str, state) -> list[np.ndarray]:
+    if fw == "tf":
+        return [v.numpy() for v in state.variables.values()]
+    return [np.asarray(v).copy() for v in state.tree.values()]
+
+
+def _checkpointer(fw: str, state, workdir: str):
+    """Returns (save(step), sync(), engine, close())."""
+    if fw == "tf":
+        import asyncckpt.tf as at
+
+        ckpt = at.Checkpoint(**state.variables)
+
+        def save(step: int) -> None:
+            ckpt.write(os.path.join(workdir, f"ckpt-{step}"))
+
+        return save, ckpt.sync, lambda: ckpt.engine, ckpt.sync
+    import asyncckpt.jax as aj
+
+    manager = aj.CheckpointManager(workdir)
+
+    def save(step: int) -> None:
+        manager.save(step, state.tree, force=True)
+
+    return save, manager.wait_until_finished, lambda: manager.engine, manager.close
+
+
+def run(fw: str, mib: int, arrays: int, saves: int, steps: int) -> dict:
+    from asyncckpt.bench import engines as eng
+
+    state = (eng.TFState if fw == "tf" else eng.JAXState)(mib << 20, arrays)
+    host = _host_arrays(fw, state)
+    dsts = [np.empty_like(a) for a in host]
+    for d, s in zip(dsts, host, strict=True):
+        np.copyto(d, s)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
+        save, sync, engine, close = _checkpointer(fw, state, workdir)
+        blocking, memcpy = [], []
+        for i in range(1, saves + 1):
+            for _ in range(steps):
+                state.step()
+            if fw == "jax":
+                state.block()
+            t0 = time.perf_counter()
+            save(i)
+            blocking.append(time.perf_counter() - t0)
+            memcpy.append(_memcpy_floor(host, dsts))
+        sync()
+        stats = list(engine().history)[-saves:]
+        close()
+    waits = [s.slot_wait_s for s in stats]
+    return {"blocking": blocking, "memcpy": memcpy, "slot_wait": waits}
+
+
+def _report(fw: str, mib: int, arrays: int, r: dict) -> None:
+    ms = lambda xs: ",".join(f"{x * 1e3:.1f}" for x in xs)  # noqa: E731
+    mem = statistics.median(r["memcpy"])
+    staging = [b - w for b, w in zip(r["blocking"], r["slot_wait"], strict=True)]
+    print(f"{fw} {mib} MiB in {arrays} arrays: memcpy median {mem * 1e3:.2f} ms")
+    print(f"  blocking ms per save   {ms(r['blocking'])}")
+    print(f"  of which slot wait ms  {ms(r['slot_wait'])}")
+    print("  staging / memcpy       " + ",".join(f"{s / mem:.2f}" for s in staging))
+    later = staging[1:]
+    if later:
+        print(f"  saves 2..: max staging / memcpy {max(later) / mem:.2f}, "
+              f"median {statistics.median(later) / mem:.2f}")
+
+
+def _profile(fw: str, n: int = 200) -> None:
+    from asyncckpt.bench import engines as eng
+
+    state = (eng.TFState if fw == "tf" else eng.JAXState)(16 << 20, 20)
+    with tempfile.TemporaryDirectory() as workdir:
+        save, sync, _, close = _checkpointer(fw, state, workdir)
+        for i in range(3):
+            save(i)
+            sync()
+        prof = cProfile.Profile()
+        for i in range(3, n + 3):
+            prof.enable()
+            save(i)
+            prof.disable()
+            sync()
+        close()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--frameworks", default="tf,jax")
+    p.add_argument("--sizes", default="16,256", help="MiB, comma separated")
+    p.add_argument("--arrays", type=int, default=20)
+    p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="training steps between saves")
+    p.add_argument("--profile", choices=["tf", "jax"])
+    args = p.parse_args()
+    if args.profile:
+        _profile(args.profile)
+        return 0
+    for fw in args.frameworks.split(","):
+        for mib in (int(s) for s in args.sizes.split(",")):
+            _report(fw, mib, args.arrays, run(fw, mib, args.arrays, args.saves, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

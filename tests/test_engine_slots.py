@@ -1,0 +1,167 @@
+"""Staging slots prepared in the background after the first save (issue 13.3)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from asyncckpt import AsyncOptions
+from asyncckpt.engine import AsyncEngine, DurableWriter, StagingPool, make_temp_dir, publish_dir
+
+_MB = 1 << 20
+
+
+class _GatedJob:
+    """Writes the staged buffers, in key order, into one file; waits for a gate first."""
+
+    def __init__(self, root: str, name: str, bufs: dict[str, np.ndarray], gate: threading.Event):
+        self.label, self.step = name, None
+        self.nbytes = sum(b.nbytes for b in bufs.values())
+        self._root, self._bufs, self._gate = root, bufs, gate
+
+    def write(self):
+        assert self._gate.wait(60)
+        self.tmp = make_temp_dir(self._root, self.label)
+        self._writer = DurableWriter(self.tmp, fsync=False, checksums=True)
+        self._writer.write("data.bin", [self._bufs[k] for k in sorted(self._bufs)])
+        self._bufs = {}
+
+    def commit(self, stats):
+        self._writer.finish()
+        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=False)
+
+    def abort(self):
+        pass
+
+
+class _Recorder:
+    """A stage function factory that records, per save, what the slot had to allocate."""
+
+    def __init__(self, root: str, gate: threading.Event):
+        self.root, self.gate = root, gate
+        self.seen: list[tuple[int, int]] = []  # (slot index, on-demand allocations)
+
+    def stage(self, name: str, state: dict[str, np.ndarray]):
+        def stage(slot):
+            bufs = {}
+            for key, value in state.items():
+                bufs[key] = slot.buffer(key, value.shape, value.dtype)
+                np.copyto(bufs[key], value)
+            self.seen.append((slot.index, slot.allocations))
+            return _GatedJob(self.root, name, bufs, self.gate)
+        return stage
+
+    def read(self, name: str) -> bytes:
+        with open(os.path.join(self.root, name, "data.bin"), "rb") as f:
+            return f.read()
+
+
+def _state(seed: int, shapes: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: (rng.random(shape) * 1000).astype(dtype) for k, (shape, dtype) in shapes.items()}
+
+
+def _bytes_of(state: dict[str, np.ndarray]) -> bytes:
+    return b"".join(state[k].tobytes() for k in sorted(state))
+
+
+_LAYOUT = {f"w{i:02d}": ((64, 1024 + i), "float32") for i in range(20)}  # ~5 MiB
+
+
+def test_later_saves_find_their_slot_prepared_and_save_the_values_at_the_call(tmp_path):
+    gate = threading.Event()  # closed: every save stays in flight, so each takes a new slot
+    rec = _Recorder(str(tmp_path), gate)
+    state = _state(0, _LAYOUT)
+    expected = []
+    with AsyncEngine(options=AsyncOptions(num_slots=3), name="prep") as engine:
+        try:
+            for i in range(3):
+                engine.save(rec.stage(f"c{i}", state), label=f"c{i}")
+                expected.append(_bytes_of(state))
+                if i == 0:
+                    assert engine._pool.wait_prepared(60)
+                for v in state.values():  # the training step after the save
+                    v += 1
+        finally:
+            gate.set()
+        engine.sync()
+        # Only the first save allocated; the others found every buffer built.
+        assert [a for _, a in rec.seen] == [len(_LAYOUT), 0, 0]
+        assert len({i for i, _ in rec.seen}) == 3
+        slots = engine._pool._slots
+        assert sum(s.prepared for s in slots) == 2 * len(_LAYOUT)
+        assert all(s.layout() == slots[0].layout() for s in slots)
+        # Saves after the writer released slots reuse them without allocating.
+        for i in range(3, 6):
+            engine.save(rec.stage(f"c{i}", state), label=f"c{i}").result(60)
+            expected.append(_bytes_of(state))
+            for v in state.values():
+                v += 1
+        assert [a for _, a in rec.seen[3:]] == [0, 0, 0]
+    for i, want in enumerate(expected):
+        assert rec.read(f"c{i}") == want
+
+
+def test_a_layout_change_stages_correctly_and_is_prepared_again(tmp_path):
+    gate = threading.Event()
+    gate.set()
+    rec = _Recorder(str(tmp_path), gate)
+    with AsyncEngine(options=AsyncOptions(num_slots=2), name="relayout") as engine:
+        state = _state(1, _LAYOUT)
+        engine.save(rec.stage("a", state), label="a").result(60)
+        assert engine._pool.wait_prepared(60)
+        want_a = _bytes_of(state)
+
+        # New keys, a resized key, a dropped key, a changed dtype of equal size.
+        shapes = dict(_LAYOUT)
+        del shapes["w00"]
+        shapes["w01"] = ((128, 1025), "float32")
+        shapes["w02"] = ((64, 1026), "int32")
+        shapes["extra"] = ((3, 5), "float64")
+        state = _state(2, shapes)
+        gate.clear()  # keep "b" in flight, so "c" takes the other slot
+        try:
+            engine.save(rec.stage("b", state), label="b")
+            want_b = _bytes_of(state)
+            for v in state.values():
+                v += 1
+            assert engine._pool.wait_prepared(60)
+            engine.save(rec.stage("c", state), label="c")
+            want_c = _bytes_of(state)
+        finally:
+            gate.set()
+        engine.sync()
+        (slot_b, alloc_b), (slot_c, alloc_c) = rec.seen[1:]
+        assert slot_b != slot_c
+        assert alloc_b == 2  # "w01" resized and "extra" new; the rest reused
+        assert alloc_c == 0  # prepared for the new layout in the background
+        want_layout = {k: np.dtype(d).itemsize * int(np.prod(s)) for k, (s, d) in shapes.items()}
+        for slot in engine._pool._slots:
+            assert slot.layout() == want_layout  # nothing of the old layout left
+    assert rec.read("a") == want_a
+    assert rec.read("b") == want_b
+    assert rec.read("c") == want_c
+
+
+def test_preparer_never_touches_a_held_slot_and_close_frees_everything():
+    pool = StagingPool(3)
+    held, _ = pool.acquire()
+    layout = {"a": 3 * _MB, "b": 100, "c": 0}
+    pool.prepare(layout)
+    assert pool.wait_prepared(60)
+    assert held.layout() == {}
+    free = [s for s in pool._slots if s is not held]
+    assert all(s.layout() == layout and s.prepared == 3 for s in free)
+    # A ready slot is preferred over the (empty) one released last.
+    pool.release(held)
+    slot, _ = pool.acquire()
+    assert slot is not held and slot.layout() == layout
+    buf = slot.buffer("a", (3 * _MB // 4,), np.float32)
+    assert slot.allocations == 0 and buf.ctypes.data % 64 == 0
+    pool.release(slot)
+    pool.close()
+    assert pool.nbytes == 0
+    pool.prepare({"z": _MB})  # after close: nothing is built
+    assert pool.wait_prepared(60) and pool.nbytes == 0
