@@ -63,7 +63,10 @@ class FaultyJob(_ArraysJob):
 
     def _die(self, phase):
         if crash and crash == f"{phase}:{FaultyJob.count}":
-            print("CRASH", phase, flush=True)
+            # One write, on a line of its own: the training thread may be
+            # half-way through printing its own line when this thread dies.
+            sys.stdout.write(f"\nCRASH {phase}\n")
+            sys.stdout.flush()
             os.kill(os.getpid(), 9)
 
     def write(self):
@@ -92,7 +95,9 @@ class Backup(ak.BackupAndRestore):
 
     def _save(self, epoch, batch, **kw):
         if self._last_saved != self._global:
-            print("S", self._global, epoch, batch, state_hash(self._model), flush=True)
+            # One write per line, so the writer thread's CRASH line never splits it.
+            sys.stdout.write(f"S {self._global} {epoch} {batch} {state_hash(self._model)}\n")
+            sys.stdout.flush()
         super()._save(epoch, batch, **kw)
 
     def _apply_restored(self):
@@ -103,7 +108,8 @@ class Backup(ak.BackupAndRestore):
 
 class Report(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
-        print("B", flush=True)
+        sys.stdout.write("B\n")
+        sys.stdout.flush()
 
 
 backup = Backup(backup_dir, save_freq=3, data=data)
