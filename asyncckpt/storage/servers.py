@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from typing import Self
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,31 @@ def _stop(proc: subprocess.Popen | None, *, grace_s: float = 10.0) -> None:
         proc.wait()
 
 
-class SeaweedS3:
+class _LocalServer:
+    """A server process of the tests and benchmarks: start, stop, ``with``."""
+
+    _proc: subprocess.Popen | None = None
+
+    def start(self, *, timeout_s: float = 60.0) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        _stop(self._proc)
+        self._proc = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class SeaweedS3(_LocalServer):
     """A SeaweedFS server with its S3 gateway on a free port of 127.0.0.1.
 
     Args:
@@ -191,21 +216,6 @@ class SeaweedS3:
             if e.code != 409:  # already exists
                 raise
 
-    def stop(self) -> None:
-        _stop(self._proc)
-        self._proc = None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def __enter__(self) -> SeaweedS3:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 def fake_gcs_binary() -> str:
     """Path of the fake-gcs-server binary bundled with its Python wrapper."""
@@ -223,7 +233,7 @@ def fake_gcs_binary() -> str:
     raise ServerUnavailableError(f"no fake-gcs-server binary for this platform in {bindir}")
 
 
-class FakeGCS:
+class FakeGCS(_LocalServer):
     """fake-gcs-server on a free port of 127.0.0.1, data in a directory.
 
     Args:
@@ -272,17 +282,3 @@ class FakeGCS:
             if e.code != 409:
                 raise
 
-    def stop(self) -> None:
-        _stop(self._proc)
-        self._proc = None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def __enter__(self) -> FakeGCS:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
