@@ -9,6 +9,7 @@ must be configured before TensorFlow creates its runtime).
 from __future__ import annotations
 
 import os
+import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -39,3 +40,33 @@ def ckpt_dir(tmp_path):
     d = tmp_path / "ckpts"
     d.mkdir()
     return d
+
+
+class WriteGate:
+    """Wraps TensorFlow's real bundle writer; writes wait while the gate is closed.
+
+    Tests close it (``open.clear()``) to hold a save in its background write,
+    learn that a write reached it from ``entered``, and open it to let it go.
+    """
+
+    def __init__(self, real):
+        self.real = real
+        self.open = threading.Event()
+        self.open.set()
+        self.entered = threading.Semaphore(0)
+
+    def __call__(self, prefix, state):
+        self.entered.release()
+        assert self.open.wait(60), "the test never opened the gate"
+        return self.real(prefix, state)
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """A ``WriteGate`` around asyncckpt.tf's bundle writer, opened again at the end."""
+    from asyncckpt.tf import _job
+
+    g = WriteGate(_job.write_bundle)
+    monkeypatch.setattr(_job, "write_bundle", g)
+    yield g
+    g.open.set()

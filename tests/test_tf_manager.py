@@ -14,29 +14,6 @@ import asyncckpt.tf as at  # noqa: E402
 from asyncckpt.tf import _job  # noqa: E402
 
 
-class _Gate:
-    """Wraps the real bundle writer so a test decides when each write may proceed."""
-
-    def __init__(self, real):
-        self.real = real
-        self.open = threading.Event()
-        self.open.set()
-        self.entered = threading.Semaphore(0)
-
-    def __call__(self, prefix, state):
-        self.entered.release()
-        assert self.open.wait(60)
-        return self.real(prefix, state)
-
-
-@pytest.fixture
-def gate(monkeypatch):
-    g = _Gate(_job.write_bundle)
-    monkeypatch.setattr(_job, "write_bundle", g)
-    yield g
-    g.open.set()
-
-
 def _files(directory) -> set[str]:
     return set(os.listdir(directory))
 

@@ -24,30 +24,6 @@ from tensorflow.python.checkpoint import checkpoint_management  # noqa: E402
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt import CheckpointNotFoundError  # noqa: E402
-from asyncckpt.tf import _job  # noqa: E402
-
-
-class _Gate:
-    """Wraps the real bundle writer; writes wait until the test opens the gate."""
-
-    def __init__(self, real):
-        self.real = real
-        self.open = threading.Event()
-        self.open.set()
-        self.entered = threading.Semaphore(0)
-
-    def __call__(self, prefix, state):
-        self.entered.release()
-        assert self.open.wait(60), "the test never opened the gate"
-        return self.real(prefix, state)
-
-
-@pytest.fixture
-def gate(monkeypatch):
-    g = _Gate(_job.write_bundle)
-    monkeypatch.setattr(_job, "write_bundle", g)
-    yield g
-    g.open.set()
 
 
 def _value(path: str, like: np.ndarray, name: str = "v") -> np.ndarray:
