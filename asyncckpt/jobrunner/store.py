@@ -190,7 +190,7 @@ class _ArraysJob:
             self._tmp = None
 
 
-def _host_view(value: Any) -> np.ndarray:
+def host_view(value: Any) -> np.ndarray:
     """A NumPy view of an array-like where the framework allows, else the cheapest copy.
 
     TensorFlow variables and CPU tensors are viewed in place (a variable read
@@ -312,7 +312,7 @@ class ArrayStore:
         def stage(slot: Slot) -> _ArraysJob:
             entries, pairs = [], []
             for key, value in arrays.items():
-                src = _host_view(value)
+                src = host_view(value)
                 buf = slot.buffer(key, src.shape, src.dtype)
                 pairs.append((buf, src))
                 entries.append(_Entry(key, buf, src.dtype.name, tuple(src.shape)))

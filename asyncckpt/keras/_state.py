@@ -20,6 +20,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from asyncckpt.jobrunner.store import host_view
+
 GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
 _JAX_KEYS = {
     "trainable": "trainable_variables",
@@ -48,29 +50,14 @@ def _global_seed_generator() -> Any | None:
 
 
 def _to_host(value: Any) -> Any:
-    """An array-like NumPy can view without an extra copy where the backend allows."""
+    """An array-like NumPy can view without an extra copy where the backend allows.
+
+    On TensorFlow, a variable's read and a CPU tensor are viewed in place (the
+    staging copy is then the only copy); JAX values are left to the store.
+    """
     if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        if isinstance(value, tf.Variable):
-            # A resource variable's read aliases its buffer (TensorFlow copies
-            # on the next write while the read is alive), and ``_numpy()`` of
-            # a CPU tensor is a view: the staging copy is the only copy.
-            value = value.value()
-        if isinstance(value, tf.Tensor):
-            if "CPU" not in value.device.upper():
-                with tf.device("CPU:0"):
-                    value = tf.identity(value)
-            return value._numpy()
+        return host_view(value)
     return value
-
-
-def host_array(value: Any) -> np.ndarray:
-    """A C-contiguous NumPy array of a Keras variable, tensor or array (a view where possible)."""
-    if isinstance(value, keras.Variable):
-        value = value.value
-    arr = np.asarray(_to_host(value))
-    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def snapshot_sources(model: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:

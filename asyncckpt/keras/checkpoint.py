@@ -28,7 +28,8 @@ from asyncckpt.engine.files import fsync_path
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.slots import Slot, copy_arrays
 from asyncckpt.engine.writer import AsyncEngine
-from asyncckpt.keras import _callbacks, _state
+from asyncckpt.jobrunner.store import host_view
+from asyncckpt.keras import _callbacks
 from asyncckpt.options import AsyncOptions
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class _CaptureStore(saving_lib.H5IOStore):
         return self
 
     def __setitem__(self, key, value):
-        src = _state.host_array(value)
+        src = host_view(value)
         buf = self._slot.buffer(f"{len(self.groups)}/{key}", src.shape, src.dtype)
         self._pairs.append((buf, src))
         self.groups[-1].items.append((key, buf))
