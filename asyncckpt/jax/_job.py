@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator
 from asyncckpt.jax._snapshot import StagedTree
 from asyncckpt.options import AsyncOptions
+
+if TYPE_CHECKING:
+    from asyncckpt.storage.shards import ShardUploader
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,9 @@ class JaxSaveJob:
             upload, which is what makes such a save durable).
         dir_name: The step directory's name (default: the step).
         item_handlers: orbax's handler of each item, for ``_CHECKPOINT_METADATA``.
+        shards: Several processes and a remote directory: each process has its
+            own temporary directory and uploads its own files; the primary
+            checks them all before the manifest (``asyncckpt.storage.shards``).
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class JaxSaveJob:
         on_published: Callable[[int], None] | None = None,
         dir_name: str | None = None,
         item_handlers: dict[str, str] | None = None,
+        shards: ShardUploader | None = None,
     ):
         self.label = dir_name or str(step)
         self.step = step
@@ -87,6 +95,7 @@ class JaxSaveJob:
         self._on_committed = on_committed
         self._on_published = on_published
         self._item_handlers = item_handlers
+        self._shards = shards
         self._primary = coordinator is None or coordinator.primary
         self._init_ns = time.time_ns()
         self._tmp: str | None = None
@@ -150,17 +159,20 @@ class JaxSaveJob:
     def _commit(self, stats: SaveStats) -> None:
         assert self._writer is not None and self._tmp is not None
         records = self._writer.finish()
+        if self._shards is not None:  # no shared directory: this process's files go up
+            self._shards.upload(self.label, self._tmp, records)
         if not self._primary:
             assert self._coord is not None and self._save_key is not None
             self._coord.report_done(self._save_key, records)
             self._reported = True
             self._coord.wait_committed(self._save_key, self.step)
-            commit_lib.forget_temp(self._tmp)
-            self._tmp = None  # published (and owned) by the primary
+            self._release_tmp()
             return
         if self._coord is not None:
             assert self._save_key is not None
             records = records + self._coord.gather(self._save_key)
+        if self._shards is not None:  # every process's objects, before the manifest
+            self._shards.check(self.label, records)
         self._extra = {
             "num_processes": 1 if self._coord is None else self._coord.process_count,
             "metrics": self._metrics,
@@ -197,6 +209,15 @@ class JaxSaveJob:
                 self._announced = True  # published: committed either way
                 self._coord.announce(self._save_key)
 
+    def _release_tmp(self) -> None:
+        """Non-primary: a shared temporary is the primary's; a private one is removed."""
+        assert self._tmp is not None
+        if self._shards is not None:
+            commit_lib.remove_tree(self._tmp)
+        else:
+            commit_lib.forget_temp(self._tmp)
+        self._tmp = None
+
     # -- abort: leave no temporary behind, and let the other processes know --------
 
     def abort(self) -> None:
@@ -209,7 +230,7 @@ class JaxSaveJob:
                 if not self._reported:
                     self._coord.report_done(self._save_key, None, error=error)
                 if self._tmp is not None:
-                    commit_lib.forget_temp(self._tmp)
+                    self._release_tmp()
                 return  # the primary removes the shared temporary directory
             if not self._announced:
                 self._coord.announce(self._save_key, error=error)

@@ -12,7 +12,9 @@ import functools
 import os
 from collections.abc import Callable
 
+from asyncckpt.jax._distributed import Coordinator
 from asyncckpt.jax._options import ManagerConfig, StepNames
+from asyncckpt.storage.shards import ShardUploader
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
 
 
@@ -34,6 +36,7 @@ class StepTiers:
     def __init__(self, directory: str | os.PathLike, *, remote: str | None,
                  remote_options: RemoteOptions | None, config: ManagerConfig):
         self._names = config.names
+        self._shards: ShardUploader | None = None
         self._dir = TieredDirectory(
             directory, remote=remote,
             remote_options=remote_options or RemoteOptions(
@@ -53,21 +56,23 @@ class StepTiers:
     def has_remote(self) -> bool:
         return self._dir.remote is not None
 
-    def refuse_multiprocess(self) -> None:
-        """Raises (on every process) when a multi-process run asks for a remote tier.
+    def multiprocess(self, coordinator: Coordinator | None) -> ShardUploader | None:
+        """Sets up several processes' saves; returns the job's shard uploader, if any.
 
-        Raises:
-            NotImplementedError: each process would stage its shards in its own
-                scratch directory, which process 0 cannot commit.
+        * A URL directory: every process stages its own shards in its own
+          scratch directory and uploads them; the primary checks every
+          process's objects before it commits (``asyncckpt.storage.shards``).
+          Returned for the save jobs.
+        * A local directory with a remote tier: the local directory is the
+          multi-process checkpoint (it must be shared, as without a remote);
+          the primary uploads each committed step from it in the background,
+          like a single process. Returns None.
         """
-        if self._dir.remote is None:
-            return
-        url = self._dir.remote.url
-        self._dir.close()
-        raise NotImplementedError(
-            f"multi-process saves to a remote tier ({url}) are not supported yet: each process "
-            "would stage its shards in its own local scratch directory, which process 0 cannot "
-            "commit. Use a directory every process shares (see docs/storage.md)")
+        if coordinator is None or not self._dir.remote_only:
+            return None
+        assert self._dir.remote is not None
+        self._shards = ShardUploader(self._dir.remote, process_index=coordinator.process_index)
+        return self._shards
 
     def steps(self, local: list[int]) -> list[int]:
         """``local`` steps plus those only the remote tier has, oldest first."""
@@ -80,7 +85,8 @@ class StepTiers:
         """The job's hook run right after a local publish, or None without a remote."""
         if not self.has_remote:
             return None
-        return functools.partial(_hand_over, self._dir, self._names)
+        return functools.partial(_hand_over, self._dir, self._names,
+                                 data_uploaded=self._shards is not None)
 
     def ensure_local(self, step: int, *, checksums: bool) -> None:
         """Downloads ``step`` from the remote tier unless the local one has it."""
@@ -98,8 +104,10 @@ class StepTiers:
         self._dir.close(timeout)
 
 
-def _hand_over(tiers: TieredDirectory, names: StepNames, step: int) -> None:
+def _hand_over(tiers: TieredDirectory, names: StepNames, step: int, *,
+               data_uploaded: bool) -> None:
     # Writer thread, right after the local publish: a URL directory uploads
-    # here (the save is durable only once committed remotely); two tiers hand
-    # the step to the background uploader.
-    tiers.after_commit(names.name(step))
+    # here (the save is durable only once committed remotely; with several
+    # processes only the manifest and markers are left, each process having
+    # uploaded its own files); two tiers hand the step to the background uploader.
+    tiers.after_commit(names.name(step), data_uploaded=data_uploaded)

@@ -144,8 +144,7 @@ class CheckpointManager(ClosingContext):
         self._restore_options = restore_options or RestoreOptions()
         self._root_metadata = _compat.json_checked(metadata, "metadata")
         self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s)
-        if self._coord is not None:
-            self._tiers.refuse_multiprocess()
+        self._shards = self._tiers.multiprocess(self._coord)  # URL directory: per-process uploads
         self._primary = self._coord is None or self._coord.primary
         if self._config.create and not self._config.read_only:
             os.makedirs(self._directory, exist_ok=True)
@@ -439,6 +438,7 @@ class CheckpointManager(ClosingContext):
                 on_published=self._tiers.on_published(),
                 dir_name=view.names.name(step),
                 item_handlers=handlers,
+                shards=self._shards,
             )
 
         try:

@@ -36,13 +36,14 @@ import shutil
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from asyncckpt import layout
 from asyncckpt.catalog import CheckpointInfo
 from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine.files import FileRecord
 from asyncckpt.engine.manifest import Manifest, verify_files
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.storage.base import (
@@ -129,6 +130,62 @@ def _read_marker(store: ObjectStore, key: str) -> dict:
     return body
 
 
+def upload_files(
+    store: ObjectStore,
+    root_key: str,
+    directory: str,
+    records: Sequence[FileRecord],
+    *,
+    retry: RetryPolicy,
+    concurrency: int = 4,
+) -> None:
+    """Uploads files of a checkpoint staged in ``directory`` under ``root_key``.
+
+    One process's share of a multi-process save: its own files, named as in
+    the manifest (``records``), largest first. Publishes nothing; the commit
+    is ``upload_checkpoint``'s, once every process's files are checked.
+
+    Raises:
+        StorageError: an upload failed past its deadline.
+        OSError: a permanent error (a missing local file, access denied).
+    """
+
+    def put_one(rec: FileRecord) -> None:
+        key = root_key + rec.name
+        path = os.path.join(directory, *rec.name.split("/"))
+        retry_call(lambda: store.put_file(key, path), what=f"upload {key} ({store.url})",
+                   policy=retry)
+
+    _pool_map(put_one, sorted(records, key=lambda r: -r.size), concurrency)
+
+
+def check_objects(
+    store: ObjectStore,
+    root_key: str,
+    records: Sequence[FileRecord],
+    *,
+    retry: RetryPolicy,
+) -> None:
+    """Checks with one listing that every record's object exists with its size.
+
+    Raises:
+        StorageError: naming every missing or wrong-size object.
+    """
+    listed = {o.key: o.size for o in retry_call(
+        lambda: store.list(root_key), what=f"list {root_key} ({store.url})", policy=retry)}
+    bad = []
+    for rec in sorted(records, key=lambda r: r.name):
+        size = listed.get(root_key + rec.name)
+        if size != rec.size:
+            bad.append(f"{root_key}{rec.name} ("
+                       + ("missing" if size is None else f"{size} bytes") + f", expected "
+                       f"{rec.size})")
+    if bad:
+        shown = ", ".join(bad[:20]) + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
+        raise StorageError(f"{store.url}: {len(bad)} object(s) of the checkpoint are missing or "
+                           f"have the wrong size: {shown}; it is not committed")
+
+
 def upload_checkpoint(
     store: ObjectStore,
     info: CheckpointInfo,
@@ -136,6 +193,7 @@ def upload_checkpoint(
     retry: RetryPolicy,
     concurrency: int = 4,
     should_stop: Callable[[], bool] | None = None,
+    data_uploaded: bool = False,
 ) -> RemoteCheckpoint:
     """Commits a locally committed checkpoint to ``store`` (see the module docstring).
 
@@ -148,6 +206,10 @@ def upload_checkpoint(
         retry: Backoff and deadline for each object.
         concurrency: Files uploaded at once.
         should_stop: Checked between retries; True gives up early.
+        data_uploaded: The data files are in the store already (a multi-process
+            save: each process uploaded its own, and the local checkpoint holds
+            only this process's); only the manifest goes up, after the same
+            verification of every file's size, then the markers.
 
     Raises:
         StorageError: an upload failed past its deadline, or the verification
@@ -185,8 +247,9 @@ def upload_checkpoint(
         path = os.path.join(info.root, *rec.name.split("/"))
         call(lambda: store.put_file(root + rec.name, path), f"upload {root + rec.name}")
 
-    # Largest first, so the long multipart uploads overlap the small files.
-    _pool_map(put_one, sorted(manifest.files, key=lambda r: -r.size), concurrency)
+    if not data_uploaded:
+        # Largest first, so the long multipart uploads overlap the small files.
+        _pool_map(put_one, sorted(manifest.files, key=lambda r: -r.size), concurrency)
     manifest_key = _manifest_key(fw, name)
     call(lambda: store.put(manifest_key, manifest_bytes), f"upload {manifest_key}")
 
@@ -331,9 +394,17 @@ def download_checkpoint(
             f.write(manifest_bytes)
         if remote.framework == "jax":
             final = os.path.join(directory, remote.name)
-            if os.path.lexists(final):
-                raise FileExistsError(f"{final} exists already")
-            os.rename(tmp, final)
+            try:
+                if os.path.lexists(final):
+                    raise FileExistsError(f"{final} exists already")
+                os.rename(tmp, final)
+            except OSError:
+                # Processes sharing a directory may all fetch a step: one
+                # publishes it, the others find the same manifest there.
+                if not _same_bytes(os.path.join(final, manifest_name), manifest_bytes):
+                    raise
+                logger.info("%s was downloaded by another process meanwhile", final)
+                return
             tmp = None
             return
         index = remote.name + layout.TF_INDEX_SUFFIX
@@ -342,6 +413,14 @@ def download_checkpoint(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _same_bytes(path: str, data: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read() == data
+    except OSError:
+        return False
 
 
 def delete_checkpoint(store: ObjectStore, remote: RemoteCheckpoint, *,
@@ -395,10 +474,12 @@ def local_info(directory: str, name: str) -> CheckpointInfo:
 
 __all__ = [
     "RemoteCheckpoint",
+    "check_objects",
     "delete_checkpoint",
     "delete_uncommitted",
     "download_checkpoint",
     "list_committed",
     "local_info",
     "upload_checkpoint",
+    "upload_files",
 ]

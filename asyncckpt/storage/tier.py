@@ -187,10 +187,15 @@ class RemoteTier:
             logger.info("upload of %s skipped: %s is newer", replaced[0].name, info.name)
         return future
 
-    def upload_now(self, info: catalog.CheckpointInfo) -> protocol.RemoteCheckpoint:
-        """Uploads and commits in the calling thread (a URL directory's writer thread)."""
+    def upload_now(self, info: catalog.CheckpointInfo, *, data_uploaded: bool = False
+                   ) -> protocol.RemoteCheckpoint:
+        """Uploads and commits in the calling thread (a URL directory's writer thread).
+
+        ``data_uploaded``: the data files are in the store already (a
+        multi-process save, see ``protocol.upload_checkpoint``).
+        """
         self.raise_pending_error()
-        return self._upload_and_retain(info)
+        return self._upload_and_retain(info, data_uploaded=data_uploaded)
 
     def _run(self) -> None:
         lower_thread_priority(self.options.nice)
@@ -219,10 +224,12 @@ class RemoteTier:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _upload_and_retain(self, info: catalog.CheckpointInfo) -> protocol.RemoteCheckpoint:
+    def _upload_and_retain(self, info: catalog.CheckpointInfo, *, data_uploaded: bool = False
+                           ) -> protocol.RemoteCheckpoint:
         t0 = time.monotonic()
         remote = protocol.upload_checkpoint(
-            self.store, info, retry=self.options.retry, concurrency=self.options.concurrency)
+            self.store, info, retry=self.options.retry, concurrency=self.options.concurrency,
+            data_uploaded=data_uploaded)
         self.stats.append({"name": info.name, "nbytes": remote.nbytes,
                            "seconds": time.monotonic() - t0})
         try:
@@ -327,8 +334,14 @@ class TieredDirectory:
             self.remote_only = False
         self.display = loc.url
 
-    def after_commit(self, name: str) -> None:
-        """Writer thread, right after a local commit of checkpoint ``name``."""
+    def after_commit(self, name: str, *, data_uploaded: bool = False) -> None:
+        """Writer thread, right after a local commit of checkpoint ``name``.
+
+        ``data_uploaded`` (URL directory, several processes): every process
+        has uploaded its own files and the primary has checked them; the local
+        checkpoint holds only this process's files, so it is removed once
+        committed remotely (a restore downloads the whole step).
+        """
         if self.remote is None:
             return
         info = protocol.local_info(self.local_dir, name)
@@ -336,12 +349,14 @@ class TieredDirectory:
             self.remote.submit(info, raise_errors=False)
             return
         try:
-            self.remote.upload_now(info)
+            self.remote.upload_now(info, data_uploaded=data_uploaded)
         except BaseException:
             # Durable means committed remotely: a save that never got there is
             # not listed, and fails (the caller runs this as part of the commit).
             _discard_local(info)
             raise
+        if data_uploaded:
+            _discard_local(info)  # partial: never to be mistaken for a local copy
 
     def after_step(self, step: int) -> None:
         """``after_commit`` for a checkpoint named by its step (the JAX layout)."""

@@ -1,0 +1,79 @@
+"""Multi-process saves to an object store: every process uploads its own shards.
+
+Hosts of a multi-process run share no filesystem, so with an ``s3://`` or
+``gs://`` directory each process stages its own files in its own local
+scratch directory, and the bucket is where the checkpoint comes together.
+``ShardUploader`` is the storage half of such a save's commit; the JAX job
+calls it on its background writer thread, never on the training thread:
+
+1. ``upload`` (every process, once its files are durable locally): puts its
+   own files under the step's prefix. Only then does a process report its
+   file records (name, size, CRC32) to the primary; a failed upload is
+   reported as that process's error instead, and fails the save everywhere.
+2. ``check`` (the primary, with every process's records): one listing must
+   show every object with its recorded size. A missing or wrong-size object
+   fails the save on every process, naming the objects; nothing is written
+   after it, so no marker ever points at a checkpoint that is not whole.
+3. Then the primary writes the manifest and commits it with
+   ``TieredDirectory.after_commit(name, data_uploaded=True)``: manifest,
+   the same size check once more, the create-only commit marker and orbax's
+   ``commit_success.txt`` (``protocol.upload_checkpoint``).
+
+Framework-free: the records are ``asyncckpt.engine.files.FileRecord``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from asyncckpt.engine.files import FileRecord
+from asyncckpt.storage import protocol
+from asyncckpt.storage.tier import RemoteTier
+
+logger = logging.getLogger(__name__)
+
+
+class ShardUploader:
+    """One process's part of multi-process saves into a remote directory.
+
+    Args:
+        remote: The manager's remote tier (its store, retries, concurrency).
+        process_index: This process, for log lines.
+    """
+
+    def __init__(self, remote: RemoteTier, *, process_index: int):
+        self._remote = remote
+        self.process_index = process_index
+
+    @property
+    def url(self) -> str:
+        return self._remote.url
+
+    def upload(self, name: str, directory: str, records: Sequence[FileRecord]) -> None:
+        """Uploads this process's files of checkpoint ``name``, staged in ``directory``.
+
+        Raises:
+            StorageError: an upload failed past its retry deadline.
+            OSError: a permanent error (access denied, a local file missing).
+        """
+        t0 = time.monotonic()
+        opts = self._remote.options
+        protocol.upload_files(self._remote.store, f"{name}/", directory, records,
+                              retry=opts.retry, concurrency=opts.concurrency)
+        logger.info("[process %d] uploaded %d file(s), %.1f MiB of %s to %s in %.2f s",
+                    self.process_index, len(records), sum(r.size for r in records) / 2**20,
+                    name, self.url, time.monotonic() - t0)
+
+    def check(self, name: str, records: Sequence[FileRecord]) -> None:
+        """Primary: every process's objects of ``name`` exist with their recorded sizes.
+
+        Raises:
+            StorageError: naming each missing or wrong-size object.
+        """
+        protocol.check_objects(self._remote.store, f"{name}/", records,
+                               retry=self._remote.options.retry)
+
+
+__all__ = ["ShardUploader"]
