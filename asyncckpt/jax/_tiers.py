@@ -1,9 +1,11 @@
 """The JAX manager's storage tiers: a local directory, and optionally a remote one.
 
 A thin layer over ``asyncckpt.storage.tier.TieredDirectory`` that speaks in
-steps: it names them as the manager does, refuses what the remote tier cannot
-do yet, and gives the manager the few hooks it calls (list, upload after the
-publish, fetch before a restore, wait, close).
+steps: it names them as the manager does (orbax's prefixed or fixed-length
+names too) and gives the manager the few hooks it calls: list, upload after
+the publish, fetch before a restore, wait, close, and, for several processes
+saving into a URL directory, the shard uploader of each save
+(``asyncckpt.storage.shards``).
 """
 
 from __future__ import annotations
@@ -27,10 +29,8 @@ class StepTiers:
         remote: A second, persistent tier for a local ``directory``.
         remote_options: Schedule, retention and retries of the remote tier
             (default: every step, the manager's ``max_to_keep``).
-        config: The manager's options (step names, ``max_to_keep``).
-
-    Raises:
-        ValueError: step names other than the plain number with a remote tier.
+        config: The manager's options (step names, as orbax's: the remote
+            tier keeps them, ``ckpt_000012/``; ``max_to_keep``).
     """
 
     def __init__(self, directory: str | os.PathLike, *, remote: str | None,
@@ -41,11 +41,6 @@ class StepTiers:
             directory, remote=remote,
             remote_options=remote_options or RemoteOptions(
                 max_to_keep=config.max_to_keep or None))
-        if self.has_remote and self._names.name(12) != "12":
-            self._dir.close()
-            raise ValueError("step_prefix / step_format_fixed_length are not supported with an "
-                             "object-storage directory or remote tier yet (steps are named by "
-                             "their number there)")
 
     @property
     def local_dir(self) -> str:

@@ -62,6 +62,9 @@ JAX_MARKER_NAME = "asyncckpt.commit.json"
 ORBAX_COMMIT_NAME = "commit_success.txt"
 MARKER_FORMAT = 1
 
+# JAX step directories: the plain step, or orbax's prefixed / fixed-length names
+# (``ckpt_000012``); the step is the trailing number.
+_JAX_NAME = re.compile(r"^(?:[^/]*_)?(\d+)$")
 _TF_NAME = re.compile(r"^([^/]+?)\.(index|data-\d+-of-\d+|asyncckpt-manifest\.json|"
                       r"asyncckpt-commit\.json)$")
 
@@ -307,11 +310,16 @@ def _remote_from_marker(framework: str, name: str, marker: dict) -> RemoteCheckp
     )
 
 
+def _jax_step_of(name: str) -> int | None:
+    m = _JAX_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
 def _group_of(key: str) -> tuple[str, str] | None:
     """``(framework, name)`` of the checkpoint an object belongs to, if any."""
     head, sep, _rest = key.partition("/")
     if sep:
-        return ("jax", head) if head.isdigit() else None
+        return ("jax", head) if _JAX_NAME.match(head) else None
     m = _TF_NAME.match(key)
     return ("tensorflow", m.group(1)) if m else None
 
@@ -448,7 +456,7 @@ def delete_uncommitted(store: ObjectStore, *, older_than_step: int,
             groups.setdefault(g, []).append(o.key)
     removed = []
     for (fw, name), keys in groups.items():
-        step = int(name) if fw == "jax" else layout.tf_step_of(name)
+        step = _jax_step_of(name) if fw == "jax" else layout.tf_step_of(name)
         if step is None or step >= older_than_step or _marker_key(fw, name) in keys:
             continue
         store.delete(keys)

@@ -74,9 +74,36 @@ def test_two_tiers_upload_every_n_and_restore_from_remote(remote_url, tmp_path):
         assert _same(mgr.restore(target=_state(0)), _state(6))
 
 
-def test_step_names_other_than_the_number_are_refused_with_a_remote_tier(remote_url, tmp_path):
+def test_prefixed_fixed_length_step_names_on_a_url_directory_and_a_remote_tier(remote_url,
+                                                                                tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
-    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=6)
-    with pytest.raises(ValueError, match="step_prefix"):
-        aj.CheckpointManager(tmp_path / "local", options=options, remote=remote_url)
-    assert not (tmp_path / "s3:").exists()
+    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=6,
+                                           max_to_keep=2)
+    with aj.CheckpointManager(remote_url, options=options) as mgr:
+        for step in (1, 2, 3):
+            assert mgr.save(step, _state(step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2, 3]
+    store = open_store(remote_url)
+    committed = list_committed(store)
+    assert [(c.name, c.step) for c in committed] == [("ckpt_000002", 2), ("ckpt_000003", 3)]
+    assert f"ckpt_000003/{ORBAX_COMMIT_NAME}" in {o.key for o in store.list()}
+    # A fresh scratch directory lists, restores and keeps retaining the remote steps.
+    with aj.CheckpointManager(remote_url, options=options) as mgr:
+        assert mgr.all_steps() == [2, 3]
+        assert _same(mgr.restore(target=_state(0)), _state(3))
+        assert _same(mgr.restore(2, target=_state(0)), _state(2))
+        assert mgr.save(4, _state(4))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4]
+    assert [c.name for c in list_committed(store)] == ["ckpt_000003", "ckpt_000004"]
+    # Two tiers with the same names: the local copy gone, the step comes from the remote.
+    local = tmp_path / "local"
+    with aj.CheckpointManager(local, options=options, remote=remote_url) as mgr:
+        assert mgr.save(5, _state(5))
+        mgr.wait_until_finished()
+        assert sorted(os.listdir(local))[-1] == "ckpt_000005"
+    shutil.rmtree(local)
+    with aj.CheckpointManager(tmp_path / "new", options=options, remote=remote_url) as mgr:
+        assert mgr.all_steps() == [4, 5]
+        assert _same(mgr.restore(target=_state(0)), _state(5))

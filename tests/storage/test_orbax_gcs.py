@@ -1,4 +1,4 @@
-"""orbax itself lists and restores a JAX checkpoint asyncckpt committed to gs://.
+"""orbax itself lists and restores JAX checkpoints asyncckpt committed to gs://.
 
 orbax is pointed at fake-gcs-server: etils' fsspec backend (gcsfs honours
 STORAGE_EMULATOR_HOST) for paths, tensorstore's own variables for the arrays.
@@ -29,6 +29,15 @@ assert orbax_mgr.all_steps() == [5, 6], orbax_mgr.all_steps()
 got = orbax_mgr.restore(6, args=ocp.args.StandardRestore(state))
 assert np.array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
 assert np.array_equal(np.asarray(got["b"]), state["b"]) and int(got["s"]) == 4
+
+# orbax's prefixed, fixed-length step names (``ckpt_000007/``) on gs:// too.
+opts = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=6)
+with aj.CheckpointManager(url + "-named", options=opts) as mgr:
+    mgr.save(7, {**state, "s": 7})
+orbax_mgr = ocp.CheckpointManager(url + "-named", options=opts)
+assert orbax_mgr.all_steps() == [7], orbax_mgr.all_steps()
+got = orbax_mgr.restore(7, args=ocp.args.StandardRestore(state))
+assert np.array_equal(np.asarray(got["w"]), np.asarray(state["w"])) and int(got["s"]) == 7
 print("ORBAX-OK")
 """
 
