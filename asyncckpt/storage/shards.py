@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from asyncckpt.engine.files import FileRecord
 from asyncckpt.storage import protocol
+from asyncckpt.storage.base import StorageError, retry_call
 from asyncckpt.storage.tier import RemoteTier
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,21 @@ class ShardUploader:
         """Uploads this process's files of checkpoint ``name``, staged in ``directory``.
 
         Raises:
-            StorageError: an upload failed past its retry deadline.
+            StorageError: the checkpoint is committed already, or an upload
+                failed past its retry deadline.
             OSError: a permanent error (access denied, a local file missing).
         """
         t0 = time.monotonic()
-        opts = self._remote.options
+        opts, store = self._remote.options, self._remote.store
+        marker = f"{name}/{protocol.JAX_MARKER_NAME}"
+        try:  # never overwrite the objects of a committed checkpoint
+            retry_call(lambda: store.get(marker), what=f"read {marker} ({store.url})",
+                       policy=opts.retry)
+        except FileNotFoundError:
+            pass
+        else:
+            raise StorageError(f"{store.url}: checkpoint {name} is already committed; refusing "
+                               f"to overwrite its objects")
         protocol.upload_files(self._remote.store, f"{name}/", directory, records,
                               retry=opts.retry, concurrency=opts.concurrency)
         logger.info("[process %d] uploaded %d file(s), %.1f MiB of %s to %s in %.2f s",

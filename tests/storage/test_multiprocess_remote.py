@@ -112,6 +112,14 @@ out["steps"] = mgr.all_steps()
 out["nbytes"] = [s.nbytes for s in mgr.engine.history]
 out["scratch_left"] = sorted(n for n in os.listdir(mgr.directory) if n != ".asyncckpt.lock")
 
+# A committed step saved again (force) is refused before any of its objects is overwritten.
+mgr.save(3, state(30), force=True)
+try:
+    mgr.wait_until_finished()
+    out["again"] = None
+except Exception as e:
+    out["again"] = f"{type(e).__name__}: {e}"
+
 for step, fault in ((4, "refuse"), (5, "lose")):
     FaultyStore.fault = (fault, f"{step}/default/w/")
     mgr.save(step, state(step))
@@ -170,6 +178,8 @@ def test_two_processes_save_to_s3_with_separate_scratch_directories(s3_server, t
     sharded = 16 * 8 * 4 + 32 * 2
     assert p1["nbytes"][0] < sharded < p0["nbytes"][0] + p1["nbytes"][0]
 
+    for p in (p0, p1):
+        assert "checkpoint 3 is already committed" in p["again"], p["again"]
     # An upload refused on process 1 fails the save on both processes.
     assert "injected: access denied to 4/default/w/" in p1["refuse"], p1["refuse"]
     assert "process 1" in p0["refuse"] and "access denied" in p0["refuse"], p0["refuse"]
