@@ -5,9 +5,11 @@
 directory and uploads them; process 0 checks every object before the marker.
 Faults are injected in process 1 by wrapping the real S3 store it opens: an
 upload refused, and an upload silently lost. Each must fail the save on both
-processes and leave no step listed. A second manager uses two tiers: a local
-directory both processes share, uploaded by process 0 in the background; with
-the local copy gone, both processes fetch the step from S3 at once.
+processes and leave no step listed. The same wrapper holds process 1's first
+uploads until ``save()`` has returned: uploads belong to the background commit.
+A second manager uses two tiers: a local directory both processes share,
+uploaded by process 0 in the background; with the local copy gone, both
+processes fetch the step from S3 at once.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tests.helpers import start_python, subprocess_env, write_script  # noqa: E4
 from tests.storage.conftest import BUCKET  # noqa: E402
 
 WORKER = r"""
-import json, os, shutil, sys
+import json, os, shutil, sys, threading
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import numpy as np
 import jax, jax.numpy as jnp
@@ -80,8 +82,10 @@ def restored_ok(mgr, step):
 
 
 class FaultyStore:
-    # Wraps the real S3 store of process 1: refuses or silently loses chosen uploads.
+    # Wraps the real S3 store of process 1: refuses or silently loses chosen uploads,
+    # and holds step 1's uploads until save(1) has returned on the training thread.
     fault = None  # ("refuse" | "lose", key prefix)
+    saved_1 = threading.Event()
 
     def __init__(self, inner):
         self._inner = inner
@@ -91,6 +95,8 @@ class FaultyStore:
         return getattr(self._inner, name)
 
     def put_file(self, key, path):
+        if key.startswith("1/") and not FaultyStore.saved_1.wait(60):
+            raise RuntimeError("an upload held up save() on the training thread")
         if FaultyStore.fault is not None and key.startswith(FaultyStore.fault[1]):
             if FaultyStore.fault[0] == "refuse":
                 raise PermissionError(f"injected: access denied to {key}")
@@ -107,6 +113,7 @@ mgr = aj.CheckpointManager(url, max_to_keep=2, coordination_timeout_s=60)
 out["scratch"] = mgr.directory
 for step in (1, 2, 3):
     mgr.save(step, state(step))
+    FaultyStore.saved_1.set()  # uploads are part of the background commit
 mgr.wait_until_finished()  # on process 1 too: returns once process 0 has committed
 out["steps"] = mgr.all_steps()
 out["nbytes"] = [s.nbytes for s in mgr.engine.history]
