@@ -13,11 +13,14 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from asyncckpt.jax._distributed import Coordinator
 from asyncckpt.jax._options import ManagerConfig, StepNames
 from asyncckpt.storage.shards import ShardUploader
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
+
+if TYPE_CHECKING:
+    from asyncckpt.jax._distributed import Coordinator
 
 
 class StepTiers:
