@@ -199,6 +199,12 @@ def test_two_processes_save_to_s3_with_separate_scratch_directories(s3_server, t
 
     store = open_store(url)
     assert [c.name for c in list_committed(store)] == ["2", "3"]
+    # The manifest lists both processes' chunk files, and each is there with its size.
+    manifest = json.loads(store.get("3/asyncckpt.manifest.json"))
+    sizes = {o.key: o.size for o in store.list("3/")}
+    assert {f"default/w/{i}.{j}" for i in range(4) for j in range(2)} <= {
+        f["name"] for f in manifest["files"]}
+    assert all(sizes[f"3/{f['name']}"] == f["size"] for f in manifest["files"])
     keys = {o.key for o in store.list()}
     assert not any(k.endswith(JAX_MARKER_NAME) and k[0] in "45" for k in keys)
     assert [c.name for c in list_committed(open_store(url2))] == ["7"]
