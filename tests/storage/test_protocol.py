@@ -120,3 +120,46 @@ def test_download_verifies_against_the_manifest(location, tmp_path):
     with pytest.raises(Exception, match="CRC32"):
         proto.download_checkpoint(store, remote, str(tmp_path / "dest"), retry=FAST)
     assert catalog.list_checkpoints(str(tmp_path / "dest")) == []  # nothing published
+
+
+def _stage(directory, names, seed):
+    """One process's staged files of a step (a temporary directory of its own)."""
+    writer = DurableWriter(str(directory), fsync=False, checksums=True)
+    rng = np.random.default_rng(seed)
+    for i, name in enumerate(names):
+        writer.write(name, (rng.integers(0, 255, 30_000 + i, dtype=np.uint8),))
+    return writer.finish()
+
+
+def test_a_step_uploaded_by_two_processes_commits_only_once_every_object_is_there(
+        location, tmp_path):
+    store = open_store(location)
+    own = ["default/a/0", "default/a/1"]
+    other = ["default/b/0", "default/b/1"]
+    # Step 9: each "process" uploads its own files from its own directory.
+    recs0 = _stage(tmp_path / "p0" / "9", own, 1)
+    recs1 = _stage(tmp_path / "p1" / "9", other, 2)
+    proto.upload_files(store, "9/", str(tmp_path / "p1" / "9"), recs1, retry=FAST)
+    proto.upload_files(store, "9/", str(tmp_path / "p0" / "9"), recs0, retry=FAST)
+    proto.check_objects(store, "9/", recs0 + recs1, retry=FAST)
+    manifest = Manifest(framework="jax", label="9", step=9, files=tuple(recs0 + recs1))
+    (tmp_path / "p0" / "9" / "asyncckpt.manifest.json").write_text(manifest.to_json())
+    info = next(c for c in catalog.list_checkpoints(str(tmp_path / "p0")) if c.step == 9)
+    proto.upload_checkpoint(store, info, retry=FAST, data_uploaded=True)  # p0 lacks b/*
+    (remote,) = proto.list_committed(store)
+    proto.download_checkpoint(store, remote, str(tmp_path / "restore"), retry=FAST)
+    for rec in recs0 + recs1:  # the whole step, verified against the manifest
+        assert (tmp_path / "restore" / "9" / rec.name).stat().st_size == rec.size
+
+    # Step 10: one object lost by the other process, one with another size: both named.
+    recs0 = _stage(tmp_path / "p0" / "10", own, 3)
+    recs1 = _stage(tmp_path / "p1" / "10", other, 4)
+    proto.upload_files(_faulty(open_store(location), drop_key="10/default/b/1"), "10/",
+                       str(tmp_path / "p1" / "10"), recs1, retry=FAST)
+    proto.upload_files(store, "10/", str(tmp_path / "p0" / "10"), recs0, retry=FAST)
+    store.put("10/default/a/0", b"short")
+    with pytest.raises(StorageError) as e:
+        proto.check_objects(store, "10/", recs0 + recs1, retry=FAST)
+    assert "10/default/b/1 (missing" in str(e.value)
+    assert "10/default/a/0 (5 bytes, expected 30000)" in str(e.value)
+    assert [c.name for c in proto.list_committed(store)] == ["9"]
