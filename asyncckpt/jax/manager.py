@@ -276,6 +276,9 @@ class CheckpointManager(ClosingContext):
                 return found
             return RootMetadata(custom_metadata=dict(self._root_metadata or {}))
         step = self._existing_step(step)
+        if self._tiers.has_remote:  # a step only the remote tier holds whole: fetch it
+            self._wait_for([step])
+            self._tiers.ensure_local(step, checksums=self._restore_options.verify_checksums)
         return _metadata.read_step_metadata(step, self.step_dir(step))
 
     def item_metadata(self, step: int) -> Any:

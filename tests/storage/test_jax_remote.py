@@ -32,7 +32,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_url_directory_round_trip(remote_url):
     with aj.CheckpointManager(remote_url, max_to_keep=2) as mgr:
         for step in (1, 2, 3):
-            assert mgr.save(step, _state(step))
+            assert mgr.save(step, _state(step), custom_metadata={"step": step})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [2, 3]
     store = open_store(remote_url)
@@ -42,6 +42,7 @@ def test_url_directory_round_trip(remote_url):
     # A new manager (fresh scratch directory) finds and restores the remote steps.
     with aj.CheckpointManager(remote_url, max_to_keep=2) as mgr:
         assert mgr.all_steps() == [2, 3]
+        assert mgr.metadata(2).custom_metadata == {"step": 2}  # only the remote has it
         assert _same(mgr.restore(target=_state(0)), _state(3))
         assert _same(mgr.restore(2, target=_state(0)), _state(2))
         with pytest.raises(ValueError, match="already saved"):

@@ -112,7 +112,7 @@ out = {}
 mgr = aj.CheckpointManager(url, max_to_keep=2, coordination_timeout_s=60)
 out["scratch"] = mgr.directory
 for step in (1, 2, 3):
-    mgr.save(step, state(step))
+    mgr.save(step, state(step), custom_metadata={"by": "two processes"})
     FaultyStore.saved_1.set()  # uploads are part of the background commit
 mgr.wait_until_finished()  # on process 1 too: returns once process 0 has committed
 out["steps"] = mgr.all_steps()
@@ -138,6 +138,7 @@ for step, fault in ((4, "refuse"), (5, "lose")):
     FaultyStore.fault = None
     out[fault + "_steps"] = mgr.all_steps()
 out["restored_ok"] = restored_ok(mgr, 3)
+out["custom"] = mgr.metadata(2).custom_metadata  # fetched: no scratch directory holds it
 mgr.close()
 
 # Two tiers: a shared local directory, uploaded by process 0 in the background.
@@ -195,6 +196,7 @@ def test_two_processes_save_to_s3_with_separate_scratch_directories(s3_server, t
         assert "missing" in p["lose"] and "5/default/w/" in p["lose"], p["lose"]
         assert p["refuse_steps"] == p["lose_steps"] == [2, 3]
         assert p["restored_ok"] and p["two_tier_restored_ok"]
+        assert p["custom"] == {"by": "two processes"}
         assert p["two_tier_steps"] == [7]
 
     store = open_store(url)
