@@ -23,7 +23,7 @@ from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
-from asyncckpt.jax._restore import restore_step
+from asyncckpt.jax._restore import restore_step, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.jax._tiers import StepTiers
 from asyncckpt.options import AsyncOptions, RestoreOptions
@@ -143,7 +143,8 @@ class CheckpointManager(ClosingContext):
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
         self._root_metadata = _compat.json_checked(metadata, "metadata")
-        self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s)
+        self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s,
+                                               directory=directory)
         if self._coord is not None:
             self._tiers.refuse_multiprocess()
         self._primary = self._coord is None or self._coord.primary
@@ -156,7 +157,7 @@ class CheckpointManager(ClosingContext):
         self._engine = AsyncEngine(options=self._options, name=name)
         self._snapshotter = Snapshotter(primary=self._primary)
         self._token: str | None = None
-        self._seq = 0
+        self._seq = 0  # one process; a multi-process run numbers saves in self._coord
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
@@ -351,8 +352,8 @@ class CheckpointManager(ClosingContext):
         """
         if self._closed or self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
-        self._engine.raise_pending_error()
-        self._tiers.raise_pending_error()  # a failed background upload surfaces here
+        if self._coord is None:
+            self._raise_pending()
         items, named = _args.save_items(state, args)
         self._check_items(items, named)
         step = operator.index(step)
@@ -360,9 +361,43 @@ class CheckpointManager(ClosingContext):
             raise ValueError(f"step must be >= 0, got {step}")
         if self._config.read_only:
             logger.warning("%s is read only: save of step %d skipped", self._directory, step)
-            return False
-        if not force and not self.should_save(step):
-            return False
+        elif force or self.should_save(step):
+            # Multi-process: from here on this save has a number, and raises
+            # earlier failures only once staged (see _distributed).
+            attempt = None if self._coord is None else self._coord.next_save(step)
+            try:
+                self._start_save(step, items, metrics, custom_metadata, attempt)
+            except BaseException as e:
+                if attempt is not None:
+                    self._coord.fail_before_staging(attempt[1], step, e)  # type: ignore
+                raise
+            if self._coord is not None:
+                self._raise_pending()
+            if not self._config.enable_async:
+                self._engine.sync()
+            return True
+        if self._coord is not None:
+            self._raise_pending()
+        return False
+
+    def _raise_pending(self) -> None:
+        self._engine.raise_pending_error()
+        self._tiers.raise_pending_error()  # a failed background upload surfaces here
+
+    def _check_items(self, items: list[_args.SaveItem], named: bool) -> None:
+        if self._item_names is None:
+            return
+        if not named:
+            raise ValueError(f"this manager has item_names {list(self._item_names)}: save "
+                             "with args=ocp.args.Composite(name=...)")
+        unknown = [i.name for i in items if i.name not in self._item_names]
+        if unknown:
+            raise ValueError(f"items {unknown} are not among item_names "
+                             f"{list(self._item_names)}")
+
+    def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
+                    custom_metadata: Any, attempt: tuple[int, str] | None) -> SaveHandle:
+        """Reserves the step, stages the state and queues the write; raises before staging."""
         if self.reached_preemption(step):
             logger.info("saving step %d at the preemption sync point", step)
         metrics = _compat.json_checked(metrics, "metrics")
@@ -379,31 +414,20 @@ class CheckpointManager(ClosingContext):
             view.unsettled.add(step)
             view.records[step] = _view.StepRecord(time.time(), metrics)
         try:
-            self._start_save(step, items, metrics, custom_metadata)
+            return self._stage(step, items, metrics, custom_metadata, attempt)
         except BaseException:
             view.settle(step, committed=False, deleter=None)
             raise
-        if not self._config.enable_async:
-            self._engine.sync()
-        return True
 
-    def _check_items(self, items: list[_args.SaveItem], named: bool) -> None:
-        if self._item_names is None:
-            return
-        if not named:
-            raise ValueError(f"this manager has item_names {list(self._item_names)}: save "
-                             "with args=ocp.args.Composite(name=...)")
-        unknown = [i.name for i in items if i.name not in self._item_names]
-        if unknown:
-            raise ValueError(f"items {unknown} are not among item_names "
-                             f"{list(self._item_names)}")
-
-    def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
-                    custom_metadata: Any) -> SaveHandle:
+    def _stage(self, step: int, items: list[_args.SaveItem], metrics: Any,
+               custom_metadata: Any, attempt: tuple[int, str] | None) -> SaveHandle:
         view = self._view
         token = self._join()
-        seq = self._seq
-        save_key = self._coord.save_key(seq, step) if self._coord is not None else None
+        if attempt is None:
+            seq, save_key = self._seq, None
+            self._seq += 1
+        else:
+            seq, save_key = attempt
         condemned = view.condemn(step, self._config, self._metric, self._read_record)
         if condemned:
             logger.debug("step %d condemns steps %s (deleted once it is durable)",
@@ -441,13 +465,8 @@ class CheckpointManager(ClosingContext):
                 item_handlers=handlers,
             )
 
-        try:
-            handle = self._engine.save(stage, label=str(step), step=step)
-        except BaseException as e:
-            if self._coord is not None and save_key is not None:
-                self._report_staging_failure(save_key, e)
-            raise
-        self._seq += 1
+        handle = self._engine.save(stage, label=str(step), step=step,
+                                   raise_pending=self._coord is None)
         with view.lock:
             view.in_flight[step] = handle
         deleter = self._deleter() if self._primary else None
@@ -463,31 +482,14 @@ class CheckpointManager(ClosingContext):
         return lambda step: _view.delete_step_dir(view, step, subdir)
 
     def _join(self) -> str:
-        """Before the first save: lock, clean up, agree on a token with the others."""
-        if self._token is not None:
-            return self._token
+        """Before the first save: lock, clean up (multi-process: agree on a token)."""
+        if self._token is None:
+            def prepare() -> str:
+                self._view.prepare()
+                return uuid.uuid4().hex[:12]
 
-        def prepare() -> str:
-            self._view.prepare()
-            return uuid.uuid4().hex[:12]
-
-        if self._coord is None:
-            self._token = prepare()
-        else:
-            self._token = self._coord.join(prepare)
+            self._token = prepare() if self._coord is None else self._coord.join(prepare)
         return self._token
-
-    def _report_staging_failure(self, save_key: str, error: BaseException) -> None:
-        """Multi-process: fail this save on the other processes too, instead of a timeout."""
-        assert self._coord is not None
-        try:
-            if self._primary:
-                self._coord.announce(save_key, error=error)
-            else:
-                self._coord.report_done(save_key, None, error=error)
-        except Exception:
-            logger.exception("could not tell the other processes that staging failed")
-        self._seq += 1  # the others used this save's keys too
 
     def delete(self, step: int) -> None:
         """Deletes a step (waiting first if it is still being saved).
@@ -585,6 +587,12 @@ class CheckpointManager(ClosingContext):
             ValueError: ``target`` does not match the saved tree.
         """
         requests, named = _args.restore_items(target, args)
+        # Multi-process: integrity verdicts are shared, so all processes agree.
+        with shared_verdicts(None if self._coord is None else self._coord.restore_verdicts()):
+            return self._restore(step, requests, named, directory)
+
+    def _restore(self, step: int | None, requests: Any, named: bool,
+                 directory: str | os.PathLike | None) -> Any:
         if directory is None:
             self._wait_for(None if step is None else [operator.index(step)])
             root, steps = self._directory, self.all_steps()
@@ -618,7 +626,7 @@ class CheckpointManager(ClosingContext):
                 return restore_step(step_dir(candidate), requests, named, checksums=checksums)
             except CorruptCheckpointError as e:
                 # Every file is checked before anything is placed on a device,
-                # and every process checks every file: all processes skip alike.
+                # and the processes share their verdicts: all skip alike.
                 logger.warning("skipping checkpoint step %d in %s: %s", candidate, root, e)
                 failures.append(e)
         raise CorruptCheckpointError(
