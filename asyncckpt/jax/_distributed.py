@@ -428,11 +428,13 @@ class CommitCoordinator:
 
 
 class RestoreVerdicts:
-    """Shares each process's integrity verdict of the checkpoints one restore reads.
+    """Shares what each process read, and its integrity verdict, for one restore.
 
-    Each process checks its share of the files; ``agree`` publishes its
-    verdict and waits for everyone's, so all processes accept or reject a
-    checkpoint together (and all fall back to the same older step).
+    Each process reads the chunks it needs; ``exchange`` tells everyone which
+    files were read, so the files nobody read are split among the processes
+    to check; ``agree`` publishes each process's verdict and waits for
+    everyone's, so all accept or reject a checkpoint together (and all fall
+    back to the same older step).
 
     Args:
         coordinator: The manager's coordinator.
@@ -442,9 +444,30 @@ class RestoreVerdicts:
     def __init__(self, coordinator: CommitCoordinator, prefix: str):
         self._coord = coordinator
         self._prefix = prefix
-        self._names: collections.Counter[str] = collections.Counter()
+        self._rounds = 0
         self.process_index = coordinator.process_index
         self.process_count = coordinator.process_count
+
+    def exchange(self, what: str, mine: str) -> list[str]:
+        """Publishes ``mine`` and returns every process's value, by process index.
+
+        Raises:
+            CoordinationTimeoutError: a process did not answer in time.
+        """
+        c = self._coord
+        key = f"{self._prefix}/{self._rounds}"
+        self._rounds += 1
+        c._set(f"{key}/{c.process_index}", mine)
+        deadline = time.monotonic() + c.timeout_s
+        values = [mine if i == c.process_index else
+                  c._get(f"{key}/{i}", deadline, f"process {i}'s {what}")
+                  for i in range(c.process_count)]
+        if c.primary:
+            # Every process has published this round: none reads an earlier one.
+            for earlier in c._restore_keys:
+                c._store.delete(earlier)
+            c._restore_keys = [key]
+        return values
 
     def agree(self, name: str, error: CorruptCheckpointError | None) -> None:
         """Publishes this process's verdict of ``name`` and raises if any process failed it.
@@ -454,25 +477,10 @@ class RestoreVerdicts:
                 first such process's error, the file named), on every process.
             CoordinationTimeoutError: a process did not answer in time.
         """
-        c = self._coord
-        n = self._names[name]
-        self._names[name] += 1
-        key = f"{self._prefix}/{n}-{name}"
         mine = _OK if error is None else json.dumps(
             {"message": str(error), "file": error.file, "checkpoint": error.checkpoint})
-        c._set(f"{key}/{c.process_index}", mine)
-        deadline = time.monotonic() + c.timeout_s
-        found = []
-        for i in range(c.process_count):
-            value = mine if i == c.process_index else c._get(
-                f"{key}/{i}", deadline, f"process {i}'s verdict of {name}")
-            if value != _OK:
-                found.append((i, json.loads(value)))
-        if c.primary:
-            # Every process has published this verdict: none reads an earlier one.
-            for earlier in c._restore_keys:
-                c._store.delete(earlier)
-            c._restore_keys = [key]
+        found = [(i, json.loads(v)) for i, v in
+                 enumerate(self.exchange(f"verdict of {name}", mine)) if v != _OK]
         if not found:
             return
         if error is not None:

@@ -107,20 +107,8 @@ class ChunkStore:
             for path, data in zip(todo, pool.map(self._load, todo), strict=True):
                 self._data[path] = data
 
-    def check_the_rest(self, item: str, params: set[str],
-                       share: tuple[int, int] | None = None) -> None:
-        """CRC32-checks the files of the restored arrays not read here (other processes' chunks).
-
-        Files of arrays not restored (and of other items) are not read: a
-        partial restore reads only what it restores. With ``share``
-        ``(index, count)`` only this process's share of those files is
-        checked: every ``count``-th of them in name order (the processes'
-        verdicts are then shared, see ``verified``); without it every
-        process checks them all.
-        """
-        if not self._checksums or not self._records:
-            return
-        read = {os.path.relpath(p, self._dir).replace(os.sep, "/") for p in self._data}
+    def wanted(self, item: str, params: set[str]) -> list[str]:
+        """Names of the manifest's files a restore of these arrays of ``item`` relies on."""
 
         def wanted(name: str) -> bool:
             parts = name.split("/")
@@ -128,10 +116,31 @@ class ChunkStore:
                 return len(parts) == 1 or parts[0] == item
             return parts[0] == item and parts[1] in params
 
-        rest = [r for name, r in sorted(self._records.items()) if wanted(name)]
+        return [name for name in sorted(self._records) if wanted(name)]
+
+    def read_names(self) -> set[str]:
+        """Names (relative to the step) of the files read here so far."""
+        return {os.path.relpath(p, self._dir).replace(os.sep, "/") for p in self._data}
+
+    def check_the_rest(self, item: str, params: set[str],
+                       share: tuple[int, int] | None = None,
+                       read_elsewhere: set[str] | frozenset[str] = frozenset()) -> None:
+        """CRC32-checks the files of the restored arrays not read here (other processes' chunks).
+
+        Files of arrays not restored (and of other items) are not read: a
+        partial restore reads only what it restores. With ``share``
+        ``(index, count)``, of the files no process read (``read_elsewhere``:
+        those other processes read and checked), only this process's share is
+        checked: every ``count``-th in name order (the verdicts are then
+        shared, see ``verified``). Without it every process checks them all.
+        """
+        if not self._checksums or not self._records:
+            return
+        read = self.read_names()
+        rest = [self._records[n] for n in self.wanted(item, params)
+                if n not in read and n not in read_elsewhere]
         if share is not None:
             rest = rest[share[0]::share[1]]
-        rest = [r for r in rest if r.name not in read]
         if not rest:
             return
 
@@ -190,10 +199,22 @@ def verified(store: ChunkStore, paths: list[str], item: str, params: set[str],
     error = None
     try:
         store.prefetch(paths)
-        store.check_the_rest(item, params,
-                             share=(verdicts.process_index, verdicts.process_count))
     except CorruptCheckpointError as e:
         error = e
+    # Which files each process read (and checked): a bitmap over the wanted files.
+    wanted = store.wanted(item, params)
+    read = store.read_names()
+    mine = sum(1 << k for k, name in enumerate(wanted) if name in read)
+    elsewhere = 0
+    for bits in verdicts.exchange(f"reads of {item}", format(mine, "x")):
+        elsewhere |= int(bits, 16)
+    if error is None:
+        try:
+            store.check_the_rest(
+                item, params, share=(verdicts.process_index, verdicts.process_count),
+                read_elsewhere={n for k, n in enumerate(wanted) if elsewhere >> k & 1})
+        except CorruptCheckpointError as e:
+            error = e
     verdicts.agree(f"{os.path.basename(step_dir)}/{item}", error)
 
 
