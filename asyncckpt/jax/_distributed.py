@@ -60,13 +60,15 @@ wrapper, and the same errors, as the preemption handler's).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 
 from asyncckpt._coordination import (
     CoordinationError,
@@ -79,7 +81,7 @@ from asyncckpt.errors import CorruptCheckpointError
 
 __all__ = [
     "CommitCoordinator", "CoordinationError", "CoordinationTimeoutError", "Coordinator",
-    "DistributedSaveError", "RestoreVerdicts", "manager_key",
+    "DistributedSaveError", "RestoreVerdicts", "Saves", "manager_key",
 ]
 
 logger = logging.getLogger(__name__)
@@ -490,6 +492,50 @@ class RestoreVerdicts:
             f"{info['message']} (found by process {i})",
             checkpoint=info.get("checkpoint"), file=info.get("file"),
         )
+
+
+class Saves:
+    """A manager's run token and save numbers, for one process or several.
+
+    Args:
+        coordinator: The multi-process protocol, or None for one process.
+        prepare: Takes the directory's lock and cleans it up (the primary,
+            before the first save).
+    """
+
+    def __init__(self, coordinator: CommitCoordinator | None, prepare: Callable[[], None]):
+        self.coord = coordinator
+        self._prepare = prepare
+        self._token: str | None = None
+        self._seq = 0
+
+    def token(self) -> str:
+        """The run token naming this manager's temporaries (agreed by every process)."""
+        if self._token is None:
+            def prepare() -> str:
+                self._prepare()
+                return uuid.uuid4().hex[:12]
+
+            self._token = prepare() if self.coord is None else self.coord.join(prepare)
+        return self._token
+
+    @contextlib.contextmanager
+    def attempt(self, step: int) -> Iterator[tuple[int, str | None]]:
+        """One attempted save: ``(seq, save_key)`` (the key None for one process).
+
+        Multi-process: an error raised inside (before the save is staged)
+        fails this save on the other processes at once, instead of a timeout.
+        """
+        if self.coord is None:
+            self._seq += 1
+            yield self._seq - 1, None
+            return
+        seq, key = self.coord.next_save(step)
+        try:
+            yield seq, key
+        except BaseException as e:
+            self.coord.fail_before_staging(key, step, e)
+            raise
 
 
 # The JAX manager's name for the commit protocol.

@@ -6,8 +6,6 @@ import concurrent.futures
 import logging
 import operator
 import os
-import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -20,7 +18,7 @@ from asyncckpt.errors import (
 )
 from asyncckpt.jax import _args, _compat, _metadata, _options, _view
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import Coordinator
+from asyncckpt.jax._distributed import Coordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
 from asyncckpt.jax._restore import restore_step, shared_verdicts
@@ -156,8 +154,7 @@ class CheckpointManager(ClosingContext):
         )
         self._engine = AsyncEngine(options=self._options, name=name)
         self._snapshotter = Snapshotter(primary=self._primary)
-        self._token: str | None = None
-        self._seq = 0  # one process; a multi-process run numbers saves in self._coord
+        self._saves = Saves(self._coord, self._view.prepare)
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
@@ -352,37 +349,29 @@ class CheckpointManager(ClosingContext):
         """
         if self._closed or self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
-        if self._coord is None:
+        multi = self._coord is not None  # then earlier failures raise once staged
+        if not multi:
             self._raise_pending()
         items, named = _args.save_items(state, args)
         self._check_items(items, named)
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        started = not self._config.read_only and (force or self.should_save(step))
         if self._config.read_only:
             logger.warning("%s is read only: save of step %d skipped", self._directory, step)
-        elif force or self.should_save(step):
-            # Multi-process: from here on this save has a number, and raises
-            # earlier failures only once staged (see _distributed).
-            attempt = None if self._coord is None else self._coord.next_save(step)
-            try:
-                self._start_save(step, items, metrics, custom_metadata, attempt)
-            except BaseException as e:
-                if attempt is not None:
-                    self._coord.fail_before_staging(attempt[1], step, e)  # type: ignore
-                raise
-            if self._coord is not None:
-                self._raise_pending()
-            if not self._config.enable_async:
-                self._engine.sync()
-            return True
-        if self._coord is not None:
+        elif started:
+            with self._saves.attempt(step) as (seq, save_key):  # every process numbers it
+                self._start_save(step, items, metrics, custom_metadata, seq, save_key)
+        if multi:
             self._raise_pending()
-        return False
+        if started and not self._config.enable_async:
+            self._engine.sync()
+        return started
 
-    def _raise_pending(self) -> None:
+    def _raise_pending(self) -> None:  # a failed background upload surfaces here too
         self._engine.raise_pending_error()
-        self._tiers.raise_pending_error()  # a failed background upload surfaces here
+        self._tiers.raise_pending_error()
 
     def _check_items(self, items: list[_args.SaveItem], named: bool) -> None:
         if self._item_names is None:
@@ -396,42 +385,26 @@ class CheckpointManager(ClosingContext):
                              f"{list(self._item_names)}")
 
     def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
-                    custom_metadata: Any, attempt: tuple[int, str] | None) -> SaveHandle:
+                    custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
         """Reserves the step, stages the state and queues the write; raises before staging."""
         if self.reached_preemption(step):
             logger.info("saving step %d at the preemption sync point", step)
         metrics = _compat.json_checked(metrics, "metrics")
         custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
         self._metric(metrics)
-        view = self._view
-        with view.lock:
-            if (step in view.in_flight or step in view.disk_steps()
-                    or os.path.lexists(view.step_dir(step))):
-                raise _compat.step_already_exists_error()(
-                    f"step {step} is already saved (or being saved) in {self._directory!r}"
-                )
-            view.in_flight[step] = None  # reserved: listed from now on
-            view.unsettled.add(step)
-            view.records[step] = _view.StepRecord(time.time(), metrics)
+        self._view.reserve(step, metrics, _compat.step_already_exists_error())
         try:
-            return self._stage(step, items, metrics, custom_metadata, attempt)
+            return self._stage(step, items, metrics, custom_metadata, seq, save_key)
         except BaseException:
-            view.settle(step, committed=False, deleter=None)
+            self._view.settle(step, committed=False, deleter=None)
             raise
 
     def _stage(self, step: int, items: list[_args.SaveItem], metrics: Any,
-               custom_metadata: Any, attempt: tuple[int, str] | None) -> SaveHandle:
+               custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
         view = self._view
-        token = self._join()
-        if attempt is None:
-            seq, save_key = self._seq, None
-            self._seq += 1
-        else:
-            seq, save_key = attempt
-        condemned = view.condemn(step, self._config, self._metric, self._read_record)
-        if condemned:
-            logger.debug("step %d condemns steps %s (deleted once it is durable)",
-                         step, condemned)
+        token = self._saves.token()
+        if condemned := view.condemn(step, self._config, self._metric, self._read_record):
+            logger.debug("step %d condemns %s (deleted once it is durable)", step, condemned)
         handlers = {i.name: fmt.STANDARD_HANDLER if i.kind == "pytree" else fmt.JSON_HANDLER
                     for i in items}
         extra: list[tuple[str, bytes]] = []
@@ -480,16 +453,6 @@ class CheckpointManager(ClosingContext):
         # Holds the view, not the manager: a dropped manager's saves still finish.
         view, subdir = self._view, self._config.todelete_subdir
         return lambda step: _view.delete_step_dir(view, step, subdir)
-
-    def _join(self) -> str:
-        """Before the first save: lock, clean up (multi-process: agree on a token)."""
-        if self._token is None:
-            def prepare() -> str:
-                self._view.prepare()
-                return uuid.uuid4().hex[:12]
-
-            self._token = prepare() if self._coord is None else self._coord.join(prepare)
-        return self._token
 
     def delete(self, step: int) -> None:
         """Deletes a step (waiting first if it is still being saved).
