@@ -180,6 +180,14 @@ if pid == 1:
 client.wait_at_barrier("corrupted", 60_000)
 got = ma.restore(target=target())
 out["fallback_7"] = matches(got, 7)
+
+# Process 0 cannot stage step 9: process 1's save fails at once with its error,
+# and process 1 removes the files it wrote (process 0 never will).
+bad = state(9)
+if pid == 0:
+    bad["oops"] = "not an array"
+out["primary_staging"] = error_of(lambda: ma.save(9, bad))
+out["primary_staging_wait"] = error_of(ma.wait_until_finished)
 ma.close()
 print("RESULT " + json.dumps(out), flush=True)
 """
@@ -255,6 +263,12 @@ def test_failures_agreed_keys_aligned_reaped_and_restore_verdicts_shared(tmp_pat
                                                                 p1["read_bytes"])
     # Corruption only process 1 read: both processes fall back to step 7.
     assert p0["fallback_7"] and p1["fallback_7"]
+    # Process 0 failed to stage step 9: process 1's save of it fails, naming why.
+    assert p0["primary_staging"].startswith("UnsupportedObjectError"), p0
+    assert p1["primary_staging"] is None
+    assert p1["primary_staging_wait"].startswith("DistributedSaveError"), p1
+    assert "process 0: did not take part" in p1["primary_staging_wait"]
+    assert "UnsupportedObjectError" in p1["primary_staging_wait"]
     leftovers = [n for n in os.listdir(tmp_path / "a") if n.startswith(".asyncckpt-tmp-")]
     assert not leftovers
 

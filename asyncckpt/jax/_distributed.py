@@ -88,6 +88,7 @@ logger = logging.getLogger(__name__)
 
 _ERROR = "error:"
 _OK = "ok"
+ABSENT = "did not take part"  # a process's failure raised before staging its part
 # Managers made per (process, directory key): the n in "d<hash>.<n>".
 _generations: collections.Counter[tuple[int, str]] = collections.Counter()
 _generations_lock = threading.Lock()
@@ -269,7 +270,7 @@ class CommitCoordinator:
 
     def fail_before_staging(self, save_key: str, step: int, error: BaseException) -> None:
         """This process raises before staging its part: the others' save fails, no timeout."""
-        text = f"did not take part (raised before staging): {describe(error)}"
+        text = f"{ABSENT} (raised before staging): {describe(error)}"
         try:
             if self.primary:
                 self._announce_failures(save_key, {0: text})

@@ -25,7 +25,12 @@ from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import Coordinator, DistributedSaveError, missing_files
+from asyncckpt.jax._distributed import (
+    ABSENT,
+    Coordinator,
+    DistributedSaveError,
+    missing_files,
+)
 from asyncckpt.jax._snapshot import StagedTree
 from asyncckpt.options import AsyncOptions
 
@@ -237,9 +242,17 @@ class JaxSaveJob:
             if not self._primary:
                 if self._tmp is not None:
                     commit_lib.forget_temp(self._tmp)
+                    if _primary_absent(self._error):
+                        commit_lib.remove_tree(self._tmp)  # no one else will
                 return  # the primary removes the shared temporary directory
             # The primary announced only after every process answered (or timed
             # out): none writes into the temporary directory any more.
         if self._tmp is not None:
             commit_lib.remove_tree(self._tmp)
             self._tmp = None
+
+
+def _primary_absent(error: BaseException | None) -> bool:
+    """Whether the primary raised before staging this save (so it never removes its files)."""
+    return isinstance(error, DistributedSaveError) and error.failures.get(0, "").startswith(
+        ABSENT)
