@@ -49,9 +49,12 @@ stale temporaries and then publishes a run token (``ready``) that names the
 temporary directories; the other processes wait for it, so no process writes
 into a directory that the cleanup could still remove.
 
-**Restore.** ``RestoreVerdicts`` shares each process's integrity verdict of a
-checkpoint (``r<n>/<name>/<process>``) so that corruption found by any
-process fails the restore on every process, and all fall back alike.
+**Restore.** ``RestoreVerdicts`` (keys ``r<n>/<round>/<process>``) lets the
+processes of one restore tell each other which files they read (and so
+checked), so the files nobody read are split among them, and then share
+their integrity verdicts: corruption found by any process fails the
+checkpoint on every process, and all fall back to the same older step.
+Process 0 deletes a round's keys once every process has published the next.
 
 The key-value store is reached through ``asyncckpt._coordination`` (the same
 wrapper, and the same errors, as the preemption handler's).
