@@ -258,6 +258,8 @@ def test_failures_agreed_keys_aligned_reaped_and_restore_verdicts_shared(tmp_pat
     assert p0["a_steps"][-3:] == p1["a_steps"][-3:] == [6, 7, 8], (p0, p1)
     # Restore: the 2 MiB of "w" is read about once in all, not once per process.
     total = 1024 * 512 * 4
+    print(f"restore reads: process 0 {p0['read_bytes']} B, process 1 {p1['read_bytes']} B, "
+          f"checkpoint {total} B; keys after 10 and 50 saves: {p0['keys']}")
     assert p0["restored_8"] and p1["restored_8"]
     assert p0["read_bytes"] + p1["read_bytes"] < 1.3 * total, (p0["read_bytes"],
                                                                 p1["read_bytes"])
