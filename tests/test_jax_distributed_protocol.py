@@ -59,7 +59,7 @@ def test_managers_are_named_by_directory_and_count_per_directory():
 
 
 def _save(c: dist.CommitCoordinator, step: int, records: list[FileRecord]):
-    seq, key = c.next_save(step)
+    _, key = c.next_save(step)
     if c.primary:
         others, failures, _ = c.collect(key)
         c.announce(key, failures=failures)
@@ -111,7 +111,7 @@ def test_a_save_raised_before_staging_fails_the_others_at_once_and_numbers_stay_
     def primary():
         token = s0.token()
         with s0.attempt(7) as (seq, key):  # process 0 stages step 7; process 1 cannot
-            others, failures, _ = p0.collect(key)
+            _, failures, _ = p0.collect(key)
             error = dist.DistributedSaveError(7, p0.announce(key, failures=failures))
         with s0.attempt(8) as (seq8, key8):
             p0.announce(key8, failures=p0.collect(key8)[1])
