@@ -163,3 +163,34 @@ def test_restore_verdicts_are_shared_and_their_keys_deleted():
     for _ in range(5):
         _both(lambda: v0.agree("7/default", None), lambda: v1.agree("7/default", None))
     assert len(values) <= 4  # the newest round's keys (and maybe the round before)
+
+
+def test_no_process_waits_on_a_deleted_key_when_saves_raise_before_staging():
+    _, (p0, p1) = _pair(timeout_s=2)
+    rec = [FileRecord("x", 1, 0)]
+    # Process 1's writer reported save 0 but has not read its commit yet, when
+    # its training thread raises before staging save 1.
+    _, k0 = p0.next_save(0)
+    assert p1.next_save(0)[1] == k0
+    p1.report_done(k0, rec)
+    assert p0.collect(k0)[1] == {}
+    p0.announce(k0)
+    _, k1 = p1.next_save(1)
+    p1.fail_before_staging(k1, 1, ValueError("step 1 exists"))
+    assert p0.next_save(1)[1] == k1
+    assert "did not take part" in p0.collect(k1)[1][1]
+    p0.announce(k1, failures={1: "x"})
+    p1.wait_committed(k0, 0)  # still there: that answer came from a training thread
+    # Process 0's training thread raises before staging save 3 while its writer
+    # still collects save 2's answers: save 3's verdict outlives that collect.
+    _, k2 = p0.next_save(2)
+    assert p1.next_save(2)[1] == k2
+    _, k3 = p0.next_save(3)
+    p0.fail_before_staging(k3, 3, TypeError("bad leaf"))
+    p1.report_done(k2, rec)
+    assert p0.collect(k2)[1] == {}
+    p0.announce(k2)
+    p1.wait_committed(k2, 2)
+    assert p1.next_save(3)[1] == k3
+    with pytest.raises(dist.DistributedSaveError, match="process 0: did not take part"):
+        p1.wait_committed(k3, 3)

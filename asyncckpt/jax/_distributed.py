@@ -135,6 +135,11 @@ def process_layout() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
+def _seq_of(save_key: str) -> int:
+    """The sequence number in a key made by ``save_key``."""
+    return int(save_key.rsplit("/s", 1)[1].split("-", 1)[0])
+
+
 def missing_files(tmp_dir: str, by_process: dict[int, list[FileRecord]]) -> dict[int, str]:
     """Primary, before publishing: each process whose recorded files are not all in ``tmp_dir``.
 
@@ -322,8 +327,11 @@ class CommitCoordinator:
             mine = [FileRecord(n, int(s), c) for n, s, c in json.loads(value)]
             by_process[i] = mine
             records.extend(mine)
-        if not silent:
-            self._reap_earlier()
+        # An answer from a process's writer thread means that process has finished
+        # every earlier save; one it gave on raising before staging (from its
+        # training thread) does not.
+        if not silent and not any(f.startswith(ABSENT) for f in failures.values()):
+            self._reap_earlier(_seq_of(save_key))
         return records, failures, by_process
 
     def gather(self, save_key: str, *, raise_errors: bool = True) -> list[FileRecord]:
@@ -338,10 +346,11 @@ class CommitCoordinator:
                 f"process {i}: {text}" for i, text in sorted(failures.items())))
         return records
 
-    def _reap_earlier(self) -> None:
-        """Every process answered the newest save: no one reads the earlier ones' keys."""
+    def _reap_earlier(self, seq: int) -> None:
+        """Every process's writer answered save ``seq``: no one reads the earlier ones' keys."""
         with self._lock:
-            reap, self._reap = self._reap, []
+            reap = [k for k in self._reap if _seq_of(k) < seq]
+            self._reap = [k for k in self._reap if _seq_of(k) >= seq]
         for key in reap:
             try:
                 self._store.delete(key)
