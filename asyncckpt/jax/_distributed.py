@@ -39,8 +39,11 @@ process that skipped a save on its own would fail it on every other one.
    checkpoint is visible.
 
 **Deleting keys.** Each process's writer thread handles its saves in order,
-so once every process has answered save *k* (``done/<i>``), each has finished
-reading the keys of every earlier save. The primary then deletes them. The
+so once every process's writer has answered save *k* (``done/<i>``), each has
+finished reading the keys of every earlier save. The primary then deletes
+them (not *k*'s own, nor a later save's verdict it announced meanwhile). An
+answer a process gives on raising before staging comes from its training
+thread and proves nothing, so it deletes nothing. The
 keys of the newest save and the manager's ``ready`` stay; the number of keys
 does not grow with the number of saves.
 

@@ -345,7 +345,8 @@ class CheckpointManager(ClosingContext):
             StepAlreadyExistsError: ``step`` is already saved or being saved
                 (a subclass of orbax's, and of ValueError).
             UnsupportedObjectError: a leaf cannot be saved (named in the message).
-            Exception: a failure of an earlier background save.
+            Exception: a failure of an earlier background save (several
+                processes: raised once this save is started, see docs/jax.md).
         """
         if self._closed or self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
@@ -357,10 +358,9 @@ class CheckpointManager(ClosingContext):
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        started = not self._config.read_only and (force or self.should_save(step))
-        if self._config.read_only:
-            logger.warning("%s is read only: save of step %d skipped", self._directory, step)
-        elif started:
+        # should_save says (and logs) that a read-only manager never saves.
+        started = (force and not self._config.read_only) or self.should_save(step)
+        if started:
             with self._saves.attempt(step) as (seq, save_key):  # every process numbers it
                 self._start_save(step, items, metrics, custom_metadata, seq, save_key)
         if multi:
