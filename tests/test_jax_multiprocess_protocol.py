@@ -119,7 +119,9 @@ for step in range(1, 51):
     mb.save(step, {"x": np.full(4, step, np.int32)})
     if step in (10, 50):
         mb.wait_until_finished()
+        client.wait_at_barrier(f"count-{step}", 60_000)  # neither process is ahead
         out["keys"].append(len(client.key_value_dir_get("asyncckpt/")))
+        client.wait_at_barrier(f"counted-{step}", 60_000)
 out["b_steps"] = mb.all_steps()
 mb.close()
 
