@@ -22,6 +22,22 @@ process waits for it; and in a multi-process run ``save()`` stages first and
 raises the failures of earlier saves after (see the manager), because a
 process that skipped a save on its own would fail it on every other one.
 
+What can happen on one process only, and how each keeps the numbers aligned:
+
+* an earlier save's failure, which reaches each process at its own time:
+  raised after this save is staged, never instead of it;
+* a staging error (a leaf only this process holds, memory), the step found
+  to exist (listings can differ for a moment after a failed save), the
+  directory lock or cleanup (process 0): the number is used, and the failure
+  is reported under it (``Saves.attempt``), so the others' save fails at once;
+* a write, fsync or commit error: reported under the save's keys, and one
+  verdict is raised everywhere.
+
+What must be the same on every process (the caller's part): the steps given
+to ``save()``, in the same order, and ``should_save``'s answer (the save
+schedule, the preemption point agreed by JAX, and "not after the latest
+step", which holds for increasing steps).
+
 **One save.**
 
 1. each non-primary process, once its files are durable, sets
