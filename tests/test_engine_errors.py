@@ -181,6 +181,19 @@ def test_save_after_a_failure_raises_it(tmp_path):
     engine.close()
 
 
+def test_save_with_raise_pending_false_stages_then_leaves_the_failure_to_the_caller(tmp_path):
+    # A multi-process save: every process must take part, so the save is queued
+    # and the earlier failure is raised by the caller's next raise_pending_error().
+    engine = AsyncEngine()
+    h = engine.save(lambda s: _Job(str(tmp_path), "a", fail=ValueError("bad")), label="a")
+    assert h.committed.exception(30) is not None
+    b = engine.save(lambda s: _Job(str(tmp_path), "b"), label="b", raise_pending=False)
+    with pytest.raises(ValueError, match="bad"):
+        engine.raise_pending_error()
+    assert b.result(30) is not None and (tmp_path / "b").is_dir()
+    engine.close()
+
+
 def test_error_after_publish_is_logged_counted_and_not_a_failure(tmp_path, caplog):
     with AsyncEngine() as engine:
         h = engine.save(

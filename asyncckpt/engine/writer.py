@@ -256,6 +256,7 @@ class AsyncEngine(ClosingContext):
         label: str,
         step: int | None = None,
         slot_timeout: float | None = None,
+        raise_pending: bool = True,
     ) -> SaveHandle:
         """Copies the state into a free slot and queues it for writing.
 
@@ -267,6 +268,10 @@ class AsyncEngine(ClosingContext):
             step: Training step, when known.
             slot_timeout: Longest wait for a free slot; None waits as long as
                 the write in progress takes.
+            raise_pending: Raise earlier failures before staging (the default).
+                False stages regardless and leaves them to the caller's next
+                ``raise_pending_error()`` (a multi-process save, which every
+                process must take part in).
 
         Returns:
             A handle whose ``committed`` future resolves when the checkpoint is
@@ -282,14 +287,16 @@ class AsyncEngine(ClosingContext):
             self._owner = threading.get_ident()
             self._staging += 1
         try:
-            self._deliver(None)
+            if raise_pending:
+                self._deliver(None)
             t0 = time.perf_counter()
             started_at = time.time()
             slot, slot_wait_s = self._pool.acquire(timeout=slot_timeout)
             try:
                 # With every slot busy, this call waited for the writer: a save
                 # that failed meanwhile has happened before this one starts.
-                self._deliver(None)
+                if raise_pending:
+                    self._deliver(None)
                 job = stage(slot)
                 slot.trim()
                 # The first save (or a new layout) teaches the pool the state's

@@ -1,4 +1,4 @@
-"""Multi-process commit through the JAX distributed key-value store.
+"""Multi-process commit and restore verdicts through the JAX distributed key-value store.
 
 Every process writes its own shards into one shared temporary directory; the
 checkpoint may be published only after all of them are done. The processes
@@ -7,21 +7,73 @@ agree through the coordination service's key-value store (the same service
 below run on each process's background writer thread, where a collective
 could deadlock against the training step's own collectives.
 
-Protocol for one save (keys under ``asyncckpt/m<manager>/s<seq>-<step>/``):
+**Names.** A manager's keys live under ``asyncckpt/d<hash>.<n>/``: ``hash``
+is derived from the directory as the program names it (a URL without its
+trailing slash, a path normalized), ``n`` counts the managers this process
+made for that directory. Managers are therefore matched across processes by
+their directory, whatever order the program creates them in.
+
+**Sequence numbers.** Each save has keys ``s<seq>-<step>/``. Every save that
+a process *attempts* uses one number: every ``save()`` that gets past the
+argument checks and the save schedule (``should_save``, the same answer on
+every process), including one that then raises before anything is staged.
+A process that fails before staging still answers for that number, so no
+process waits for it; and in a multi-process run ``save()`` stages first and
+raises the failures of earlier saves after (see the manager), because a
+process that skipped a save on its own would fail it on every other one.
+
+What can happen on one process only, and how each keeps the numbers aligned:
+
+* an earlier save's failure, which reaches each process at its own time:
+  raised after this save is staged, never instead of it;
+* a staging error (a leaf only this process holds, memory), the step found
+  to exist (listings can differ for a moment after a failed save), the
+  directory lock or cleanup (process 0): the number is used, and the failure
+  is reported under it (``Saves.attempt``), so the others' save fails at once;
+* a write, fsync or commit error: reported under the save's keys, and one
+  verdict is raised everywhere.
+
+What must be the same on every process (the caller's part): the steps given
+to ``save()``, in the same order, and ``should_save``'s answer (the save
+schedule, the preemption point agreed by JAX, and "not after the latest
+step", which holds for increasing steps).
+
+**One save.**
 
 1. each non-primary process, once its files are durable, sets
-   ``done/<process>`` to its file records (or to an error);
-2. the primary waits for every ``done/<i>``, writes the manifest with all
-   records, publishes the directory by rename, applies retention, then sets
-   ``commit`` to ``ok`` (or to the error that stopped it);
-3. non-primary processes wait for ``commit`` before their save counts as
-   finished, so ``wait_until_finished()`` returns on every process only once
-   the checkpoint is visible.
+   ``done/<process>`` to its file records (or to its error);
+2. the primary waits for every ``done/<i>``, checks that every process's
+   recorded files are in the temporary directory with the recorded sizes
+   (a directory that is not shared between the processes fails here, naming
+   the missing files), writes the manifest, publishes the directory by
+   rename, applies retention, then sets ``commit``: ``ok``, or the verdict
+   naming every process's failure;
+3. every process raises the same ``DistributedSaveError`` for a failed
+   save (on the process at fault, with its own error as the cause); the
+   non-primary processes wait for ``commit`` before their save counts as
+   finished, so ``wait_until_finished()`` returns everywhere only once the
+   checkpoint is visible.
 
-Before its first save, a manager's primary takes the directory lock, removes
+**Deleting keys.** Each process's writer thread handles its saves in order,
+so once every process's writer has answered save *k* (``done/<i>``), each has
+finished reading the keys of every earlier save. The primary then deletes
+them (not *k*'s own, nor a later save's verdict it announced meanwhile). An
+answer a process gives on raising before staging comes from its training
+thread and proves nothing, so it deletes nothing. The
+keys of the newest save and the manager's ``ready`` stay; the number of keys
+does not grow with the number of saves.
+
+**First save of a manager.** The primary takes the directory lock, removes
 stale temporaries and then publishes a run token (``ready``) that names the
 temporary directories; the other processes wait for it, so no process writes
 into a directory that the cleanup could still remove.
+
+**Restore.** ``RestoreVerdicts`` (keys ``r<n>/<round>/<process>``) lets the
+processes of one restore tell each other which files they read (and so
+checked), so the files nobody read are split among them, and then share
+their integrity verdicts: corruption found by any process fails the
+checkpoint on every process, and all fall back to the same older step.
+Process 0 deletes a round's keys once every process has published the next.
 
 The key-value store is reached through ``asyncckpt._coordination`` (the same
 wrapper, and the same errors, as the preemption handler's).
@@ -29,12 +81,16 @@ wrapper, and the same errors, as the preemption handler's).
 
 from __future__ import annotations
 
-import itertools
+import collections
+import contextlib
+import hashlib
 import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 
 from asyncckpt._coordination import (
     CoordinationError,
@@ -43,14 +99,52 @@ from asyncckpt._coordination import (
 )
 from asyncckpt._coordination import Coordinator as KeyValueStore
 from asyncckpt.engine.files import FileRecord
+from asyncckpt.errors import CorruptCheckpointError
 
-__all__ = ["CommitCoordinator", "CoordinationError", "CoordinationTimeoutError", "Coordinator"]
+__all__ = [
+    "CommitCoordinator", "CoordinationError", "CoordinationTimeoutError", "Coordinator",
+    "DistributedSaveError", "RestoreVerdicts", "Saves", "manager_key",
+]
 
 logger = logging.getLogger(__name__)
 
 _ERROR = "error:"
-_manager_ids = itertools.count()
-_manager_ids_lock = threading.Lock()
+_OK = "ok"
+ABSENT = "did not take part"  # a process's failure raised before staging its part
+# Managers made per (process, directory key): the n in "d<hash>.<n>".
+_generations: collections.Counter[tuple[int, str]] = collections.Counter()
+_generations_lock = threading.Lock()
+
+
+class DistributedSaveError(CoordinationError):
+    """A multi-process save failed; every process raises this same error for it.
+
+    Attributes:
+        step: The save's step.
+        failures: Process index -> its failure, as text.
+    """
+
+    def __init__(self, step: int, failures: dict[int, str]):
+        self.step = step
+        self.failures = dict(sorted(failures.items()))
+        parts = "; ".join(f"process {i}: {text}" for i, text in self.failures.items())
+        super().__init__(f"multi-process save of step {step} failed: {parts}")
+
+    def __reduce__(self):
+        return type(self), (self.step, self.failures)
+
+
+def describe(error: BaseException) -> str:
+    """A failure as one line for the other processes."""
+    return f"{type(error).__name__}: {error}"
+
+
+def manager_key(directory: str | os.PathLike) -> str:
+    """The stable name of a directory across processes: a URL, or the normalized path."""
+    text = os.fspath(directory)
+    if "://" in text:
+        return text.rstrip("/")
+    return os.path.normpath(os.path.expanduser(text))
 
 
 def process_layout() -> tuple[int, int]:
@@ -60,24 +154,73 @@ def process_layout() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
+def _seq_of(save_key: str) -> int:
+    """The sequence number in a key made by ``save_key``."""
+    return int(save_key.rsplit("/s", 1)[1].split("-", 1)[0])
+
+
+def missing_files(tmp_dir: str, by_process: dict[int, list[FileRecord]]) -> dict[int, str]:
+    """Primary, before publishing: each process whose recorded files are not all in ``tmp_dir``.
+
+    Returns:
+        ``{process: what is missing}``, naming the files (empty: all there with
+        the recorded sizes). Files missing here mean the processes do not
+        share the directory: a commit would publish a checkpoint that cannot
+        be restored.
+    """
+    failures: dict[int, str] = {}
+    for i, records in sorted(by_process.items()):
+        bad = []
+        for r in records:
+            try:
+                size = os.stat(os.path.join(tmp_dir, *r.name.split("/"))).st_size
+            except FileNotFoundError:
+                bad.append(f"{r.name} (missing)")
+                continue
+            if size != r.size:
+                bad.append(f"{r.name} ({size} bytes, {r.size} recorded)")
+        if bad:
+            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            failures[i] = (
+                f"{len(bad)} of the {len(records)} files it wrote are not in {tmp_dir!r}, where "
+                f"process 0 commits: {', '.join(bad[:5])}{more}. A multi-process save needs a "
+                "directory every process shares (see docs/storage.md)")
+    return failures
+
+
 class CommitCoordinator:
-    """The multi-process commit protocol of one manager's saves, over the key-value store.
+    """The multi-process protocol of one manager's saves, over the key-value store.
 
     Args:
         store: The run's key-value store (``JaxCoordinator``; any
             ``asyncckpt._coordination.Coordinator`` works, e.g. in tests).
         timeout_s: Longest wait for another process at any step.
+        directory: The manager's directory, as the program names it; keys are
+            derived from it (see the module docstring).
     """
 
-    def __init__(self, store: KeyValueStore, *, timeout_s: float):
+    def __init__(self, store: KeyValueStore, *, timeout_s: float,
+                 directory: str | os.PathLike = ""):
         self._store = store
         self.process_index = store.worker_id
         self.process_count = store.num_workers
         self.timeout_s = timeout_s
-        self._prefix: str | None = None
+        key = manager_key(directory) if os.fspath(directory) else ""
+        with _generations_lock:
+            generation = _generations[(self.process_index, key)]
+            _generations[(self.process_index, key)] += 1
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.prefix = f"asyncckpt/d{digest}.{generation}"
+        self._token: str | None = None
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._reap: list[str] = []  # primary: save keys to delete once all have moved on
+        self._restores = 0
+        self._restore_keys: list[str] = []  # primary: the newest verdict's keys
 
     @classmethod
-    def for_this_run(cls, *, timeout_s: float) -> CommitCoordinator | None:
+    def for_this_run(cls, *, timeout_s: float,
+                     directory: str | os.PathLike = "") -> CommitCoordinator | None:
         """A coordinator when several processes run, else None.
 
         Raises:
@@ -85,7 +228,7 @@ class CommitCoordinator:
                 client (a ``RuntimeError``).
         """
         store = JaxCoordinator.for_processes()
-        return None if store is None else cls(store, timeout_s=timeout_s)
+        return None if store is None else cls(store, timeout_s=timeout_s, directory=directory)
 
     @property
     def primary(self) -> bool:
@@ -110,17 +253,17 @@ class CommitCoordinator:
     def join(self, prepare: Callable[[], str]) -> str:
         """Agrees on a run token after the primary has prepared the directory.
 
-        Every process calls this once, before its first save, in the same
-        order for the same managers. The primary runs ``prepare`` (take the
-        lock, clean up) and shares the token it returns; the others wait.
+        Every process calls this before its first save (later calls return
+        the token). The primary runs ``prepare`` (take the lock, clean up)
+        and shares the token it returns; the others wait.
 
         Raises:
             Exception: on the primary, whatever ``prepare`` raised; elsewhere
                 a ``CoordinationError`` carrying the primary's error.
         """
-        with _manager_ids_lock:
-            self._prefix = f"asyncckpt/m{next(_manager_ids)}"
-        key = f"{self._prefix}/ready"
+        if self._token is not None:
+            return self._token
+        key = f"{self.prefix}/ready"
         if self.primary:
             try:
                 token = prepare()
@@ -128,17 +271,42 @@ class CommitCoordinator:
                 self._set(key, f"{_ERROR}{e!r}")
                 raise
             self._set(key, token)
-            return token
-        value = self._get(key, time.monotonic() + self.timeout_s, "the primary's first save")
-        if value.startswith(_ERROR):
-            raise CoordinationError(
-                f"process 0 could not start saving: {value[len(_ERROR):]}"
-            )
-        return value
+        else:
+            token = self._get(key, time.monotonic() + self.timeout_s,
+                              "the primary's first save")
+            if token.startswith(_ERROR):
+                raise CoordinationError(
+                    f"process 0 could not start saving: {token[len(_ERROR):]}"
+                )
+        self._token = token
+        return token
 
     def save_key(self, seq: int, step: int) -> str:
-        assert self._prefix is not None, "join() first"
-        return f"{self._prefix}/s{seq}-{step}"
+        return f"{self.prefix}/s{seq}-{step}"
+
+    def next_save(self, step: int) -> tuple[int, str]:
+        """Consumes this save's sequence number: ``(seq, save_key)``.
+
+        Called once by every save a process attempts (see the module
+        docstring), so the processes' numbers stay aligned.
+        """
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+        return seq, self.save_key(seq, step)
+
+    def fail_before_staging(self, save_key: str, step: int, error: BaseException) -> None:
+        """This process raises before staging its part: the others' save fails, no timeout."""
+        text = f"{ABSENT} (raised before staging): {describe(error)}"
+        try:
+            if self.primary:
+                self._announce_failures(save_key, {0: text})
+                with self._lock:
+                    self._reap.append(save_key)
+            else:
+                self._set(f"{save_key}/done/{self.process_index}", f"{_ERROR}{text}")
+        except Exception:
+            logger.exception("could not tell the other processes that step %d failed", step)
 
     # -- one save --------------------------------------------------------------
 
@@ -146,11 +314,44 @@ class CommitCoordinator:
                     error: BaseException | None = None) -> None:
         """Non-primary: its files are durable (or its part failed)."""
         value = (
-            f"{_ERROR}{error!r}"
+            f"{_ERROR}{describe(error)}"
             if error is not None
             else json.dumps([[r.name, r.size, r.crc32] for r in records or ()])
         )
         self._set(f"{save_key}/done/{self.process_index}", value)
+
+    def collect(self, save_key: str) -> tuple[list[FileRecord], dict[int, str], dict[int, list]]:
+        """Primary: waits for every other process's answer.
+
+        Returns:
+            ``(records, failures, by_process)``: every record reported,
+            ``{process: failure}`` (a process that did not answer in time
+            included), and each process's records.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        records: list[FileRecord] = []
+        failures: dict[int, str] = {}
+        by_process: dict[int, list] = {}
+        silent = False
+        for i in range(1, self.process_count):
+            try:
+                value = self._get(f"{save_key}/done/{i}", deadline, f"process {i}'s files")
+            except CoordinationTimeoutError as e:
+                failures[i] = describe(e)
+                silent = True
+                continue
+            if value.startswith(_ERROR):
+                failures[i] = value[len(_ERROR):]
+                continue
+            mine = [FileRecord(n, int(s), c) for n, s, c in json.loads(value)]
+            by_process[i] = mine
+            records.extend(mine)
+        # An answer from a process's writer thread means that process has finished
+        # every earlier save; one it gave on raising before staging (from its
+        # training thread) does not.
+        if not silent and not any(f.startswith(ABSENT) for f in failures.values()):
+            self._reap_earlier(_seq_of(save_key))
+        return records, failures, by_process
 
     def gather(self, save_key: str, *, raise_errors: bool = True) -> list[FileRecord]:
         """Primary: waits for every other process's files and returns their records.
@@ -158,37 +359,215 @@ class CommitCoordinator:
         Raises:
             CoordinationError: a process reported an error or did not answer.
         """
-        deadline = time.monotonic() + self.timeout_s
-        records: list[FileRecord] = []
-        errors = []
-        for i in range(1, self.process_count):
-            value = self._get(f"{save_key}/done/{i}", deadline, f"process {i}'s files")
-            if value.startswith(_ERROR):
-                errors.append(f"process {i}: {value[len(_ERROR):]}")
-                continue
-            records.extend(FileRecord(n, int(s), c) for n, s, c in json.loads(value))
-        if errors and raise_errors:
-            raise CoordinationError("other processes failed this save: " + "; ".join(errors))
+        records, failures, _ = self.collect(save_key)
+        if failures and raise_errors:
+            raise CoordinationError("other processes failed this save: " + "; ".join(
+                f"process {i}: {text}" for i, text in sorted(failures.items())))
         return records
 
-    def announce(self, save_key: str, error: BaseException | None = None) -> None:
-        """Primary: the checkpoint is published (or will never be)."""
-        self._set(f"{save_key}/commit", "ok" if error is None else f"{_ERROR}{error!r}")
+    def _reap_earlier(self, seq: int) -> None:
+        """Every process's writer answered save ``seq``: no one reads the earlier ones' keys."""
+        with self._lock:
+            reap = [k for k in self._reap if _seq_of(k) < seq]
+            self._reap = [k for k in self._reap if _seq_of(k) >= seq]
+        for key in reap:
+            try:
+                self._store.delete(key)
+            except Exception as e:  # only the store's size suffers
+                logger.warning("could not delete the coordination keys %s: %s", key, e)
+
+    def _announce_failures(self, save_key: str, failures: dict[int, str]) -> None:
+        self._set(f"{save_key}/commit",
+                  _ERROR + json.dumps({str(i): t for i, t in sorted(failures.items())}))
+
+    def announce(self, save_key: str, error: BaseException | None = None,
+                 failures: dict[int, str] | None = None) -> dict[int, str]:
+        """Primary: the checkpoint is published, or the verdict of its failure.
+
+        Args:
+            save_key: The save.
+            error: The primary's own failure, if any.
+            failures: Other processes' failures (from ``collect``).
+
+        Returns:
+            The failures announced (empty: committed).
+        """
+        failures = dict(failures or {})
+        if error is not None:
+            failures[0] = (error.failures.get(0, describe(error))
+                           if isinstance(error, DistributedSaveError) else describe(error))
+        if failures:
+            self._announce_failures(save_key, failures)
+        else:
+            self._set(f"{save_key}/commit", _OK)
+        with self._lock:
+            self._reap.append(save_key)
+        return failures
+
+    def verdict(self, save_key: str, step: int) -> DistributedSaveError | None:
+        """Non-primary: waits for the primary's verdict; None when it committed.
+
+        Raises:
+            CoordinationTimeoutError: the primary did not answer in time.
+        """
+        value = self._get(f"{save_key}/commit", time.monotonic() + self.timeout_s,
+                          f"process 0's commit of step {step}")
+        if value == _OK:
+            return None
+        text = value[len(_ERROR):]
+        try:
+            failures = {int(i): t for i, t in json.loads(text).items()}
+        except (ValueError, AttributeError):
+            failures = {0: text}
+        return DistributedSaveError(step, failures)
 
     def wait_committed(self, save_key: str, step: int) -> None:
         """Non-primary: waits until the primary has published the checkpoint.
 
         Raises:
-            CoordinationError: the primary failed the commit or did not answer.
+            DistributedSaveError: the save failed (the agreed verdict).
+            CoordinationTimeoutError: the primary did not answer in time.
         """
-        value = self._get(
-            f"{save_key}/commit", time.monotonic() + self.timeout_s,
-            f"process 0's commit of step {step}",
+        error = self.verdict(save_key, step)
+        if error is not None:
+            raise error
+
+    def agree_failure(self, save_key: str, step: int, error: BaseException) -> BaseException:
+        """This process's part of a save failed: the error every process raises for it.
+
+        Non-primary: reports the failure, then waits for the primary's
+        verdict. Primary: collects the others' answers and announces the
+        verdict. Falls back to ``error`` itself if the verdict cannot be had.
+        """
+        try:
+            if self.primary:
+                _, failures, _ = self.collect(save_key)
+                return DistributedSaveError(
+                    step, self.announce(save_key, error=error, failures=failures))
+            self.report_done(save_key, None, error=error)
+            return self.verdict(save_key, step) or error
+        except Exception as e:
+            logger.warning("could not agree on the failure of step %d with the other "
+                           "processes: %s", step, e)
+            return error
+
+    # -- restore ------------------------------------------------------------------
+
+    def restore_verdicts(self) -> RestoreVerdicts:
+        """A fresh exchange for one ``restore()`` (every process calls restore alike)."""
+        with self._lock:
+            n = self._restores
+            self._restores += 1
+        return RestoreVerdicts(self, f"{self.prefix}/r{n}")
+
+
+class RestoreVerdicts:
+    """Shares what each process read, and its integrity verdict, for one restore.
+
+    Each process reads the chunks it needs; ``exchange`` tells everyone which
+    files were read, so the files nobody read are split among the processes
+    to check; ``agree`` publishes each process's verdict and waits for
+    everyone's, so all accept or reject a checkpoint together (and all fall
+    back to the same older step).
+
+    Args:
+        coordinator: The manager's coordinator.
+        prefix: This restore's keys.
+    """
+
+    def __init__(self, coordinator: CommitCoordinator, prefix: str):
+        self._coord = coordinator
+        self._prefix = prefix
+        self._rounds = 0
+        self.process_index = coordinator.process_index
+        self.process_count = coordinator.process_count
+
+    def exchange(self, what: str, mine: str) -> list[str]:
+        """Publishes ``mine`` and returns every process's value, by process index.
+
+        Raises:
+            CoordinationTimeoutError: a process did not answer in time.
+        """
+        c = self._coord
+        key = f"{self._prefix}/{self._rounds}"
+        self._rounds += 1
+        c._set(f"{key}/{c.process_index}", mine)
+        deadline = time.monotonic() + c.timeout_s
+        values = [mine if i == c.process_index else
+                  c._get(f"{key}/{i}", deadline, f"process {i}'s {what}")
+                  for i in range(c.process_count)]
+        if c.primary:
+            # Every process has published this round: none reads an earlier one.
+            for earlier in c._restore_keys:
+                c._store.delete(earlier)
+            c._restore_keys = [key]
+        return values
+
+    def agree(self, name: str, error: CorruptCheckpointError | None) -> None:
+        """Publishes this process's verdict of ``name`` and raises if any process failed it.
+
+        Raises:
+            CorruptCheckpointError: some process found a file damaged (the
+                first such process's error, the file named), on every process.
+            CoordinationTimeoutError: a process did not answer in time.
+        """
+        mine = _OK if error is None else json.dumps(
+            {"message": str(error), "file": error.file, "checkpoint": error.checkpoint})
+        found = [(i, json.loads(v)) for i, v in
+                 enumerate(self.exchange(f"verdict of {name}", mine)) if v != _OK]
+        if not found:
+            return
+        if error is not None:
+            raise error
+        i, info = found[0]
+        raise CorruptCheckpointError(
+            f"{info['message']} (found by process {i})",
+            checkpoint=info.get("checkpoint"), file=info.get("file"),
         )
-        if value != "ok":
-            raise CoordinationError(
-                f"process 0 did not commit step {step}: {value[len(_ERROR):]}"
-            )
+
+
+class Saves:
+    """A manager's run token and save numbers, for one process or several.
+
+    Args:
+        coordinator: The multi-process protocol, or None for one process.
+        prepare: Takes the directory's lock and cleans it up (the primary,
+            before the first save).
+    """
+
+    def __init__(self, coordinator: CommitCoordinator | None, prepare: Callable[[], None]):
+        self.coord = coordinator
+        self._prepare = prepare
+        self._token: str | None = None
+        self._seq = 0
+
+    def token(self) -> str:
+        """The run token naming this manager's temporaries (agreed by every process)."""
+        if self._token is None:
+            def prepare() -> str:
+                self._prepare()
+                return uuid.uuid4().hex[:12]
+
+            self._token = prepare() if self.coord is None else self.coord.join(prepare)
+        return self._token
+
+    @contextlib.contextmanager
+    def attempt(self, step: int) -> Iterator[tuple[int, str | None]]:
+        """One attempted save: ``(seq, save_key)`` (the key None for one process).
+
+        Multi-process: an error raised inside (before the save is staged)
+        fails this save on the other processes at once, instead of a timeout.
+        """
+        if self.coord is None:
+            self._seq += 1
+            yield self._seq - 1, None
+            return
+        seq, key = self.coord.next_save(step)
+        try:
+            yield seq, key
+        except BaseException as e:
+            self.coord.fail_before_staging(key, step, e)
+            raise
 
 
 # The JAX manager's name for the commit protocol.

@@ -26,7 +26,12 @@ from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import Coordinator
+from asyncckpt.jax._distributed import (
+    ABSENT,
+    Coordinator,
+    DistributedSaveError,
+    missing_files,
+)
 from asyncckpt.jax._snapshot import StagedTree
 from asyncckpt.options import AsyncOptions
 
@@ -116,8 +121,21 @@ class JaxSaveJob:
         try:
             self._write()
         except BaseException as e:
-            self._error = e
-            raise
+            agreed = self._failed(e)
+            if agreed is e:
+                raise
+            raise agreed from e
+
+    def _failed(self, error: BaseException) -> BaseException:
+        """This process's part failed: the error to raise (multi-process: the agreed one)."""
+        self._error = error
+        if self._coord is None or self._save_key is None or self._reported or self._announced:
+            return error
+        agreed = self._coord.agree_failure(self._save_key, self.step, error)
+        self._reported = self._announced = True
+        if agreed is not error:
+            self._error = agreed
+        return agreed
 
     def _write(self) -> None:
         staged = self._staged
@@ -152,9 +170,14 @@ class JaxSaveJob:
     def commit(self, stats: SaveStats) -> None:
         try:
             self._commit(stats)
-        except BaseException as e:
-            self._error = e
+        except DistributedSaveError as e:
+            self._error = e  # already agreed
             raise
+        except BaseException as e:
+            agreed = self._failed(e)
+            if agreed is e:
+                raise
+            raise agreed from e
 
     def _commit(self, stats: SaveStats) -> None:
         assert self._writer is not None and self._tmp is not None
@@ -165,12 +188,22 @@ class JaxSaveJob:
             assert self._coord is not None and self._save_key is not None
             self._coord.report_done(self._save_key, records)
             self._reported = True
-            self._coord.wait_committed(self._save_key, self.step)
-            self._release_tmp()
+            error = self._coord.verdict(self._save_key, self.step)
+            if error is not None:
+                raise error
+            self._release_tmp()  # published (and owned) by the primary
             return
         if self._coord is not None:
             assert self._save_key is not None
-            records = records + self._coord.gather(self._save_key)
+            others, failures, by_process = self._coord.collect(self._save_key)
+            if self._shards is None:
+                # A directory the processes do not share: their files are not here.
+                failures.update(missing_files(self._tmp, by_process))
+            if failures:
+                self._announced = True
+                raise DistributedSaveError(
+                    self.step, self._coord.announce(self._save_key, failures=failures))
+            records = records + others
         if self._shards is not None:  # every process's objects, before the manifest
             self._shards.check(self.label, records)
         self._extra = {
@@ -226,19 +259,24 @@ class JaxSaveJob:
         if self._writer is not None:
             self._writer.abort()
         if self._coord is not None and self._save_key is not None:
+            if not (self._reported or self._announced):
+                self._failed(error)  # not agreed yet (an error outside write/commit)
             if not self._primary:
-                if not self._reported:
-                    self._coord.report_done(self._save_key, None, error=error)
                 if self._tmp is not None:
-                    self._release_tmp()
+                    if _primary_absent(self._error):
+                        commit_lib.remove_tree(self._tmp)  # no one else will
+                        self._tmp = None
+                    else:
+                        self._release_tmp()
                 return  # the primary removes the shared temporary directory
-            if not self._announced:
-                self._coord.announce(self._save_key, error=error)
-                # Wait until the others stop writing before removing their files.
-                try:
-                    self._coord.gather(self._save_key, raise_errors=False)
-                except Exception as e:
-                    logger.warning("while aborting step %d: %s", self.step, e)
+            # The primary announced only after every process answered (or timed
+            # out): none writes into the temporary directory any more.
         if self._tmp is not None:
             commit_lib.remove_tree(self._tmp)
             self._tmp = None
+
+
+def _primary_absent(error: BaseException | None) -> bool:
+    """Whether the primary raised before staging this save (so it never removes its files)."""
+    return isinstance(error, DistributedSaveError) and error.failures.get(0, "").startswith(
+        ABSENT)

@@ -3,21 +3,25 @@
 Every file's size is checked against the manifest first. Then the chunk
 files this process needs are read in parallel, each CRC32-checked as it is
 read (one pass over the bytes, not one to verify and one to load), and the
-other files of the manifest are checked too, so every process of a run
-reaches the same verdict. Only then are the arrays placed on the target's
-sharding with ``jax.make_array_from_callback``: each device asks for its own
-region, which may span several saved chunks or a part of one, so a
-checkpoint written on one mesh restores onto any other (another device
-count, another process count). Checkpoints written by orbax itself with
-compression or OCDBT are handed to orbax.
+other files of the restored arrays are checked too: all of them by a single
+process; in a multi-process run each process checks its share and the
+verdicts are shared (``verified``), so every process reaches the same one.
+Only then are the arrays placed on the target's sharding with
+``jax.make_array_from_callback``: each device asks for its own region, which
+may span several saved chunks or a part of one, so a checkpoint written on
+one mesh restores onto any other (another device count, another process
+count). Checkpoints written by orbax itself with compression or OCDBT are
+handed to orbax.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -103,16 +107,8 @@ class ChunkStore:
             for path, data in zip(todo, pool.map(self._load, todo), strict=True):
                 self._data[path] = data
 
-    def check_the_rest(self, item: str, params: set[str]) -> None:
-        """CRC32-checks the files of the restored arrays not read here (other processes' chunks).
-
-        Files of arrays not restored (and of other items) are not read: a
-        partial restore reads only what it restores. Every process checks the
-        same files, so all reach the same verdict.
-        """
-        if not self._checksums or not self._records:
-            return
-        read = {os.path.relpath(p, self._dir).replace(os.sep, "/") for p in self._data}
+    def wanted(self, item: str, params: set[str]) -> list[str]:
+        """Names of the manifest's files a restore of these arrays of ``item`` relies on."""
 
         def wanted(name: str) -> bool:
             parts = name.split("/")
@@ -120,8 +116,31 @@ class ChunkStore:
                 return len(parts) == 1 or parts[0] == item
             return parts[0] == item and parts[1] in params
 
-        rest = [r for name, r in sorted(self._records.items())
-                if name not in read and wanted(name)]
+        return [name for name in sorted(self._records) if wanted(name)]
+
+    def read_names(self) -> set[str]:
+        """Names (relative to the step) of the files read here so far."""
+        return {os.path.relpath(p, self._dir).replace(os.sep, "/") for p in self._data}
+
+    def check_the_rest(self, item: str, params: set[str],
+                       share: tuple[int, int] | None = None,
+                       read_elsewhere: set[str] | frozenset[str] = frozenset()) -> None:
+        """CRC32-checks the files of the restored arrays not read here (other processes' chunks).
+
+        Files of arrays not restored (and of other items) are not read: a
+        partial restore reads only what it restores. With ``share``
+        ``(index, count)``, of the files no process read (``read_elsewhere``:
+        those other processes read and checked), only this process's share is
+        checked: every ``count``-th in name order (the verdicts are then
+        shared, see ``verified``). Without it every process checks them all.
+        """
+        if not self._checksums or not self._records:
+            return
+        read = self.read_names()
+        rest = [self._records[n] for n in self.wanted(item, params)
+                if n not in read and n not in read_elsewhere]
+        if share is not None:
+            rest = rest[share[0]::share[1]]
         if not rest:
             return
 
@@ -144,6 +163,59 @@ class ChunkStore:
         if path not in self._data:
             self._data[path] = self._load(path)
         return self._data[path]
+
+
+# Set by a multi-process manager around its restores (``shared_verdicts``).
+_VERDICTS: contextvars.ContextVar[Any] = contextvars.ContextVar("asyncckpt_verdicts",
+                                                                default=None)
+
+
+@contextlib.contextmanager
+def shared_verdicts(verdicts: Any) -> Iterator[None]:
+    """Restores inside share their integrity verdicts through ``verdicts``.
+
+    ``verdicts`` is a ``_distributed.RestoreVerdicts`` (None: one process).
+    """
+    token = _VERDICTS.set(verdicts)
+    try:
+        yield
+    finally:
+        _VERDICTS.reset(token)
+
+
+def verified(store: ChunkStore, paths: list[str], item: str, params: set[str],
+             step_dir: str) -> None:
+    """Reads and checks this process's chunks, then the other files of the restored arrays.
+
+    One process checks every file. Several processes each check what they
+    read plus their share of the files (partitioned by process index), and
+    then agree: a damaged file found by any of them fails the restore on all.
+    """
+    verdicts = _VERDICTS.get()
+    if verdicts is None:
+        store.prefetch(paths)
+        store.check_the_rest(item, params)
+        return
+    error = None
+    try:
+        store.prefetch(paths)
+    except CorruptCheckpointError as e:
+        error = e
+    # Which files each process read (and checked): a bitmap over the wanted files.
+    wanted = store.wanted(item, params)
+    read = store.read_names()
+    mine = sum(1 << k for k, name in enumerate(wanted) if name in read)
+    elsewhere = 0
+    for bits in verdicts.exchange(f"reads of {item}", format(mine, "x")):
+        elsewhere |= int(bits, 16)
+    if error is None:
+        try:
+            store.check_the_rest(
+                item, params, share=(verdicts.process_index, verdicts.process_count),
+                read_elsewhere={n for k, n in enumerate(wanted) if elsewhere >> k & 1})
+        except CorruptCheckpointError as e:
+            error = e
+    verdicts.agree(f"{os.path.basename(step_dir)}/{item}", error)
 
 
 def _needs_orbax(item_dir: str, entries: list[fmt.TreeEntry]) -> bool:
@@ -245,10 +317,9 @@ def restore_tree(
     }
     for e, leaf in selected:  # check every leaf before reading any bytes
         _check_target(e, arrays[e.path.param], leaf, step_dir)
-    store.prefetch(
-        path for e, leaf in selected for path in _chunks_needed(arrays[e.path.param], leaf)
-    )
-    store.check_the_rest(item, {e.path.param for e, _ in selected})
+    verified(store, [path for e, leaf in selected
+                     for path in _chunks_needed(arrays[e.path.param], leaf)],
+             item, {e.path.param for e, _ in selected}, step_dir)
     values = [leaf if leaf is PLACEHOLDER else _read_leaf(e, arrays.get(e.path.param), leaf)
               for e, leaf in pairs]
     if treedef is None:

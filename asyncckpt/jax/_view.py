@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -95,6 +96,21 @@ class DirectoryView:
         found = frozenset(steps)
         self._listing = (mtime, found)
         return found
+
+    def reserve(self, step: int, metrics: Any, exists: type[Exception]) -> None:
+        """Lists ``step`` as being saved from now on.
+
+        Raises:
+            exists: the step is saved or being saved already.
+        """
+        with self.lock:
+            if (step in self.in_flight or step in self.disk_steps()
+                    or os.path.lexists(self.step_dir(step))):
+                raise exists(
+                    f"step {step} is already saved (or being saved) in {self.directory!r}")
+            self.in_flight[step] = None  # reserved: listed from now on
+            self.unsettled.add(step)
+            self.records[step] = StepRecord(time.time(), metrics)
 
     def invalidate(self) -> None:
         """This process changed the directory: list it again next time."""

@@ -6,8 +6,6 @@ import concurrent.futures
 import logging
 import operator
 import os
-import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -20,10 +18,10 @@ from asyncckpt.errors import (
 )
 from asyncckpt.jax import _args, _compat, _metadata, _options, _view
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import Coordinator
+from asyncckpt.jax._distributed import Coordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
-from asyncckpt.jax._restore import restore_step
+from asyncckpt.jax._restore import restore_step, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.jax._tiers import StepTiers
 from asyncckpt.options import AsyncOptions, RestoreOptions
@@ -143,7 +141,8 @@ class CheckpointManager(ClosingContext):
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
         self._root_metadata = _compat.json_checked(metadata, "metadata")
-        self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s)
+        self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s,
+                                               directory=directory)
         self._shards = self._tiers.multiprocess(self._coord)  # URL directory: per-process uploads
         self._primary = self._coord is None or self._coord.primary
         if self._config.create and not self._config.read_only:
@@ -154,8 +153,7 @@ class CheckpointManager(ClosingContext):
         )
         self._engine = AsyncEngine(options=self._options, name=name)
         self._snapshotter = Snapshotter(primary=self._primary)
-        self._token: str | None = None
-        self._seq = 0
+        self._saves = Saves(self._coord, self._view.prepare)
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
@@ -349,45 +347,33 @@ class CheckpointManager(ClosingContext):
             StepAlreadyExistsError: ``step`` is already saved or being saved
                 (a subclass of orbax's, and of ValueError).
             UnsupportedObjectError: a leaf cannot be saved (named in the message).
-            Exception: a failure of an earlier background save.
+            Exception: a failure of an earlier background save (several
+                processes: raised once this save is started, see docs/jax.md).
         """
         if self._closed or self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
-        self._engine.raise_pending_error()
-        self._tiers.raise_pending_error()  # a failed background upload surfaces here
+        multi = self._coord is not None  # then earlier failures raise once staged
+        if not multi:
+            self._raise_pending()
         items, named = _args.save_items(state, args)
         self._check_items(items, named)
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if self._config.read_only:
-            logger.warning("%s is read only: save of step %d skipped", self._directory, step)
-            return False
-        if not force and not self.should_save(step):
-            return False
-        if self.reached_preemption(step):
-            logger.info("saving step %d at the preemption sync point", step)
-        metrics = _compat.json_checked(metrics, "metrics")
-        custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
-        self._metric(metrics)
-        view = self._view
-        with view.lock:
-            if (step in view.in_flight or step in view.disk_steps()
-                    or os.path.lexists(view.step_dir(step))):
-                raise _compat.step_already_exists_error()(
-                    f"step {step} is already saved (or being saved) in {self._directory!r}"
-                )
-            view.in_flight[step] = None  # reserved: listed from now on
-            view.unsettled.add(step)
-            view.records[step] = _view.StepRecord(time.time(), metrics)
-        try:
-            self._start_save(step, items, metrics, custom_metadata)
-        except BaseException:
-            view.settle(step, committed=False, deleter=None)
-            raise
-        if not self._config.enable_async:
+        # should_save says (and logs) that a read-only manager never saves.
+        started = (force and not self._config.read_only) or self.should_save(step)
+        if started:
+            with self._saves.attempt(step) as (seq, save_key):  # every process numbers it
+                self._start_save(step, items, metrics, custom_metadata, seq, save_key)
+        if multi:
+            self._raise_pending()
+        if started and not self._config.enable_async:
             self._engine.sync()
-        return True
+        return started
+
+    def _raise_pending(self) -> None:  # a failed background upload surfaces here too
+        self._engine.raise_pending_error()
+        self._tiers.raise_pending_error()
 
     def _check_items(self, items: list[_args.SaveItem], named: bool) -> None:
         if self._item_names is None:
@@ -401,15 +387,26 @@ class CheckpointManager(ClosingContext):
                              f"{list(self._item_names)}")
 
     def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
-                    custom_metadata: Any) -> SaveHandle:
+                    custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
+        """Reserves the step, stages the state and queues the write; raises before staging."""
+        if self.reached_preemption(step):
+            logger.info("saving step %d at the preemption sync point", step)
+        metrics = _compat.json_checked(metrics, "metrics")
+        custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
+        self._metric(metrics)
+        self._view.reserve(step, metrics, _compat.step_already_exists_error())
+        try:
+            return self._stage(step, items, metrics, custom_metadata, seq, save_key)
+        except BaseException:
+            self._view.settle(step, committed=False, deleter=None)
+            raise
+
+    def _stage(self, step: int, items: list[_args.SaveItem], metrics: Any,
+               custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
         view = self._view
-        token = self._join()
-        seq = self._seq
-        save_key = self._coord.save_key(seq, step) if self._coord is not None else None
-        condemned = view.condemn(step, self._config, self._metric, self._read_record)
-        if condemned:
-            logger.debug("step %d condemns steps %s (deleted once it is durable)",
-                         step, condemned)
+        token = self._saves.token()
+        if condemned := view.condemn(step, self._config, self._metric, self._read_record):
+            logger.debug("step %d condemns %s (deleted once it is durable)", step, condemned)
         handlers = {i.name: fmt.STANDARD_HANDLER if i.kind == "pytree" else fmt.JSON_HANDLER
                     for i in items}
         extra: list[tuple[str, bytes]] = []
@@ -444,13 +441,8 @@ class CheckpointManager(ClosingContext):
                 shards=self._shards,
             )
 
-        try:
-            handle = self._engine.save(stage, label=str(step), step=step)
-        except BaseException as e:
-            if self._coord is not None and save_key is not None:
-                self._report_staging_failure(save_key, e)
-            raise
-        self._seq += 1
+        handle = self._engine.save(stage, label=str(step), step=step,
+                                   raise_pending=self._coord is None)
         with view.lock:
             view.in_flight[step] = handle
         deleter = self._deleter() if self._primary else None
@@ -464,33 +456,6 @@ class CheckpointManager(ClosingContext):
         # Holds the view, not the manager: a dropped manager's saves still finish.
         view, subdir = self._view, self._config.todelete_subdir
         return lambda step: _view.delete_step_dir(view, step, subdir)
-
-    def _join(self) -> str:
-        """Before the first save: lock, clean up, agree on a token with the others."""
-        if self._token is not None:
-            return self._token
-
-        def prepare() -> str:
-            self._view.prepare()
-            return uuid.uuid4().hex[:12]
-
-        if self._coord is None:
-            self._token = prepare()
-        else:
-            self._token = self._coord.join(prepare)
-        return self._token
-
-    def _report_staging_failure(self, save_key: str, error: BaseException) -> None:
-        """Multi-process: fail this save on the other processes too, instead of a timeout."""
-        assert self._coord is not None
-        try:
-            if self._primary:
-                self._coord.announce(save_key, error=error)
-            else:
-                self._coord.report_done(save_key, None, error=error)
-        except Exception:
-            logger.exception("could not tell the other processes that staging failed")
-        self._seq += 1  # the others used this save's keys too
 
     def delete(self, step: int) -> None:
         """Deletes a step (waiting first if it is still being saved).
@@ -588,6 +553,12 @@ class CheckpointManager(ClosingContext):
             ValueError: ``target`` does not match the saved tree.
         """
         requests, named = _args.restore_items(target, args)
+        # Multi-process: integrity verdicts are shared, so all processes agree.
+        with shared_verdicts(None if self._coord is None else self._coord.restore_verdicts()):
+            return self._restore(step, requests, named, directory)
+
+    def _restore(self, step: int | None, requests: Any, named: bool,
+                 directory: str | os.PathLike | None) -> Any:
         if directory is None:
             self._wait_for(None if step is None else [operator.index(step)])
             root, steps = self._directory, self.all_steps()
@@ -621,7 +592,7 @@ class CheckpointManager(ClosingContext):
                 return restore_step(step_dir(candidate), requests, named, checksums=checksums)
             except CorruptCheckpointError as e:
                 # Every file is checked before anything is placed on a device,
-                # and every process checks every file: all processes skip alike.
+                # and the processes share their verdicts: all skip alike.
                 logger.warning("skipping checkpoint step %d in %s: %s", candidate, root, e)
                 failures.append(e)
         raise CorruptCheckpointError(
