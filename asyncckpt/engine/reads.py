@@ -30,10 +30,13 @@ import numpy as np
 
 PIECE = 8 << 20  # bytes per read call: large enough for the disk, small enough to spread
 
-_POLY = 0xEDB88320  # zlib's CRC32, reflected
+CRC32 = "crc32"  # zlib's CRC-32 (the manifest's), polynomial 0x04C11DB7
+CRC32C = "crc32c"  # Castagnoli (TensorFlow's bundle entries), polynomial 0x1EDC6F41
+
+_POLY = {CRC32: 0xEDB88320, CRC32C: 0x82F63B78}  # reflected
 
 
-def _multmodp(a: int, b: int) -> int:
+def _multmodp(a: int, b: int, poly: int) -> int:
     """Product of two polynomials modulo the CRC polynomial (reflected bit order)."""
     m = 1 << 31
     p = 0
@@ -43,35 +46,60 @@ def _multmodp(a: int, b: int) -> int:
             if not a & (m - 1):
                 break
         m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+        b = (b >> 1) ^ poly if b & 1 else b >> 1
     return p
 
 
-def _x2n_table() -> list[int]:
+def _x2n_table(poly: int) -> list[int]:
     table = [1 << 30]  # x^1
     for _ in range(31):
-        table.append(_multmodp(table[-1], table[-1]))
+        table.append(_multmodp(table[-1], table[-1], poly))
     return table
 
 
-_X2N = _x2n_table()  # x^(2^k) modulo the polynomial
+_X2N = {name: _x2n_table(poly) for name, poly in _POLY.items()}  # x^(2^k) mod polynomial
 
 
-def _x8n(n: int) -> int:
+def _x8n(n: int, algorithm: str) -> int:
     """x^(8n) modulo the polynomial: the shift of a CRC by ``n`` zero bytes."""
+    table, poly = _X2N[algorithm], _POLY[algorithm]
     p = 1 << 31  # x^0
     k = 3
     while n:
         if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = _multmodp(table[k & 31], p, poly)
         n >>= 1
         k += 1
     return p
 
 
+def crc_combine(crc1: int, crc2: int, len2: int, algorithm: str = CRC32) -> int:
+    """CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (zlib's crc32_combine)."""
+    return _multmodp(_x8n(len2, algorithm), crc1, _POLY[algorithm]) ^ crc2
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (as zlib's)."""
-    return _multmodp(_x8n(len2), crc1) ^ crc2
+    """``crc_combine`` for zlib's CRC32."""
+    return crc_combine(crc1, crc2, len2, CRC32)
+
+
+def _crc32c_value(view: memoryview) -> int:
+    import google_crc32c
+
+    return google_crc32c.value(np.frombuffer(view, dtype=np.uint8))
+
+
+def has_fast_crc32c() -> bool:
+    """Whether a hardware-accelerated CRC32C (``google_crc32c``'s C build) is installed."""
+    try:
+        import google_crc32c
+    except ImportError:
+        return False
+    return google_crc32c.implementation == "c"
+
+
+def _checksum(algorithm: str):
+    return zlib.crc32 if algorithm == CRC32 else _crc32c_value
 
 
 ALIGN = 64  # frameworks use host memory aligned like this without copying it
@@ -98,62 +126,80 @@ class Piece:
 
 
 class FileRead:
-    """The planned read of one file: its pieces and, after ``run``, its CRC32.
+    """The planned read of one file: its pieces and, after ``run``, their CRCs.
 
     Args:
         path: The file.
         size: Its size (the manifest's; bytes past it are not read).
         dests: ``(offset, buffer)`` pairs: where the bytes at ``offset``
-            go. Byte ranges no buffer covers are read into scratch memory
-            when ``checksum`` is set (the file's CRC needs every byte) and
-            skipped otherwise.
-        checksum: Compute the file's CRC32.
+            go. With ``whole_file``, byte ranges no buffer covers are read
+            into scratch memory when ``checksum`` is set (the file's CRC
+            needs every byte); otherwise they are not read.
+        checksum: Compute CRCs.
+        algorithm: ``CRC32`` or ``CRC32C``.
+        whole_file: Compute the whole file's CRC (``crc``); the CRC of each
+            destination (``dest_crcs``, in the order given) is computed in
+            any case.
     """
 
     def __init__(self, path: str, size: int, dests: Sequence[tuple[int, object]], *,
-                 checksum: bool):
+                 checksum: bool, algorithm: str = CRC32, whole_file: bool = True):
         self.path = path
         self.size = size
         self.checksum = checksum
+        self.algorithm = algorithm
+        self.whole_file = whole_file and checksum
         self.crc: int | None = None
-        segments: list[tuple[int, memoryview]] = []
+        self.dest_crcs: list[int | None] = [None] * len(dests)
+        segments: list[tuple[int, memoryview, int]] = []  # offset, view, dest index or -1
         pos = 0
-        for offset, buf in sorted(dests, key=lambda d: d[0]):
-            view = memoryview(buf).cast("B")
+        for offset, i in sorted((d[0], i) for i, d in enumerate(dests)):
+            view = memoryview(dests[i][1]).cast("B")
             if offset < pos or offset + len(view) > size:
                 raise ValueError(f"{path}: overlapping or out-of-file read at {offset}")
-            if offset > pos and checksum:
-                segments.append((pos, memoryview(bytearray(offset - pos))))
-            segments.append((offset, view))
+            if offset > pos and self.whole_file:
+                segments.append((pos, memoryview(bytearray(offset - pos)), -1))
+            segments.append((offset, view, i))
             pos = offset + len(view)
-        if pos < size and checksum:
-            segments.append((pos, memoryview(bytearray(size - pos))))
-        self.pieces = [Piece(path, off + i, view[i:i + PIECE])
-                       for off, view in segments for i in range(0, len(view), PIECE)]
+        if pos < size and self.whole_file:
+            segments.append((pos, memoryview(bytearray(size - pos)), -1))
+        self.pieces = [Piece(path, off + k, view[k:k + PIECE])
+                       for off, view, _ in segments for k in range(0, len(view), PIECE)]
+        self._owners = [i for _, view, i in segments for _ in range(0, len(view), PIECE)]
 
     def run(self, executor: Executor, crc_executor: Executor | None = None) -> list:
         """Submits the pieces; returns their futures (``finish`` collects them).
 
-        With ``crc_executor``, each piece's CRC32 is computed there once it
-        is read (the reading thread goes on to the next piece).
+        With ``crc_executor``, each piece's CRC is computed there once it is
+        read (the reading thread goes on to the next piece).
         """
         fd = os.open(self.path, os.O_RDONLY)
         self._fd = fd
-        if crc_executor is None or not self.checksum:
-            return [executor.submit(_read_piece, fd, p, self.checksum) for p in self.pieces]
-        return [executor.submit(_read_then_crc, fd, p, crc_executor) for p in self.pieces]
+        crc = _checksum(self.algorithm) if self.checksum else None
+        if crc_executor is None or crc is None:
+            return [executor.submit(_read_piece, fd, p, crc) for p in self.pieces]
+        return [executor.submit(_read_then_crc, fd, p, crc, crc_executor) for p in self.pieces]
 
     def finish(self, futures: list) -> None:
-        """Waits for the pieces, closes the file and combines the CRC32 in file order."""
+        """Waits for the pieces, closes the file and combines the CRCs in file order."""
         wait(futures)  # every piece read before the descriptor closes
         os.close(self._fd)
         crcs = [f.result() for f in futures]
         crcs = [c.result() if isinstance(c, Future) else c for c in crcs]
-        if self.checksum:
-            crc = 0
-            for piece, c in zip(self.pieces, crcs, strict=True):
-                crc = crc32_combine(crc, c, len(piece.view))
-            self.crc = crc
+        if not self.checksum:
+            return
+        whole = 0
+        per: dict[int, int] = {}
+        for piece, owner, c in zip(self.pieces, self._owners, crcs, strict=True):
+            n = len(piece.view)
+            if self.whole_file:
+                whole = crc_combine(whole, c, n, self.algorithm)
+            if owner >= 0:
+                per[owner] = crc_combine(per[owner], c, n, self.algorithm) if owner in per else c
+        if self.whole_file:
+            self.crc = whole
+        for i in range(len(self.dest_crcs)):
+            self.dest_crcs[i] = per.get(i, 0)  # an empty destination's CRC is 0
 
 
 class ShortReadError(OSError):
@@ -168,7 +214,7 @@ class ShortReadError(OSError):
         self.path = path
 
 
-def _read_piece(fd: int, piece: Piece, checksum: bool) -> int:
+def _read_piece(fd: int, piece: Piece, crc) -> int:
     view = piece.view
     got = 0
     while got < len(view):
@@ -176,12 +222,12 @@ def _read_piece(fd: int, piece: Piece, checksum: bool) -> int:
         if not n:
             raise ShortReadError(piece.path, piece.offset + got)
         got += n
-    return zlib.crc32(view) if checksum else 0
+    return crc(view) if crc is not None else 0
 
 
-def _read_then_crc(fd: int, piece: Piece, crc_executor: Executor) -> Future:
-    _read_piece(fd, piece, False)
-    return crc_executor.submit(zlib.crc32, piece.view)
+def _read_then_crc(fd: int, piece: Piece, crc, crc_executor: Executor) -> Future:
+    _read_piece(fd, piece, None)
+    return crc_executor.submit(crc, piece.view)
 
 
 def streams_for(path: str) -> int:

@@ -121,3 +121,29 @@ def parse_index(data: bytes) -> BundleIndex:
 def data_file(prefix: str, shard: int, num_shards: int) -> str:
     """Path of one data file of the bundle at ``prefix``."""
     return f"{prefix}.data-{shard:05d}-of-{num_shards:05d}"
+
+
+def string_tensor_crc32c(encoded: bytes, count: int) -> int:
+    """The (unmasked) CRC32C TensorFlow records for a string tensor's encoding.
+
+    A string tensor of ``count`` elements is stored as the varint lengths,
+    a 4-byte masked CRC32C of those lengths, then the bytes. TensorFlow's
+    checksum runs over each length as a little-endian uint32 (uint64 past
+    4 GiB) rather than its varint, then those 4 bytes, then the bytes.
+
+    Raises:
+        BundleFormatError: The encoding is shorter than its lengths say.
+    """
+    import google_crc32c
+
+    pos = 0
+    lengths = []
+    for _ in range(count):
+        n, pos = _varint(encoded, pos)
+        lengths.append(n)
+    if pos + 4 + sum(lengths) != len(encoded):
+        raise BundleFormatError("string tensor encoding does not match its lengths")
+    packed = b"".join(struct.pack("<I", n) if n <= 0xFFFFFFFF else struct.pack("<Q", n)
+                      for n in lengths)
+    crc = google_crc32c.value(packed)
+    return google_crc32c.extend(crc, bytes(encoded[pos:]))

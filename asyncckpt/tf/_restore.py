@@ -95,6 +95,11 @@ def _to_tensor(dtype: tf.DType, array: np.ndarray) -> tf.Tensor:
         return tf.convert_to_tensor(array, dtype=dtype)
 
 
+def _masked(crc: int) -> int:
+    """TensorFlow's masked CRC32C (``crc32c::Mask``), as bundle entries store it."""
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 def _fail(prefix: str, path: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"checkpoint {prefix!r} is corrupt: file {path!r} {what}",
                                   checkpoint=prefix, file=path)
@@ -133,25 +138,47 @@ def prefetch(prefix: str, manifest: Manifest, *, checksums: bool) -> Prefetched 
         return None
     out = Prefetched(os.path.abspath(prefix))
     dests: dict[int, list] = {s: [] for s in range(index.num_shards)}
+    checked: dict[int, list] = {s: [] for s in range(index.num_shards)}  # entry per dest
+    covered = dict.fromkeys(range(index.num_shards), 0)
+    strings: list[tuple] = []
     for key, entry in index.entries.items():
+        if entry.slices or not 0 <= entry.shard_id < index.num_shards:
+            return None  # partitioned variables: TensorFlow's reader assembles them
         dtype = _PLAIN.get(entry.dtype)
-        if dtype is None or entry.slices or not 0 <= entry.shard_id < index.num_shards:
-            continue
+        if dtype is None:
+            if entry.dtype == tf.string.as_datatype_enum and entry.size:
+                # The object graph: read (small) to check its CRC32C, which runs over
+                # its encoding; TensorFlow reads it again itself.
+                strings.append((entry, bytearray(entry.size)))
+                dests[entry.shard_id].append((entry.offset, strings[-1][1]))
+                checked[entry.shard_id].append(entry)
+                covered[entry.shard_id] += entry.size
+            continue  # variants: not covered, so the file is checked by its CRC32
         shape = [d.size for d in entry.shape.dim]
         array = _aligned_empty(shape, np.dtype(dtype.as_numpy_dtype))
         if array.nbytes != entry.size:
-            raise _fail(prefix, index_path, f"records {entry.size} bytes for tensor {key!r} "
-                        f"of shape {shape}, {dtype.name} (which needs {array.nbytes})")
-        if array.nbytes:
-            dests[entry.shard_id].append((entry.offset, array.reshape(-1).view(np.uint8)))
+            raise _fail(prefix, index_path, f"records {entry.size} bytes for tensor "
+                        f"{key!r} of shape {shape}, {dtype.name} (which needs {array.nbytes})")
         out.arrays[key] = (dtype, array)
+        covered[entry.shard_id] += entry.size
+        if entry.size:
+            dests[entry.shard_id].append((entry.offset, array.reshape(-1).view(np.uint8)))
+            checked[entry.shard_id].append(entry)
+    # Each data file is checked either by TensorFlow's own CRC32C of every tensor
+    # (recorded in the index, which the manifest's CRC32 has just verified) when the
+    # tensors cover the whole file and a hardware CRC32C is installed, or else by
+    # the manifest's CRC32 of the whole file.
     file_reads = []
     try:
         for shard, name in enumerate(data_names):
             rec = records[name]
+            tiled = covered[shard] == rec.size
+            by_entries = tiled and reads.has_fast_crc32c()
             file_reads.append(reads.FileRead(
                 os.path.join(directory, name), rec.size, dests[shard],
-                checksum=checksums and rec.crc32 is not None))
+                checksum=checksums and (by_entries or rec.crc32 is not None),
+                algorithm=reads.CRC32C if by_entries else reads.CRC32,
+                whole_file=not by_entries))
     except ValueError as e:  # overlapping tensors or one past the end: a damaged index
         raise _fail(prefix, index_path, f"describes an impossible layout ({e})") from e
     rest = [r for r in manifest.files if r.name not in data_names and r.name != index_rec.name]
@@ -162,10 +189,30 @@ def prefetch(prefix: str, manifest: Manifest, *, checksums: bool) -> Prefetched 
                     "(truncated while being read)") from e
     except FileNotFoundError as e:
         raise _fail(prefix, e.filename, "is missing") from e
+    for shard, fr in enumerate(file_reads):
+        if fr.checksum and not fr.whole_file:
+            for entry, encoded in strings:
+                if entry.shard_id != shard:
+                    continue
+                count = int(np.prod([d.size for d in entry.shape.dim], dtype=np.int64))
+                try:
+                    ok = _masked(_bundle.string_tensor_crc32c(encoded, count)) == entry.crc32c
+                except _bundle.BundleFormatError:
+                    ok = False
+                if not ok:
+                    raise _fail(prefix, fr.path, f"fails the CRC32C check of the string "
+                                f"tensor at byte {entry.offset}")
+            for entry, crc in zip(checked[shard], fr.dest_crcs, strict=True):
+                if entry.dtype not in _PLAIN:
+                    continue
+                if _masked(crc) != entry.crc32c:
+                    raise _fail(prefix, fr.path, f"fails the CRC32C check of the tensor at "
+                                f"byte {entry.offset} (stored {entry.crc32c:#010x}, computed "
+                                f"{_masked(crc):#010x})")
     verify_files(directory, rest, checksums=checksums, checkpoint=prefix)
     for fr, name in zip(file_reads, data_names, strict=True):
         expected = records[name].crc32
-        if fr.crc is not None and fr.crc != expected:
+        if fr.whole_file and fr.crc != expected:
             raise _fail(prefix, fr.path, f"fails its CRC32 check (stored {expected:#010x}, "
                         f"computed {fr.crc:#010x})")
     return out
