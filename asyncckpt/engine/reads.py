@@ -2,28 +2,30 @@
 
 Restores read a checkpoint's bytes once: each file is split into pieces
 (the caller's destination buffers, cut at ``PIECE`` bytes), the pieces of
-every file are read by a pool of threads with ``preadv`` into their final
-place, and each piece's CRC32 is computed by the thread that read it, while
-its bytes are still in the CPU cache. The pieces' CRCs are then combined in
-file order into the file's CRC32, the one the manifest records, so a file
-can be read by many threads at once and still be checked against a
-whole-file checksum (old manifests included: the algorithm is unchanged).
+every file are read by a pool of threads (as many as ``streams_for`` the
+device) with ``preadv`` into their final place, and each piece's CRC is
+computed by the thread that read it, while its bytes are still in the CPU
+cache. The pieces' CRCs are then combined in file order (``crc_combine``):
+into the whole file's CRC32, the one the manifest records, so a file read
+by many threads is still checked against a whole-file checksum (manifests
+of every version keep verifying), and into each destination's CRC, which
+lets TensorFlow's per-tensor CRC32C be checked instead.
 
-Why zlib's CRC32 and not a hardware CRC32C: on the project's machine
-``zlib.crc32`` runs at about 3.4 GB/s on one core and ``google_crc32c`` at
-about 11 GB/s, while a cold read from the disk runs at 1.0-1.5 GB/s; the
-checksum of a piece overlaps the reads of the others, so it is not what
-bounds a restore, and keeping zlib keeps every manifest ever written
-verifiable without a new dependency (see docs/benchmarks.md).
+CRC32 or CRC32C, measured on the project's 2-core machine: ``zlib.crc32``
+ran at 3.4 GB/s on an idle core, ``google_crc32c`` (hardware, SSE4.2) at
+11 GB/s, a cold read of the disk at 1.0-1.5 GB/s. With the cores shared,
+the checksum is CPU time the read competes for, so the TensorFlow restore
+checks the CRC32C TensorFlow already records per tensor (where the
+hardware CRC32C is installed); the JAX chunk files keep the manifest's
+CRC32, whose format is unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -167,25 +169,18 @@ class FileRead:
                        for off, view, _ in segments for k in range(0, len(view), PIECE)]
         self._owners = [i for _, view, i in segments for _ in range(0, len(view), PIECE)]
 
-    def run(self, executor: Executor, crc_executor: Executor | None = None) -> list:
-        """Submits the pieces; returns their futures (``finish`` collects them).
-
-        With ``crc_executor``, each piece's CRC is computed there once it is
-        read (the reading thread goes on to the next piece).
-        """
+    def run(self, executor: Executor) -> list:
+        """Submits the pieces; returns their futures (``finish`` collects them)."""
         fd = os.open(self.path, os.O_RDONLY)
         self._fd = fd
         crc = _checksum(self.algorithm) if self.checksum else None
-        if crc_executor is None or crc is None:
-            return [executor.submit(_read_piece, fd, p, crc) for p in self.pieces]
-        return [executor.submit(_read_then_crc, fd, p, crc, crc_executor) for p in self.pieces]
+        return [executor.submit(_read_piece, fd, p, crc) for p in self.pieces]
 
     def finish(self, futures: list) -> None:
         """Waits for the pieces, closes the file and combines the CRCs in file order."""
         wait(futures)  # every piece read before the descriptor closes
         os.close(self._fd)
         crcs = [f.result() for f in futures]
-        crcs = [c.result() if isinstance(c, Future) else c for c in crcs]
         if not self.checksum:
             return
         whole = 0
@@ -225,11 +220,6 @@ def _read_piece(fd: int, piece: Piece, crc) -> int:
     return crc(view) if crc is not None else 0
 
 
-def _read_then_crc(fd: int, piece: Piece, crc, crc_executor: Executor) -> Future:
-    _read_piece(fd, piece, None)
-    return crc_executor.submit(crc, piece.view)
-
-
 def streams_for(path: str) -> int:
     """How many reads to keep in flight on the device holding ``path``.
 
@@ -256,33 +246,25 @@ PARALLEL_STREAMS = 8  # enough to keep an NVMe queue busy from Python threads
 
 
 def read_all(reads: Sequence[FileRead], *, streams: int | None = None) -> None:
-    """Reads every piece of every file; CRCs end up in ``FileRead.crc``.
+    """Reads every piece of every file; CRCs end up in ``FileRead.crc``/``dest_crcs``.
 
-    ``streams`` reads run at once (default: ``streams_for`` the first
-    file). With one stream, pieces are read in file order by one thread and
-    checksummed by another, so the CRC of one piece overlaps the read of the
-    next; with several, each reading thread checksums its own pieces. All
-    files' pieces are queued at once (small files do not leave the pool
-    idle). The first error (a file that vanished, a short read) is raised
-    after every submitted piece has finished, so no thread still writes into
-    a buffer the caller frees.
+    ``streams`` reads run at once (default: ``streams_for`` the first file),
+    each reading thread checksumming the piece it has just read while the
+    kernel's readahead keeps the disk busy. All files' pieces are queued at
+    once (small files do not leave the pool idle). The first error (a file
+    that vanished, a short read) is raised after every submitted piece has
+    finished, so no thread still writes into a buffer the caller frees.
     """
     if not reads:
         return
     if streams is None:
         streams = streams_for(reads[0].path)
-    with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(ThreadPoolExecutor(max(1, streams),
-                                                      thread_name_prefix="asyncckpt-read"))
-        crc_pool = None
-        if streams <= 1 and any(r.checksum for r in reads):
-            crc_pool = stack.enter_context(ThreadPoolExecutor(
-                1, thread_name_prefix="asyncckpt-crc"))
+    with ThreadPoolExecutor(max(1, streams), thread_name_prefix="asyncckpt-read") as pool:
         started: list[tuple[FileRead, list]] = []
         error: BaseException | None = None
         try:
             for r in reads:
-                started.append((r, r.run(pool, crc_pool)))
+                started.append((r, r.run(pool)))
         except BaseException as e:
             error = e
         for r, futures in started:
