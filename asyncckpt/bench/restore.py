@@ -105,9 +105,9 @@ def _tf_cases(nbytes: int, tensors: int, work: str) -> tuple[list[_Case], dict]:
 
     state = eng.TFState(nbytes, tensors)
     ours_dir, tf_dir = os.path.join(work, "asyncckpt_tf"), os.path.join(work, "tf")
+    with at.Checkpoint(**state.variables) as saver:  # closed: its staging memory freed
+        ours_path = saver.save(os.path.join(ours_dir, "ckpt"))
     ours = at.Checkpoint(**state.variables)
-    ours_path = ours.save(os.path.join(ours_dir, "ckpt"))
-    ours.sync()
     peer = tf.train.Checkpoint(**state.variables)
     peer_path = peer.save(os.path.join(tf_dir, "ckpt"))
     shape = {"rows": int(state.variables["w0"].shape[0]), "tensors": tensors}
@@ -129,9 +129,9 @@ def _jax_cases(nbytes: int, tensors: int, work: str) -> tuple[list[_Case], dict]
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           state.tree)
     ours_dir, orbax_dir = os.path.join(work, "asyncckpt_jax"), os.path.join(work, "orbax")
+    with aj.CheckpointManager(ours_dir) as saver:  # closed: its staging memory freed
+        saver.save(1, state.tree, force=True)
     ours = aj.CheckpointManager(ours_dir)
-    ours.save(1, state.tree, force=True)
-    ours.wait_until_finished()
     peer = ocp.CheckpointManager(orbax_dir)
     peer.save(1, args=ocp.args.StandardSave(state.tree))
     peer.wait_until_finished()
@@ -300,11 +300,11 @@ def run(args) -> int:
                 mib << 20, frameworks=frameworks, reps=reps,
                 recovery_reps=0 if args.no_recovery else max(1, reps // 2),
                 workdir=work, progress=progress))
-    report = text(results)
-    with open(os.path.join(out, "restore.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(out, "restore.txt"), "w") as f:
-        f.write(report + "\n")
+        report = text(results)  # written after each size, so a later failure keeps it
+        with open(os.path.join(out, "restore.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(out, "restore.txt"), "w") as f:
+            f.write(report + "\n")
     print(report)
     print(f"wrote {out}/restore.txt, {out}/restore.json")
     return 0
