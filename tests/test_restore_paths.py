@@ -240,6 +240,8 @@ def test_bundle_index_matches_tensorflow_across_many_blocks(tmp_path):
         assert entry.dtype == dtypes[key].as_datatype_enum
         raw = data[entry.offset:entry.offset + entry.size]
         if entry.dtype == tf.string.as_datatype_enum:
+            if not reads.has_fast_crc32c():
+                continue  # the CRC32C of string tensors is only checked with google_crc32c
             crc = _bundle.string_tensor_crc32c(raw, 1)
             assert _restore._masked(crc) == entry.crc32c
         elif key.startswith("v"):
