@@ -45,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(fake-gcs-server) server: upload throughput vs a raw put, blocking "
                         "time with the tier on vs off, restore time (size: first of --sizes, "
                         "default 256, 64 with --quick)")
+    p.add_argument("--restore", action="store_true",
+                   help="instead: restore from a cold page cache against a raw read, "
+                        "tf.train.Checkpoint.restore and orbax, and recovery time (process "
+                        "start to the first training step after a restore) in fresh processes "
+                        "(sizes default 256,1024; 64 with --quick)")
+    p.add_argument("--no-recovery", action="store_true",
+                   help="with --restore: skip the recovery-time processes")
 
 
 def _machine() -> str:
@@ -61,6 +68,10 @@ def _machine() -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "restore", False):
+        from asyncckpt.bench.restore import run as run_restore
+
+        return run_restore(args)
     if getattr(args, "storage", None):
         from asyncckpt.bench.storage import run
 

@@ -20,7 +20,6 @@ import contextlib
 import contextvars
 import logging
 import os
-import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,6 +28,7 @@ import jax
 import numpy as np
 
 from asyncckpt import layout
+from asyncckpt.engine import reads
 from asyncckpt.engine.files import FileRecord, crc32_file
 from asyncckpt.engine.manifest import Manifest, has_owner_marker, load_manifest, verify_files
 from asyncckpt.errors import (
@@ -63,49 +63,59 @@ class ChunkStore:
     def _record(self, path: str) -> FileRecord | None:
         return self._records.get(os.path.relpath(path, self._dir).replace(os.sep, "/"))
 
-    def _load(self, path: str) -> np.ndarray | None:
+    def _corrupt(self, path: str, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"checkpoint {self._dir!r} is corrupt: file {path!r} {what}",
+                                      checkpoint=self._dir, file=path)
+
+    def _plan(self, path: str) -> tuple[reads.FileRead, np.ndarray] | None:
+        """The read of one chunk file into an aligned buffer of its size (None: no file)."""
+        rec = self._record(path)
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = np.empty(size, dtype=np.uint8)
-                view = memoryview(buf)
-                got = 0
-                while got < size and (n := f.readinto(view[got:])):
-                    got += n
+            size = os.stat(path).st_size
         except FileNotFoundError:
-            if self._record(path) is not None:
+            if rec is not None:
                 raise CorruptCheckpointError(
                     f"checkpoint {self._dir!r} is incomplete: file {path!r} is missing",
                     checkpoint=self._dir, file=path,
                 ) from None
             return None
-        rec = self._record(path)
-        if rec is not None:
-            if got != rec.size:
-                raise CorruptCheckpointError(
-                    f"checkpoint {self._dir!r} is corrupt: file {path!r} has {got} bytes, "
-                    f"the manifest records {rec.size} (truncated or overwritten)",
-                    checkpoint=self._dir, file=path,
-                )
-            if self._checksums and rec.crc32 is not None:
-                crc = zlib.crc32(buf)
-                if crc != rec.crc32:
-                    raise CorruptCheckpointError(
-                        f"checkpoint {self._dir!r} is corrupt: file {path!r} fails its CRC32 "
-                        f"check (stored {rec.crc32:#010x}, computed {crc:#010x})",
-                        checkpoint=self._dir, file=path,
-                    )
-        return buf[:got]
+        if rec is not None and size != rec.size:
+            raise self._corrupt(path, f"has {size} bytes, the manifest records {rec.size} "
+                                "(truncated or overwritten)")
+        checksum = self._checksums and rec is not None and rec.crc32 is not None
+        buf = reads.aligned_empty(size)
+        return reads.FileRead(path, size, [(0, buf)], checksum=checksum), buf
 
     def prefetch(self, paths: Iterable[str]) -> None:
-        """Reads (and checks) these files in parallel and keeps their bytes."""
+        """Reads (and checks) these files in parallel and keeps their bytes.
+
+        Each file is read straight into the aligned buffer its arrays are
+        made from (on CPU, XLA takes it over without a copy), its CRC32
+        computed piece by piece as the bytes arrive (``engine.reads``).
+        """
         todo = sorted(set(paths) - set(self._data))
         if not todo:
             return
-        with ThreadPoolExecutor(min(_READERS, len(todo)),
-                                thread_name_prefix="asyncckpt-read") as pool:
-            for path, data in zip(todo, pool.map(self._load, todo), strict=True):
-                self._data[path] = data
+        plans = {path: self._plan(path) for path in todo}
+        planned = [p[0] for p in plans.values() if p is not None]
+        try:
+            reads.read_all(planned)
+        except reads.ShortReadError as e:
+            raise self._corrupt(e.path, "is shorter than its manifest records "
+                                "(truncated while being read)") from e
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"checkpoint {self._dir!r} is incomplete: file {e.filename!r} is missing",
+                checkpoint=self._dir, file=e.filename,
+            ) from e
+        for path, plan in plans.items():
+            if plan is not None and plan[0].crc is not None:
+                stored = self._record(path).crc32
+                if plan[0].crc != stored:
+                    raise self._corrupt(path, f"fails its CRC32 check (stored {stored:#010x}, "
+                                        f"computed {plan[0].crc:#010x})")
+        for path, plan in plans.items():
+            self._data[path] = None if plan is None else plan[1]
 
     def wanted(self, item: str, params: set[str]) -> list[str]:
         """Names of the manifest's files a restore of these arrays of ``item`` relies on."""
@@ -161,7 +171,7 @@ class ChunkStore:
     def __call__(self, path: str) -> np.ndarray | None:
         """A chunk's bytes: prefetched, or read (and checked) now."""
         if path not in self._data:
-            self._data[path] = self._load(path)
+            self.prefetch([path])
         return self._data[path]
 
 

@@ -18,7 +18,7 @@ from asyncckpt.engine.manifest import is_owned, load_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
-from asyncckpt.tf import _compat, _inflight, _partial, _staging
+from asyncckpt.tf import _compat, _inflight, _partial, _restore, _staging
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import CommitCallback, TFSaveJob, manifest_path
 from asyncckpt.tf._partial import PartialRestore
@@ -475,9 +475,11 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
 
     # -- restoring -----------------------------------------------------------------
 
-    def _prepare_read(self, path: str) -> None:
+    def _prepare_read(self, path: str, options=None):
+        """Waits for a save in flight, verifies; returns the context to restore in."""
         _inflight.wait_for(path)
-        verify_checkpoint(path, checksums=self._asyncckpt.restore_options.verify_checksums)
+        return _restore.prepared(path, options=options, verify=verify_checkpoint,
+                                 checksums=self._asyncckpt.restore_options.verify_checksums)
 
     def restore(self, save_path, options=None):
         """Restores like ``tf.train.Checkpoint.restore``, after verifying the files.
@@ -496,8 +498,8 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
             return super().restore(save_path, options)
         path = _fspath(save_path)
         path = _compat.saved_model_variables_path(path) or path
-        self._prepare_read(path)
-        status = tf.train.Checkpoint.read(self, path, options)
+        with self._prepare_read(path, options):
+            status = tf.train.Checkpoint.read(self, path, options)
         self._maybe_create_save_counter()
         if _compat.is_name_based_status(status):
             status.add_to_optionally_restored(self.save_counter)
@@ -537,5 +539,6 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         options = _synchronous_tf_options(options)
         if save_path is not None and _compat.executing_eagerly():
             save_path = _fspath(save_path)
-            self._prepare_read(save_path)
+            with self._prepare_read(save_path, options):
+                return super().read(save_path, options)
         return super().read(save_path, options)
