@@ -18,7 +18,8 @@ from asyncckpt.engine.manifest import is_owned, load_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
-from asyncckpt.tf import _compat, _inflight, _partial, _staging
+from asyncckpt.storage.tier import RemoteOptions
+from asyncckpt.tf import _compat, _inflight, _partial, _staging, _urls
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import CommitCallback, TFSaveJob, manifest_path
 from asyncckpt.tf._partial import PartialRestore
@@ -198,10 +199,12 @@ class _AsyncState:
     lock is copied). The engine is created on the first save.
     """
 
-    def __init__(self, options: AsyncOptions, restore_options: RestoreOptions, wraps: bool):
+    def __init__(self, options: AsyncOptions, restore_options: RestoreOptions, wraps: bool,
+                 remote_options: RemoteOptions | None = None):
         self.options = options
         self.restore_options = restore_options
         self.wraps = wraps
+        self.urls = _urls.URLDirectories(remote_options)  # s3:// and gs:// prefixes
         self.stager = _staging.Stager()
         self.checked_dirs: set[str] = set()
         self.last_save: SaveHandle | None = None
@@ -221,7 +224,7 @@ class _AsyncState:
         return self._engine
 
     def __deepcopy__(self, memo) -> _AsyncState:
-        return _AsyncState(self.options, self.restore_options, self.wraps)
+        return _AsyncState(self.options, self.restore_options, self.wraps, self.urls.options)
 
 
 class _Attribute:
@@ -272,6 +275,9 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         root: As for ``tf.train.Checkpoint`` (a trackable or a weak reference).
         async_options: Staging slots, fsync and checksums.
         restore_options: Verification done by ``restore``/``read``.
+        remote_options: Retries and parallelism of saves to and restores
+            from ``s3://`` / ``gs://`` prefixes (its schedule and retention
+            fields do not apply: every such save is uploaded).
         **kwargs: Trackable objects to save, as for ``tf.train.Checkpoint``.
     """
 
@@ -283,11 +289,13 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         *,
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
+        remote_options: RemoteOptions | None = None,
         **kwargs,
     ):
         super().__init__(root=root, **kwargs)
         self._asyncckpt = _AsyncState(
-            async_options or AsyncOptions(), restore_options or RestoreOptions(), wraps=False
+            async_options or AsyncOptions(), restore_options or RestoreOptions(), wraps=False,
+            remote_options=remote_options,
         )
 
     @classmethod
@@ -297,6 +305,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         *,
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
+        remote_options: RemoteOptions | None = None,
     ) -> Checkpoint:
         """An asyncckpt Checkpoint that saves ``checkpoint``'s object graph.
 
@@ -306,7 +315,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         is returned as is.
         """
         if isinstance(checkpoint, Checkpoint):
-            if async_options is not None or restore_options is not None:
+            if (async_options, restore_options, remote_options) != (None, None, None):
                 raise ValueError(
                     "cannot change the options of an existing asyncckpt.tf.Checkpoint"
                 )
@@ -316,7 +325,8 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
                 f"expected a tf.train.Checkpoint, got {type(checkpoint).__name__}"
             )
         checkpoint.save_counter  # noqa: B018 - created now, so the wrapper numbers with it
-        self = cls(root=checkpoint, async_options=async_options, restore_options=restore_options)
+        self = cls(root=checkpoint, async_options=async_options, restore_options=restore_options,
+                   remote_options=remote_options)
         self._asyncckpt.wraps = True
         return self
 
@@ -345,6 +355,8 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         return self._asyncckpt.engine
 
     def _check_dir(self, prefix: str) -> None:
+        if self._asyncckpt.urls.target(prefix) is not None:  # s3:// / gs://; others raise
+            return
         directory = os.path.dirname(os.path.abspath(prefix))
         checked = self._asyncckpt.checked_dirs
         if directory not in checked:
@@ -382,6 +394,14 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         self._check_dir(prefix)
         on_committed = _OnCommitted(wopts.callbacks, internal)
         io_device = wopts.io_device
+        url = prefix
+        target = state.urls.target(prefix)
+        if target is not None:
+            # Written to a scratch directory, uploaded as part of the commit (_urls).
+            if on_published is not None:
+                raise ValueError("a URL prefix is uploaded by the Checkpoint itself")
+            prefix, on_published = target.local_prefix, target.upload
+            on_committed = _urls.AtURL(on_committed, target.url)
 
         def stage(slot):
             staged = state.stager.stage(self, slot, io_device=io_device)
@@ -395,8 +415,8 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
                 on_published=on_published,
             )
 
-        handle = state.engine.save(stage, label=prefix, step=step)
-        _inflight.register(prefix, handle)
+        handle = state.engine.save(stage, label=url, step=step)
+        _inflight.register(url, handle)
         state.last_save = handle
         if _compat.in_preemption_save_context():
             # TensorFlow's PreemptionCheckpointHandler exits right after this
@@ -449,6 +469,10 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         number = int(counter.assign_add(1, read_value=True).numpy())
         path = f"{prefix}-{number}"
         record = functools.partial(_record_latest, fsync=self._asyncckpt.options.fsync)
+        target = self._asyncckpt.urls.target(path)
+        if target is not None:  # the state file goes to the bucket too
+            record = functools.partial(target.record_latest, local=record.func,
+                                       fsync=self._asyncckpt.options.fsync)
         try:
             self._stage(path, wopts, number, record, None)
         except BaseException:
@@ -471,13 +495,29 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
             if engine is not None:
                 engine.close(timeout)
         finally:
-            self._asyncckpt.stager.clear()
+            try:
+                self._asyncckpt.urls.close(timeout)
+            finally:
+                self._asyncckpt.stager.clear()
 
     # -- restoring -----------------------------------------------------------------
 
-    def _prepare_read(self, path: str) -> None:
+    def _prepare_read(self, path: str) -> str:
+        """Waits for a save of ``path`` in flight and verifies it; returns what to read.
+
+        For an ``s3://`` / ``gs://`` prefix, that is a verified local copy.
+        """
         _inflight.wait_for(path)
-        verify_checkpoint(path, checksums=self._asyncckpt.restore_options.verify_checksums)
+        checksums = self._asyncckpt.restore_options.verify_checksums
+        target = self._asyncckpt.urls.target(path)
+        if target is not None:
+            try:
+                return target.fetch(checksums=checksums, verify_local=functools.partial(
+                    verify_checkpoint, checksums=checksums))
+            except errors.CheckpointNotFoundError as e:
+                raise CheckpointNotFoundError(str(e)) from None
+        verify_checkpoint(path, checksums=checksums)
+        return path
 
     def restore(self, save_path, options=None):
         """Restores like ``tf.train.Checkpoint.restore``, after verifying the files.
@@ -495,8 +535,9 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         if save_path is None or not _compat.executing_eagerly():
             return super().restore(save_path, options)
         path = _fspath(save_path)
-        path = _compat.saved_model_variables_path(path) or path
-        self._prepare_read(path)
+        if not _urls.is_url(path):
+            path = _compat.saved_model_variables_path(path) or path
+        path = self._prepare_read(path)
         status = tf.train.Checkpoint.read(self, path, options)
         self._maybe_create_save_counter()
         if _compat.is_name_based_status(status):
@@ -536,6 +577,5 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         """Like ``tf.train.Checkpoint.read`` (no ``save_counter`` expected)."""
         options = _synchronous_tf_options(options)
         if save_path is not None and _compat.executing_eagerly():
-            save_path = _fspath(save_path)
-            self._prepare_read(save_path)
+            save_path = self._prepare_read(_fspath(save_path))
         return super().read(save_path, options)
