@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pathlib
+import threading
 
 from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo, ObjectStore
 
@@ -46,6 +48,8 @@ class S3ObjectStore(ObjectStore):
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}".rstrip("/")
         self._part_size = part_size
+        self._client = None
+        self._client_lock = threading.Lock()
         self._concurrency = max_concurrency
         # Everything else (endpoint, keys, region, allow-http) from the environment.
         options = {}
@@ -72,9 +76,10 @@ class S3ObjectStore(ObjectStore):
 
     def put_file(self, key: str, path: str) -> None:
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            self._obs.put(self._store, key, f, use_multipart=size > self._part_size,
-                          chunk_size=self._part_size, max_concurrency=self._concurrency)
+        # A Path, not a file object: obstore then reads the file in Rust, without taking
+        # the GIL for every chunk from the training thread.
+        self._obs.put(self._store, key, pathlib.Path(path), use_multipart=size > self._part_size,
+                      chunk_size=self._part_size, max_concurrency=self._concurrency)
 
     def get_range(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         if start == 0 and end is None:
@@ -106,6 +111,14 @@ class S3ObjectStore(ObjectStore):
         if keys:
             self._obs.delete(self._store, keys)
 
+    def _botocore_client(self, session_module):
+        # Made once per store: building a botocore client is ~0.2-0.3 s of Python under the
+        # GIL, which the training thread would wait through after every upload.
+        with self._client_lock:
+            if self._client is None:
+                self._client = session_module.get_session().create_client("s3")
+            return self._client
+
     def abort_incomplete_uploads(self, *, older_than_s: float = 0.0) -> int:
         """Aborts multipart uploads under the prefix started more than ``older_than_s`` ago."""
         try:
@@ -113,7 +126,7 @@ class S3ObjectStore(ObjectStore):
         except ImportError:
             logger.debug("botocore not installed: orphaned multipart uploads are not aborted")
             return 0
-        client = botocore.session.get_session().create_client("s3")
+        client = self._botocore_client(botocore.session)
         cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=older_than_s)
         n = 0
         kwargs = {"Bucket": self.bucket, "Prefix": self.prefix}
