@@ -16,9 +16,39 @@ import os
 import pathlib
 import threading
 
+from asyncckpt.engine.writer import lower_thread_priority
 from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo, ObjectStore
 
 logger = logging.getLogger(__name__)
+
+
+_RUNTIME_STARTED = False
+_RUNTIME_LOCK = threading.Lock()
+
+
+def _start_runtime_niced(obs, nice: int) -> None:
+    """Starts obstore's Rust runtime (its worker threads move every byte) at a lower priority.
+
+    Linux threads inherit the niceness of the thread that creates them, so the
+    runtime is created by a first, local call from a short-lived niced thread;
+    uploads then yield the cores to the training thread (as gcsfs's IO thread
+    does). No effect if this process has used obstore already.
+    """
+    global _RUNTIME_STARTED
+    with _RUNTIME_LOCK:
+        if _RUNTIME_STARTED:
+            return
+        _RUNTIME_STARTED = True
+
+        def start() -> None:
+            from obstore.store import MemoryStore
+
+            lower_thread_priority(nice)
+            obs.put(MemoryStore(), "runtime-start", b"")
+
+        t = threading.Thread(target=start, name="asyncckpt-obstore-start")
+        t.start()
+        t.join()
 
 
 def _import_obstore():
@@ -38,11 +68,13 @@ class S3ObjectStore(ObjectStore):
         prefix: Key prefix (no leading or trailing ``/``).
         part_size: Multipart part size in bytes.
         max_concurrency: Parts of one file in flight at once.
+        nice: Niceness of obstore's runtime threads, if this starts them.
     """
 
     def __init__(self, bucket: str, prefix: str, *, part_size: int = 16 << 20,
-                 max_concurrency: int = 8):
+                 max_concurrency: int = 8, nice: int = 10):
         obs, S3Store = _import_obstore()
+        _start_runtime_niced(obs, nice)
         self._obs = obs
         self.bucket = bucket
         self.prefix = prefix
