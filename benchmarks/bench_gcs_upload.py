@@ -5,8 +5,9 @@ checkpoint's single data file, random bytes) to it, interleaved, in three ways:
 
 * ``raw``: ``gcsfs.GCSFileSystem.put_file`` itself, its default chunking (one
   resumable upload, chunks one after the other): the client's own put;
-* ``serial``: ``GCSObjectStore(parallel=0).put_file``, what asyncckpt did
-  before (one resumable upload in ``part_size`` chunks);
+* ``serial``: what asyncckpt's ``GCSObjectStore.put_file`` did before
+  composite uploads: gcsfs ``put_file`` with ``chunksize=part_size`` (one
+  resumable upload, 16 MiB chunks one after the other);
 * ``parallel``: ``GCSObjectStore(parallel=N).put_file``, parts uploaded at
   once as temporary objects, composed, deleted.
 
@@ -60,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
             from gcsfs.core import GCSFileSystem
 
             fs = GCSFileSystem(token="anon", skip_instance_cache=True, use_listings_cache=False)
-            serial = GCSObjectStore(BUCKET, "serial", part_size=part, parallel=0)
             parallel = GCSObjectStore(BUCKET, "parallel", part_size=part,
                                       parallel=args.parallel)
 
@@ -76,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
                     assert store.list(key)[0].size == nbytes
                 return run
 
-            cases = {"raw": run_raw, "serial": run_store(serial),
+            def run_serial() -> None:  # the store's put_file before this change, verbatim
+                key = f"{BUCKET}/serial/{uuid.uuid4().hex}"
+                fs.put_file(path, key, chunksize=part)
+                assert fs.info(key)["size"] == nbytes
+
+            cases = {"raw": run_raw, "serial": run_serial,
                      "parallel": run_store(parallel)}
             for fn in cases.values():  # untimed warm-up: connections, first allocation
                 fn()
@@ -90,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
                     times[name].append(time.perf_counter() - t)
                 print(f"rep {rep}: " + ", ".join(
                     f"{n} {args.mib / times[n][-1]:.0f} MiB/s" for n in names), flush=True)
-            serial.close()
             parallel.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {

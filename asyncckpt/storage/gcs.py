@@ -5,7 +5,9 @@ are used); otherwise the usual Google credentials (application default
 credentials, ``GOOGLE_APPLICATION_CREDENTIALS``, the metadata server).
 Create-only puts send ``ifGenerationMatch=0``.
 
-Large files go up as parallel composite uploads: the file is cut into parts
+Large files (over ``composite_min_size``, 64 MiB by default: smaller ones fit
+in one or two of gcsfs's 50 MiB chunks and gain nothing from parts, which
+cost a compose and deletes) go up as parallel composite uploads: the file is cut into parts
 of ``part_size`` bytes, the parts are uploaded at once as temporary objects
 under ``_asyncckpt-parts/`` (at most ``parallel`` of them in flight per store,
 so memory stays bounded), composed into the destination object (in rounds of
@@ -88,12 +90,13 @@ class GCSObjectStore(ObjectStore):
         part_size: Part size of composite uploads (and chunk size of resumable ones).
         nice: Niceness of fsspec's IO thread, if this starts it.
         parallel: Parts in flight at once, over all files of this store; files
-            of up to one part, and every file when this is 0 or 1, go up as one
-            upload each.
+            of up to ``composite_min_size``, and every file when this is 0 or
+            1, go up as one resumable upload each.
+        composite_min_size: Smallest file sent as a composite upload.
     """
 
     def __init__(self, bucket: str, prefix: str, *, part_size: int = 16 << 20, nice: int = 10,
-                 parallel: int = 8):
+                 parallel: int = 8, composite_min_size: int = 64 << 20):
         cls = _gcsfs_class()
         _start_io_thread_niced(nice)
         self.bucket = bucket
@@ -101,6 +104,7 @@ class GCSObjectStore(ObjectStore):
         self.url = f"gs://{bucket}/{prefix}".rstrip("/")
         self._part_size = part_size
         self._parallel = parallel
+        self._composite_min = max(composite_min_size, part_size + 1)
         self._parts_pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
@@ -122,8 +126,8 @@ class GCSObjectStore(ObjectStore):
 
     def put_file(self, key: str, path: str) -> None:
         size = os.path.getsize(path)
-        if self._parallel <= 1 or size <= self._part_size:
-            self._fs.put_file(path, self._path(key), chunksize=self._part_size)
+        if self._parallel <= 1 or size < self._composite_min:
+            self._fs.put_file(path, self._path(key), chunksize=max(self._part_size, 50 << 20))
             return
         self._put_composite(key, path, size)
 

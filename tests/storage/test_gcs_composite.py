@@ -15,7 +15,8 @@ PART = 256 << 10
 
 @pytest.fixture
 def gcs(gcs_server):
-    store = GCSObjectStore(BUCKET, f"comp-{uuid.uuid4().hex[:10]}", part_size=PART, parallel=4)
+    store = GCSObjectStore(BUCKET, f"comp-{uuid.uuid4().hex[:10]}", part_size=PART, parallel=4,
+                           composite_min_size=0)
     yield store
     store.close()
 
