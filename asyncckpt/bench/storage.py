@@ -4,8 +4,10 @@ Starts SeaweedFS (S3) or fake-gcs-server (GCS) on 127.0.0.1 and measures:
 
 * **upload**: committing a checkpoint with the storage protocol (parallel
   data objects, manifest, verification listing, create-only marker) against
-  a raw ``put_file`` of the same files with the same client, the same
-  parallelism and the same server. Target: >= 0.8x the raw throughput.
+  a raw put of the same files with the same client library called directly
+  (obstore's ``put`` of the file for S3, gcsfs's ``put_file`` for GCS, each
+  with its own defaults), the same file parallelism and the same server.
+  Target: >= 0.8x the raw throughput.
 * **blocking**: ``save()`` blocking time of the JAX manager with and without
   a remote tier (interleaved runs, each save's upload overlapping the next
   saves, medians). Target: ~1.0x.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import tempfile
 import time
@@ -35,6 +38,7 @@ from asyncckpt.storage import RetryPolicy, open_store
 from asyncckpt.storage import protocol as proto
 from asyncckpt.storage.servers import FakeGCS, SeaweedS3
 from asyncckpt.storage.tier import RemoteOptions
+from asyncckpt.storage.url import parse_location
 
 BUCKET = "asyncckpt-bench"
 CONCURRENCY = 4
@@ -60,16 +64,34 @@ def _state(nbytes: int, seed: int) -> dict:
     return {f"w{i}": rng.standard_normal(n, dtype=np.float32) for i in range(8)}
 
 
+def _raw_client_put(url: str):
+    """``put(key, path)`` with the client library itself, not asyncckpt's store."""
+    loc = parse_location(url)
+    if loc.scheme == "s3":
+        import obstore
+        from obstore.store import S3Store
+
+        http = os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true")
+        store = S3Store(loc.bucket, prefix=loc.prefix,
+                        client_options={"allow_http": True} if http else None)
+        return lambda key, path: obstore.put(store, key, pathlib.Path(path))
+    from gcsfs.core import GCSFileSystem
+
+    fs = GCSFileSystem(token="anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None,
+                       skip_instance_cache=True)
+    return lambda key, path: fs.put_file(path, f"{loc.bucket}/{loc.prefix}/{key}")
+
+
 def measure_upload(url: str, workdir: str, nbytes: int, reps: int, progress) -> dict:
     info = _make_checkpoint(workdir, 1, nbytes, nfiles=8)
     files = [(os.path.join(info.root, *r.name.split("/")), r.name)
              for r in Manifest.from_json(open(info.manifest_path).read(),  # noqa: SIM115
                                          path=info.manifest_path).files]
     def raw_put(prefix: str) -> float:
-        store = open_store(f"{url}/{prefix}")
+        put = _raw_client_put(f"{url}/{prefix}")
         t = time.perf_counter()
         with ThreadPoolExecutor(CONCURRENCY) as pool:
-            list(pool.map(lambda f: store.put_file(f[1], f[0]), files))
+            list(pool.map(lambda f: put(f[1], f[0]), files))
         return time.perf_counter() - t
 
     def protocol_put(prefix: str) -> float:

@@ -13,10 +13,42 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pathlib
+import threading
 
+from asyncckpt.engine.writer import lower_thread_priority
 from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo, ObjectStore
 
 logger = logging.getLogger(__name__)
+
+
+_RUNTIME_STARTED = False
+_RUNTIME_LOCK = threading.Lock()
+
+
+def _start_runtime_niced(obs, nice: int) -> None:
+    """Starts obstore's Rust runtime (its worker threads move every byte) at a lower priority.
+
+    Linux threads inherit the niceness of the thread that creates them, so the
+    runtime is created by a first, local call from a short-lived niced thread;
+    uploads then yield the cores to the training thread (as gcsfs's IO thread
+    does). No effect if this process has used obstore already.
+    """
+    global _RUNTIME_STARTED
+    with _RUNTIME_LOCK:
+        if _RUNTIME_STARTED:
+            return
+        _RUNTIME_STARTED = True
+
+        def start() -> None:
+            from obstore.store import MemoryStore
+
+            lower_thread_priority(nice)
+            obs.put(MemoryStore(), "runtime-start", b"")
+
+        t = threading.Thread(target=start, name="asyncckpt-obstore-start")
+        t.start()
+        t.join()
 
 
 def _import_obstore():
@@ -36,16 +68,20 @@ class S3ObjectStore(ObjectStore):
         prefix: Key prefix (no leading or trailing ``/``).
         part_size: Multipart part size in bytes.
         max_concurrency: Parts of one file in flight at once.
+        nice: Niceness of obstore's runtime threads, if this starts them.
     """
 
     def __init__(self, bucket: str, prefix: str, *, part_size: int = 16 << 20,
-                 max_concurrency: int = 8):
+                 max_concurrency: int = 8, nice: int = 10):
         obs, S3Store = _import_obstore()
+        _start_runtime_niced(obs, nice)
         self._obs = obs
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}".rstrip("/")
         self._part_size = part_size
+        self._client = None
+        self._client_lock = threading.Lock()
         self._concurrency = max_concurrency
         # Everything else (endpoint, keys, region, allow-http) from the environment.
         options = {}
@@ -72,9 +108,10 @@ class S3ObjectStore(ObjectStore):
 
     def put_file(self, key: str, path: str) -> None:
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            self._obs.put(self._store, key, f, use_multipart=size > self._part_size,
-                          chunk_size=self._part_size, max_concurrency=self._concurrency)
+        # A Path, not a file object: obstore then reads the file in Rust, without taking
+        # the GIL for every chunk from the training thread.
+        self._obs.put(self._store, key, pathlib.Path(path), use_multipart=size > self._part_size,
+                      chunk_size=self._part_size, max_concurrency=self._concurrency)
 
     def get_range(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         if start == 0 and end is None:
@@ -106,6 +143,14 @@ class S3ObjectStore(ObjectStore):
         if keys:
             self._obs.delete(self._store, keys)
 
+    def _botocore_client(self, session_module):
+        # Made once per store: building a botocore client is ~0.2-0.3 s of Python under the
+        # GIL, which the training thread would wait through after every upload.
+        with self._client_lock:
+            if self._client is None:
+                self._client = session_module.get_session().create_client("s3")
+            return self._client
+
     def abort_incomplete_uploads(self, *, older_than_s: float = 0.0) -> int:
         """Aborts multipart uploads under the prefix started more than ``older_than_s`` ago."""
         try:
@@ -113,7 +158,7 @@ class S3ObjectStore(ObjectStore):
         except ImportError:
             logger.debug("botocore not installed: orphaned multipart uploads are not aborted")
             return 0
-        client = botocore.session.get_session().create_client("s3")
+        client = self._botocore_client(botocore.session)
         cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=older_than_s)
         n = 0
         kwargs = {"Bucket": self.bucket, "Prefix": self.prefix}

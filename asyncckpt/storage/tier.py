@@ -120,6 +120,9 @@ class RemoteTier:
         self._last_handed = float("-inf")
         self._started_wall = time.time()
         self.stats: list[dict] = []  # per upload: name, nbytes, seconds
+        # The committed listing as of the last upload (or listing): what save() consults, so
+        # a save never waits on the network (None: not listed yet).
+        self._listing: list[protocol.RemoteCheckpoint] | None = None
 
     @property
     def url(self) -> str:
@@ -232,6 +235,10 @@ class RemoteTier:
             data_uploaded=data_uploaded)
         self.stats.append({"name": info.name, "nbytes": remote.nbytes,
                            "seconds": time.monotonic() - t0})
+        with self._cv:
+            if self._listing is not None:
+                self._listing = _sorted_listing(
+                    [c for c in self._listing if c.name != remote.name] + [remote])
         try:
             self._retain(remote)
         except Exception as e:  # retention is housekeeping: the new step is committed
@@ -246,7 +253,10 @@ class RemoteTier:
             for old in committed[:-keep]:
                 if old.name != newest.name:
                     protocol.delete_checkpoint(self.store, old)
+                    committed.remove(old)
                     logger.info("%s: remote retention deleted %s", self.url, old.name)
+        with self._cv:
+            self._listing = list(committed)
         if newest.step is not None:
             protocol.delete_uncommitted(self.store, older_than_step=newest.step, objects=objects)
         self.store.abort_incomplete_uploads(older_than_s=max(0.0, time.time() -
@@ -254,9 +264,24 @@ class RemoteTier:
 
     # -- reading -------------------------------------------------------------------
 
-    def committed(self) -> list[protocol.RemoteCheckpoint]:
-        """Committed remote checkpoints, oldest first."""
-        return protocol.list_committed(self.store)
+    def committed(self, *, cached: bool = False) -> list[protocol.RemoteCheckpoint]:
+        """Committed remote checkpoints, oldest first.
+
+        Args:
+            cached: Return the listing as of this tier's last upload (listing
+                once if there is none yet) instead of asking the store: a
+                manager's ``save()`` consults it, and must not wait on the
+                network. Checkpoints other processes commit meanwhile show up
+                after the next upload.
+        """
+        if cached:
+            with self._cv:
+                if self._listing is not None:
+                    return list(self._listing)
+        found = protocol.list_committed(self.store)
+        with self._cv:
+            self._listing = list(found)
+        return found
 
     def download(self, remote: protocol.RemoteCheckpoint, directory: str, *,
                  checksums: bool = True) -> None:
@@ -367,7 +392,7 @@ class TieredDirectory:
         if self.remote is None:
             return []
         try:
-            return [c.name for c in self.remote.committed()]
+            return [c.name for c in self.remote.committed(cached=True)]
         except Exception as e:  # the local tier stays usable while the remote is unreachable
             logger.warning("cannot list %s: %s", self.remote.url, e)
             return []
@@ -403,6 +428,10 @@ class TieredDirectory:
         finally:
             if self._own_scratch is not None:
                 shutil.rmtree(self._own_scratch, ignore_errors=True)
+
+
+def _sorted_listing(found: list[protocol.RemoteCheckpoint]) -> list[protocol.RemoteCheckpoint]:
+    return sorted(found, key=lambda c: (c.step if c.step is not None else -1, c.name))
 
 
 def _discard_local(info: catalog.CheckpointInfo) -> None:

@@ -4,6 +4,7 @@ Importing this subpackage imports TensorFlow; ``import asyncckpt`` alone does no
 """
 
 from asyncckpt.tf._partial import PartialRestore
+from asyncckpt.tf._urls import latest_checkpoint
 from asyncckpt.tf.checkpoint import Checkpoint, CheckpointNotFoundError, verify_checkpoint
 from asyncckpt.tf.manager import CheckpointManager
 
@@ -12,5 +13,6 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "PartialRestore",
+    "latest_checkpoint",
     "verify_checkpoint",
 ]

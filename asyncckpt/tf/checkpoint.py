@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -18,7 +19,8 @@ from asyncckpt.engine.manifest import is_owned, load_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
-from asyncckpt.tf import _compat, _inflight, _partial, _restore, _staging
+from asyncckpt.storage.tier import RemoteOptions
+from asyncckpt.tf import _compat, _inflight, _partial, _restore, _staging, _urls
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import CommitCallback, TFSaveJob, manifest_path
 from asyncckpt.tf._partial import PartialRestore
@@ -52,6 +54,10 @@ def _fspath(path) -> str:
         value = path.numpy()
         return value.decode() if isinstance(value, bytes) else str(value)
     return str(path)
+
+
+def _verified(prefix: str, *, checksums: bool) -> None:
+    """A copy fetched from object storage: the fetch has verified it already."""
 
 
 def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
@@ -198,10 +204,12 @@ class _AsyncState:
     lock is copied). The engine is created on the first save.
     """
 
-    def __init__(self, options: AsyncOptions, restore_options: RestoreOptions, wraps: bool):
+    def __init__(self, options: AsyncOptions, restore_options: RestoreOptions, wraps: bool,
+                 remote_options: RemoteOptions | None = None):
         self.options = options
         self.restore_options = restore_options
         self.wraps = wraps
+        self.urls = _urls.URLDirectories(remote_options)  # s3:// and gs:// prefixes
         self.stager = _staging.Stager()
         self.checked_dirs: set[str] = set()
         self.last_save: SaveHandle | None = None
@@ -221,7 +229,7 @@ class _AsyncState:
         return self._engine
 
     def __deepcopy__(self, memo) -> _AsyncState:
-        return _AsyncState(self.options, self.restore_options, self.wraps)
+        return _AsyncState(self.options, self.restore_options, self.wraps, self.urls.options)
 
 
 class _Attribute:
@@ -272,6 +280,9 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         root: As for ``tf.train.Checkpoint`` (a trackable or a weak reference).
         async_options: Staging slots, fsync and checksums.
         restore_options: Verification done by ``restore``/``read``.
+        remote_options: Retries and parallelism of saves to and restores
+            from ``s3://`` / ``gs://`` prefixes (its schedule and retention
+            fields do not apply: every such save is uploaded).
         **kwargs: Trackable objects to save, as for ``tf.train.Checkpoint``.
     """
 
@@ -283,11 +294,13 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         *,
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
+        remote_options: RemoteOptions | None = None,
         **kwargs,
     ):
         super().__init__(root=root, **kwargs)
         self._asyncckpt = _AsyncState(
-            async_options or AsyncOptions(), restore_options or RestoreOptions(), wraps=False
+            async_options or AsyncOptions(), restore_options or RestoreOptions(), wraps=False,
+            remote_options=remote_options,
         )
 
     @classmethod
@@ -297,6 +310,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         *,
         async_options: AsyncOptions | None = None,
         restore_options: RestoreOptions | None = None,
+        remote_options: RemoteOptions | None = None,
     ) -> Checkpoint:
         """An asyncckpt Checkpoint that saves ``checkpoint``'s object graph.
 
@@ -306,7 +320,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         is returned as is.
         """
         if isinstance(checkpoint, Checkpoint):
-            if async_options is not None or restore_options is not None:
+            if (async_options, restore_options, remote_options) != (None, None, None):
                 raise ValueError(
                     "cannot change the options of an existing asyncckpt.tf.Checkpoint"
                 )
@@ -316,7 +330,8 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
                 f"expected a tf.train.Checkpoint, got {type(checkpoint).__name__}"
             )
         checkpoint.save_counter  # noqa: B018 - created now, so the wrapper numbers with it
-        self = cls(root=checkpoint, async_options=async_options, restore_options=restore_options)
+        self = cls(root=checkpoint, async_options=async_options, restore_options=restore_options,
+                   remote_options=remote_options)
         self._asyncckpt.wraps = True
         return self
 
@@ -345,6 +360,8 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         return self._asyncckpt.engine
 
     def _check_dir(self, prefix: str) -> None:
+        if self._asyncckpt.urls.target(prefix) is not None:  # s3:// / gs://; others raise
+            return
         directory = os.path.dirname(os.path.abspath(prefix))
         checked = self._asyncckpt.checked_dirs
         if directory not in checked:
@@ -382,6 +399,14 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         self._check_dir(prefix)
         on_committed = _OnCommitted(wopts.callbacks, internal)
         io_device = wopts.io_device
+        url = prefix
+        target = state.urls.target(prefix)
+        if target is not None:
+            # Written to a scratch directory, uploaded as part of the commit (_urls).
+            if on_published is not None:
+                raise ValueError("a URL prefix is uploaded by the Checkpoint itself")
+            prefix, on_published = target.local_prefix, target.upload
+            on_committed = _urls.AtURL(on_committed, target.url)
 
         def stage(slot):
             staged = state.stager.stage(self, slot, io_device=io_device)
@@ -395,8 +420,8 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
                 on_published=on_published,
             )
 
-        handle = state.engine.save(stage, label=prefix, step=step)
-        _inflight.register(prefix, handle)
+        handle = state.engine.save(stage, label=url, step=step)
+        _inflight.register(url, handle)
         state.last_save = handle
         if _compat.in_preemption_save_context():
             # TensorFlow's PreemptionCheckpointHandler exits right after this
@@ -449,6 +474,10 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         number = int(counter.assign_add(1, read_value=True).numpy())
         path = f"{prefix}-{number}"
         record = functools.partial(_record_latest, fsync=self._asyncckpt.options.fsync)
+        target = self._asyncckpt.urls.target(path)
+        if target is not None:  # the state file goes to the bucket too
+            record = functools.partial(target.record_latest, local=record.func,
+                                       fsync=self._asyncckpt.options.fsync)
         try:
             self._stage(path, wopts, number, record, None)
         except BaseException:
@@ -471,15 +500,36 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
             if engine is not None:
                 engine.close(timeout)
         finally:
-            self._asyncckpt.stager.clear()
+            try:
+                self._asyncckpt.urls.close(timeout)
+            finally:
+                self._asyncckpt.stager.clear()
 
     # -- restoring -----------------------------------------------------------------
 
-    def _prepare_read(self, path: str, options=None):
-        """Waits for a save in flight, verifies; returns the context to restore in."""
+    def _prepare_read(self, path: str,
+                      options=None) -> tuple[str, contextlib.AbstractContextManager]:
+        """Waits for a save of ``path`` in flight and verifies it.
+
+        Returns:
+            What to read (for an ``s3://`` / ``gs://`` prefix, a verified local
+            copy) and the context the TensorFlow read runs in (the fast
+            restore path when it applies).
+        """
         _inflight.wait_for(path)
-        return _restore.prepared(path, options=options, verify=verify_checkpoint,
-                                 checksums=self._asyncckpt.restore_options.verify_checksums)
+        checksums = self._asyncckpt.restore_options.verify_checksums
+        target = self._asyncckpt.urls.target(path)
+        if target is None:
+            return path, _restore.prepared(path, options=options, verify=verify_checkpoint,
+                                           checksums=checksums)
+        try:
+            local = target.fetch(checksums=checksums, verify_local=functools.partial(
+                verify_checkpoint, checksums=checksums))
+        except errors.CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(str(e)) from None
+        # Verified by the fetch: the fast path still checks what it reads.
+        return local, _restore.prepared(local, options=options, verify=_verified,
+                                        checksums=checksums)
 
     def restore(self, save_path, options=None):
         """Restores like ``tf.train.Checkpoint.restore``, after verifying the files.
@@ -497,8 +547,10 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         if save_path is None or not _compat.executing_eagerly():
             return super().restore(save_path, options)
         path = _fspath(save_path)
-        path = _compat.saved_model_variables_path(path) or path
-        with self._prepare_read(path, options):
+        if not _urls.is_url(path):
+            path = _compat.saved_model_variables_path(path) or path
+        path, context = self._prepare_read(path, options)
+        with context:
             status = tf.train.Checkpoint.read(self, path, options)
         self._maybe_create_save_counter()
         if _compat.is_name_based_status(status):
@@ -538,7 +590,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         """Like ``tf.train.Checkpoint.read`` (no ``save_counter`` expected)."""
         options = _synchronous_tf_options(options)
         if save_path is not None and _compat.executing_eagerly():
-            save_path = _fspath(save_path)
-            with self._prepare_read(save_path, options):
+            save_path, context = self._prepare_read(_fspath(save_path), options)
+            with context:
                 return super().read(save_path, options)
         return super().read(save_path, options)
