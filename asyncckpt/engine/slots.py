@@ -155,10 +155,7 @@ def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
     inline: list[tuple[np.ndarray, np.ndarray]] = []
     for dst, src in pairs:
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(
-                f"staging copy mismatch: {src.shape}/{src.dtype} into {dst.shape}/{dst.dtype}"
-            )
+        _check_pair(dst, src)
         if dst.nbytes < _INLINE or not (dst.flags.c_contiguous and src.flags.c_contiguous):
             inline.append((dst, src))
             continue
@@ -173,6 +170,13 @@ def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     finally:
         for f in futures:
             f.result()
+
+
+def _check_pair(dst: np.ndarray, src: np.ndarray) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(
+            f"staging copy mismatch: {src.shape}/{src.dtype} into {dst.shape}/{dst.dtype}"
+        )
 
 
 class Slot:
@@ -190,6 +194,9 @@ class Slot:
         self.allocations = 0
         self.prepared = 0
         self._buffers: dict[str, np.ndarray] = {}
+        # key -> (raw buffer, shape, dtype, typed view): the view handed out
+        # last, reused while the buffer and the request are the same.
+        self._views: dict[str, tuple[np.ndarray, tuple, np.dtype, np.ndarray]] = {}
         self._used: set[str] = set()
         self._changed = True  # allocated or trimmed since the pool last learned from it
         self._ready = -1  # the pool's layout version this slot holds in full
@@ -211,22 +218,30 @@ class Slot:
             dtype: NumPy dtype (extension dtypes such as bfloat16 work).
         """
         dtype = np.dtype(dtype)
-        shape = tuple(int(d) for d in shape)
-        nbytes = math.prod(shape) * dtype.itemsize
+        if type(shape) is not tuple:
+            shape = tuple(int(d) for d in shape)
+        self._used.add(key)
         raw = self._buffers.get(key)
+        # Steady state: the same buffer asked for the same way as last time.
+        hit = self._views.get(key)
+        if hit is not None and hit[0] is raw and hit[1] == shape and hit[2] == dtype:
+            return hit[3]
+        nbytes = math.prod(shape) * dtype.itemsize
         if raw is None or raw.nbytes != nbytes:
             raw = aligned_empty(nbytes)
             self._buffers[key] = raw
             self.allocations += 1
             self._changed = True
-        self._used.add(key)
-        return raw.view(dtype).reshape(shape)
+        view = raw.view(dtype).reshape(shape)
+        self._views[key] = (raw, shape, dtype, view)
+        return view
 
     def trim(self) -> None:
         """Frees buffers that the save being staged did not use."""
         unused = [k for k in self._buffers if k not in self._used]
         for key in unused:
             del self._buffers[key]
+            self._views.pop(key, None)
         if unused:
             self._changed = True
 
@@ -252,6 +267,7 @@ class Slot:
     def clear(self) -> None:
         """Drops every buffer (used when the pool is closed)."""
         self._buffers.clear()
+        self._views.clear()
         self._used.clear()
 
 
@@ -367,6 +383,7 @@ class StagingPool:
             stale = [k for k in slot._buffers if k not in self._layout]
             for key in stale:
                 del slot._buffers[key]
+                slot._views.pop(key, None)
             if slot._ready == self._version:
                 continue
             missing = slot._missing(self._layout)
@@ -402,6 +419,7 @@ class StagingPool:
                             break
                         if self._layout.get(key) == nbytes:
                             slot._buffers[key] = buf
+                            slot._views.pop(key, None)
                             slot.prepared += 1
                             built += 1
                     del buf

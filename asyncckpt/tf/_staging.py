@@ -170,6 +170,7 @@ class _Plan:
             and not any("get_slot_names" in dir(o) for o in objects)
         )
         self._batched = None  # tf.function reading every value, traced after the first read
+        self._call = None  # calls the traced _batched without its argument matching
         self._batched_failed = False
         self.traced = threading.Event()  # set once tracing ended (well or not)
         self.uses = 0
@@ -190,7 +191,7 @@ class _Plan:
             self._start_tracing()
         if self._batched is not None and not self._batched_failed:
             try:
-                values = self._batched()
+                values = self._call()
                 for e, v in zip(self.entries, values, strict=True):
                     _check_dtype(v.dtype, e.key, e.owner)
                 return values
@@ -213,7 +214,7 @@ class _Plan:
         def trace() -> None:
             try:
                 fn = tf.function(lambda: [r() for r in readers])
-                fn.get_concrete_function()
+                self._call = _compat.flat_caller(fn)  # traces; the cheap way to call fn
                 self._batched = fn
             except Exception as e:
                 logger.debug("tracing the batched read failed (%r); reading one by one", e)
