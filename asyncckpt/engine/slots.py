@@ -71,6 +71,34 @@ def _prefault(buf: np.ndarray) -> None:
         np.copyto(part, _ZEROS[: part.nbytes])
 
 
+def prefault_all(bufs: Sequence[np.ndarray]) -> None:
+    """Touches every page of ``bufs``, on the calling thread and the copy threads.
+
+    Page faults run in the kernel without the GIL, so the threads fault in
+    parallel; buffers are cut in 8 MiB pieces and split by bytes.
+    """
+    pieces = []
+    for buf in bufs:
+        flat = _flat_bytes(buf)
+        for start in range(0, flat.nbytes, _PIECE):
+            part = flat[start : start + _PIECE]
+            pieces.append((part, part))
+    if not pieces:
+        return
+    runs = _split_by_bytes(pieces, _copy_threads()) if len(pieces) > 1 else [pieces]
+    futures = [_pool().submit(_prefault_run, run) for run in runs[1:]]
+    try:
+        _prefault_run(runs[0])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def _prefault_run(pieces: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    for part, _ in pieces:
+        _prefault(part)
+
+
 def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
     """Returns a 1-D uint8 array of ``nbytes`` whose data is 64-byte aligned.
 
@@ -346,14 +374,27 @@ class StagingPool:
         if not slot._changed and slot._ready == self._version:
             return
         slot._changed = False
-        self.prepare(slot.layout(), _ready=slot)
+        self.prepare(slot.layout(), _ready=slot, background=False)
 
-    def prepare(self, layout: Mapping[str, int], *, _ready: Slot | None = None) -> None:
+    def prepare(
+        self,
+        layout: Mapping[str, int],
+        *,
+        background: bool = True,
+        _ready: Slot | None = None,
+    ) -> None:
         """Builds buffers of ``layout`` (key to byte size) in the free slots.
 
-        Runs on a background thread; returns at once. Buffers a free slot
-        holds outside ``layout`` are dropped first, so a layout change does
-        not hold two layouts' memory.
+        Buffers a free slot holds outside ``layout`` are dropped first, so a
+        layout change does not hold two layouts' memory.
+
+        Args:
+            layout: Byte size of each buffer, by key.
+            background: Build on the preparer thread and return at once;
+                otherwise build now, on this thread and the copy threads,
+                and return when every free slot holds the layout. A save
+                that has just learned a new layout does the latter (see
+                ``learn``).
         """
         with self._cond:
             if self._closed:
@@ -363,11 +404,41 @@ class StagingPool:
                 self._version += 1
             if _ready is not None:
                 _ready._ready = self._version
+            if not background:
+                self._build_now()
+                return
             if self._preparer is None and self._next_work() is not None:
                 self._preparer = threading.Thread(
                     target=self._prepare_loop, name="asyncckpt-prepare", daemon=True
                 )
                 self._preparer.start()
+
+    def _build_now(self) -> None:
+        """Builds what the free slots miss of the layout, on this thread and the copy threads.
+
+        Called with ``_cond`` held; releases it while pages are touched (in
+        parallel, without the GIL), and installs a slot's buffers only while
+        the slot is still free, as the preparer thread does.
+        """
+        while not self._closed:
+            work = self._next_work()
+            if work is None:
+                return
+            slot, missing = work
+            self._cond.release()
+            try:
+                bufs = [aligned_empty(nbytes, prefault=False) for _, nbytes in missing]
+                prefault_all(bufs)
+            finally:
+                self._cond.acquire()
+            if slot not in self._free:
+                continue  # taken meanwhile: it fills itself on demand
+            for (key, nbytes), buf in zip(missing, bufs, strict=True):
+                if self._layout.get(key) == nbytes:
+                    slot._buffers[key] = buf
+                    slot._views.pop(key, None)
+                    slot.prepared += 1
+            del bufs, work, slot
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
         """Waits until the preparer has nothing left to do; False on timeout."""
