@@ -10,14 +10,17 @@ writer's queue plays the reader side.
 Buffers are kept from save to save, keyed by a name the framework adapter
 chooses, so the steady state allocates nothing and touches only warm pages.
 
-First use of a slot would allocate and pre-fault a whole state's worth of
-memory on the training thread (100+ ms for a few hundred MiB). So once a save
-has shown the pool the state's layout (buffer names and sizes), a short-lived
-preparer thread, at the writer's low priority, builds the same buffers in the
-other free slots. It installs each buffer only once it is allocated and
-pre-faulted, and only while the slot is free, so ``acquire`` may take a slot
-at any moment and never sees a half-built buffer: whatever is still missing
-is allocated on demand, as before (and so is a changed layout).
+First use of a slot allocates and pre-faults a whole state's worth of memory
+(100+ ms for a few hundred MiB). So the save that shows the pool a new layout
+(buffer names and sizes: the first save, or one whose state changed shape)
+builds the same buffers in the other free slots before it returns, touching
+pages on the copy threads in parallel, and every later save finds its slot
+complete. (A background preparer, ``prepare(layout)``, does the same off the
+calling thread for a layout known in advance; at the writer's low priority it
+was too often unfinished when the second save came.) Buffers are installed
+only while the slot is free, so ``acquire`` may take a slot at any moment and
+never sees a half-built buffer: whatever is still missing is allocated on
+demand.
 """
 
 from __future__ import annotations
