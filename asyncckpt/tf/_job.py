@@ -20,6 +20,7 @@ from asyncckpt.engine.manifest import Manifest, record_owned
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.options import AsyncOptions
 from asyncckpt.tf._staging import StagedState, write_bundle
+from asyncckpt.tf._writeback import EarlyWriteback
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,11 @@ class TFSaveJob:
     def write(self) -> None:
         self._tmp = commit_lib.make_temp_dir(self._dir, self.label)
         try:
-            write_bundle(os.path.join(self._tmp, self.label), self._state)
+            if self._options.fsync:
+                with EarlyWriteback(self._tmp):  # its thread inherits the writer's niceness
+                    write_bundle(os.path.join(self._tmp, self.label), self._state)
+            else:
+                write_bundle(os.path.join(self._tmp, self.label), self._state)
         finally:
             self._state = None  # the slot is reused once this returns
 
