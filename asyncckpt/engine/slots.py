@@ -432,6 +432,9 @@ class StagingPool:
             try:
                 bufs = [aligned_empty(nbytes, prefault=False) for _, nbytes in missing]
                 prefault_all(bufs)
+            except Exception:  # e.g. MemoryError: the save itself succeeded
+                logger.exception("preparing staging slots failed; they are filled on demand")
+                return
             finally:
                 self._cond.acquire()
             if slot not in self._free:
