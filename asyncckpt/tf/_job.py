@@ -20,7 +20,6 @@ from asyncckpt.engine.manifest import Manifest, record_owned
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.options import AsyncOptions
 from asyncckpt.tf._staging import StagedState, write_bundle
-from asyncckpt.tf._writeback import EarlyWriteback
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +89,7 @@ class TFSaveJob:
     def write(self) -> None:
         self._tmp = commit_lib.make_temp_dir(self._dir, self.label)
         try:
-            if self._options.fsync:
-                with EarlyWriteback(self._tmp):  # its thread inherits the writer's niceness
-                    write_bundle(os.path.join(self._tmp, self.label), self._state)
-            else:
-                write_bundle(os.path.join(self._tmp, self.label), self._state)
+            write_bundle(os.path.join(self._tmp, self.label), self._state)
         finally:
             self._state = None  # the slot is reused once this returns
 
