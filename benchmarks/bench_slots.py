@@ -10,6 +10,7 @@ bound) and the staging itself.
 
     python benchmarks/bench_slots.py --sizes 16,256 --arrays 20 --saves 5
     python benchmarks/bench_slots.py --profile jax   # cProfile of 200 16 MiB saves
+    python benchmarks/bench_slots.py --steady 60 --sizes 16,64   # steady saves vs memcpy
 """
 
 from __future__ import annotations
@@ -101,6 +102,45 @@ def _report(fw: str, mib: int, arrays: int, r: dict) -> None:
               f"median {statistics.median(later) / mem:.2f}")
 
 
+def steady(fw: str, mib: int, n: int) -> None:
+    """Steady-state saves of the bench's state: blocking against a memcpy (issue 13.4).
+
+    Each timed save follows a training step and the end of the previous
+    write, and is followed by a memcpy of the same bytes into one warm
+    buffer. Reports the medians, the minima (least disturbed by other load)
+    and the saving thread's CPU time per save (``time.thread_time``).
+    """
+    from asyncckpt.bench import engines as eng
+
+    nbytes = mib << 20
+    tensors = eng.tensors_for(nbytes)
+    state = (eng.TFState if fw == "tf" else eng.JAXState)(nbytes, tensors)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
+        floors = eng.Floors(nbytes, 1, os.path.join(workdir, "floors"))
+        save, sync, _, close = _checkpointer(fw, state, workdir)
+        for i in range(3):
+            save(i)
+            sync()
+        blocking, cpu, memcpy = [], [], []
+        for i in range(3, n + 3):
+            state.step()
+            getattr(state, "block", lambda: None)()
+            sync()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            save(i)
+            blocking.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+            sync()
+            t0 = time.perf_counter()
+            floors.memcpy()
+            memcpy.append(time.perf_counter() - t0)
+        close()
+    b, m = statistics.median(blocking), statistics.median(memcpy)
+    print(f"{fw} {mib} MiB in {tensors} arrays, {n} saves: blocking median {b * 1e3:.2f} ms, "
+          f"memcpy {m * 1e3:.2f} ms -> {b / m:.2f}x; min/min {min(blocking) / min(memcpy):.2f}x; "
+          f"saving thread CPU {statistics.median(cpu) * 1e3:.2f} ms per save")
+
+
 def _profile(fw: str, n: int = 200) -> None:
     from asyncckpt.bench import engines as eng
 
@@ -128,9 +168,16 @@ def main() -> int:
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="training steps between saves")
     p.add_argument("--profile", choices=["tf", "jax"])
+    p.add_argument("--steady", type=int, default=0, metavar="N",
+                   help="instead: N steady-state saves per framework and size (issue 13.4)")
     args = p.parse_args()
     if args.profile:
         _profile(args.profile)
+        return 0
+    if args.steady:
+        for fw in args.frameworks.split(","):
+            for mib in (int(x) for x in args.sizes.split(",")):
+                steady(fw, mib, args.steady)
         return 0
     for fw in args.frameworks.split(","):
         for mib in (int(s) for s in args.sizes.split(",")):

@@ -9,6 +9,7 @@ import numpy as np
 
 from asyncckpt import AsyncOptions
 from asyncckpt.engine import AsyncEngine, DurableWriter, StagingPool, make_temp_dir, publish_dir
+from asyncckpt.engine.slots import Slot
 
 _MB = 1 << 20
 
@@ -165,3 +166,23 @@ def test_preparer_never_touches_a_held_slot_and_close_frees_everything():
     assert pool.nbytes == 0
     pool.prepare({"z": _MB})  # after close: nothing is built
     assert pool.wait_prepared(60) and pool.nbytes == 0
+
+
+def test_slot_hands_out_the_same_view_until_the_request_or_the_buffer_changes():
+    slot = Slot(0)
+    slot.begin()
+    a = slot.buffer("k", (4, 4), np.float32)
+    assert slot.buffer("k", (4, 4), np.float32) is a  # steady state: no new view
+    b = slot.buffer("k", (16,), np.float32)  # same bytes, another shape
+    assert b.shape == (16,) and np.shares_memory(a, b)
+    c = slot.buffer("k", (4, 4), np.int32)  # same bytes, another dtype
+    assert c.dtype == np.int32 and c.shape == (4, 4) and np.shares_memory(a, c)
+    d = slot.buffer("k", (8, 4), np.float32)  # another size: a new buffer
+    assert d.shape == (8, 4) and not np.shares_memory(a, d)
+    slot.begin()
+    slot.buffer("other", (2,), np.float64)
+    slot.trim()  # "k" was not used by this save: dropped, view and all
+    assert slot.layout() == {"other": 16}
+    slot.begin()
+    e = slot.buffer("k", (8, 4), np.float32)
+    assert not np.shares_memory(d, e) and slot.allocations == 1

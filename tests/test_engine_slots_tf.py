@@ -30,3 +30,66 @@ def test_batched_read_is_traced_in_the_background_and_saves_the_values_at_the_ca
         for k, value in want.items():
             got = tf.train.load_variable(str(tmp_path / f"c{i}"), f"{k}/.ATTRIBUTES/VARIABLE_VALUE")
             np.testing.assert_array_equal(got, value)
+
+
+def test_structure_changes_after_the_plan_is_reused_restore_exactly(tmp_path):
+    """A kept plan (and its batched reader, and the slot's views) never outlives its graph."""
+    import keras
+
+    rng = np.random.default_rng(1)
+    module = tf.Module()
+    module.layers = [tf.Variable(rng.random((8, 4)).astype(np.float32)) for _ in range(3)]
+    module.free = tf.Variable(rng.random((4, 4)).astype(np.float32), shape=tf.TensorShape(None))
+    optimizer = keras.optimizers.Adam(0.1)
+    ckpt = at.Checkpoint(module=module, optimizer=optimizer)
+    saved = []
+
+    def save(name):
+        ckpt.write(str(tmp_path / name))
+        values = {"free": module.free.numpy().copy()}
+        values.update({f"l{i}": v.numpy().copy() for i, v in enumerate(module.layers)})
+        values.update({f"opt{i}": v.numpy().copy() for i, v in enumerate(optimizer.variables)})
+        saved.append((name, values))
+
+    for i in range(3):  # the plan is kept and its batched reader traced
+        save(f"same{i}")
+        for v in module.layers:
+            v.assign_add(tf.ones_like(v))
+    plan = ckpt._asyncckpt.stager._plan
+    assert plan is not None and plan.traced.wait(60) and plan._batched is not None
+    save("reused")
+    module.free.assign(rng.random((6, 2)).astype(np.float32))  # a variable's shape changes
+    save("reshaped")
+    module.layers = list(module.layers)[:2]  # a variable removed
+    save("removed")
+    module.layers.append(tf.Variable(rng.random((5,)).astype(np.float32)))  # one added
+    save("added")
+    optimizer.build(module.layers)  # optimizer slot variables appear
+    optimizer.apply([tf.ones_like(v) for v in module.layers], module.layers)
+    save("slots")
+    ckpt.sync()
+    for name, values in saved:
+        path = str(tmp_path / name)
+        keys = {k for k, _ in tf.train.list_variables(path)}
+        layer_keys = {k for k in keys if k.startswith("module/layers/")}
+        assert len(layer_keys) == sum(1 for k in values if k.startswith("l")), name
+        got = tf.train.load_variable(path, "module/free/.ATTRIBUTES/VARIABLE_VALUE")
+        np.testing.assert_array_equal(got, values["free"], err_msg=name)
+        for k, want in values.items():
+            if k.startswith("l"):
+                got = tf.train.load_variable(
+                    path, f"module/layers/{k[1:]}/.ATTRIBUTES/VARIABLE_VALUE")
+                np.testing.assert_array_equal(got, want, err_msg=f"{name} {k}")
+    # The slot variables restore through plain TensorFlow into a fresh optimizer.
+    fresh = tf.Module()
+    fresh.layers = [tf.Variable(tf.zeros_like(v)) for v in module.layers]
+    fresh.free = tf.Variable(tf.zeros((1,)), shape=tf.TensorShape(None))
+    fresh_opt = keras.optimizers.Adam(0.1)
+    fresh_opt.build(fresh.layers)
+    tf.train.Checkpoint(module=fresh, optimizer=fresh_opt).read(
+        str(tmp_path / "slots")).assert_consumed()
+    last = saved[-1][1]
+    for i, v in enumerate(fresh_opt.variables):
+        np.testing.assert_array_equal(v.numpy(), last[f"opt{i}"], err_msg=f"optimizer {i}")
+    assert len(fresh_opt.variables) > 2
+    ckpt.close()

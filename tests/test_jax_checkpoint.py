@@ -237,6 +237,36 @@ def test_plans_are_cached_per_tree_shape():
     assert plan1 is plan2 and plan3 is not plan1
 
 
+def test_leaf_shape_dtype_and_sharding_changes_between_saves_restore_exactly(ckpt_dir):
+    """The cached plan and slot views never outlive the structure they were made for."""
+    mesh = _mesh()
+    rng = np.random.default_rng(3)
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    base = {"w": put(rng.standard_normal((16, 8), dtype=np.float32), P("a", "b")),
+            "n": np.arange(6, dtype=np.int32)}
+    w8 = rng.standard_normal((8, 8))
+    variants = [
+        base,  # twice: the second save runs on the cached plan
+        {**base, "w": put(rng.standard_normal((16, 8), dtype=np.float32), P("a", "b"))},
+        {**base, "w": put(w8.astype(np.float32), P("a", "b"))},  # shape
+        {**base, "w": put(w8.astype(jnp.bfloat16), P("a", "b"))},  # dtype
+        {**base, "w": put(w8.astype(jnp.bfloat16), P("b", "a"))},  # sharding
+        {**base, "w": put(w8.astype(jnp.bfloat16), P())},  # replicated
+        {**base, "n": np.arange(7, dtype=np.int64)},  # a host leaf's shape and dtype
+        {**base, "extra": jnp.ones(3)},  # a leaf added
+        base,  # and back
+    ]
+    with aj.CheckpointManager(ckpt_dir, max_to_keep=None) as mgr:
+        for step, state in enumerate(variants):
+            assert mgr.save(step, state)
+        mgr.wait_until_finished()
+        for step, state in enumerate(variants):
+            _assert_tree_equal(state, mgr.restore(step, target=_abstract(state)))
+
+
 def test_should_save_interval_force_and_duplicate_steps(ckpt_dir):
     state = {"x": jnp.ones(3)}
     with aj.CheckpointManager(ckpt_dir, save_interval_steps=5) as mgr:

@@ -10,14 +10,17 @@ writer's queue plays the reader side.
 Buffers are kept from save to save, keyed by a name the framework adapter
 chooses, so the steady state allocates nothing and touches only warm pages.
 
-First use of a slot would allocate and pre-fault a whole state's worth of
-memory on the training thread (100+ ms for a few hundred MiB). So once a save
-has shown the pool the state's layout (buffer names and sizes), a short-lived
-preparer thread, at the writer's low priority, builds the same buffers in the
-other free slots. It installs each buffer only once it is allocated and
-pre-faulted, and only while the slot is free, so ``acquire`` may take a slot
-at any moment and never sees a half-built buffer: whatever is still missing
-is allocated on demand, as before (and so is a changed layout).
+First use of a slot allocates and pre-faults a whole state's worth of memory
+(100+ ms for a few hundred MiB). So the save that shows the pool a new layout
+(buffer names and sizes: the first save, or one whose state changed shape)
+builds the same buffers in the other free slots before it returns, touching
+pages on the copy threads in parallel, and every later save finds its slot
+complete. (A background preparer, ``prepare(layout)``, does the same off the
+calling thread for a layout known in advance; at the writer's low priority it
+was too often unfinished when the second save came.) Buffers are installed
+only while the slot is free, so ``acquire`` may take a slot at any moment and
+never sees a half-built buffer: whatever is still missing is allocated on
+demand.
 """
 
 from __future__ import annotations
@@ -69,6 +72,34 @@ def _prefault(buf: np.ndarray) -> None:
     for start in range(0, buf.nbytes, _FAULT_CHUNK):
         part = buf[start : start + _FAULT_CHUNK]
         np.copyto(part, _ZEROS[: part.nbytes])
+
+
+def prefault_all(bufs: Sequence[np.ndarray]) -> None:
+    """Touches every page of ``bufs``, on the calling thread and the copy threads.
+
+    Page faults run in the kernel without the GIL, so the threads fault in
+    parallel; buffers are cut in 8 MiB pieces and split by bytes.
+    """
+    pieces = []
+    for buf in bufs:
+        flat = _flat_bytes(buf)
+        for start in range(0, flat.nbytes, _PIECE):
+            part = flat[start : start + _PIECE]
+            pieces.append((part, part))
+    if not pieces:
+        return
+    runs = _split_by_bytes(pieces, _copy_threads()) if len(pieces) > 1 else [pieces]
+    futures = [_pool().submit(_prefault_run, run) for run in runs[1:]]
+    try:
+        _prefault_run(runs[0])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def _prefault_run(pieces: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    for part, _ in pieces:
+        _prefault(part)
 
 
 def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
@@ -155,10 +186,7 @@ def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
     inline: list[tuple[np.ndarray, np.ndarray]] = []
     for dst, src in pairs:
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(
-                f"staging copy mismatch: {src.shape}/{src.dtype} into {dst.shape}/{dst.dtype}"
-            )
+        _check_pair(dst, src)
         if dst.nbytes < _INLINE or not (dst.flags.c_contiguous and src.flags.c_contiguous):
             inline.append((dst, src))
             continue
@@ -173,6 +201,13 @@ def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     finally:
         for f in futures:
             f.result()
+
+
+def _check_pair(dst: np.ndarray, src: np.ndarray) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(
+            f"staging copy mismatch: {src.shape}/{src.dtype} into {dst.shape}/{dst.dtype}"
+        )
 
 
 class Slot:
@@ -190,6 +225,9 @@ class Slot:
         self.allocations = 0
         self.prepared = 0
         self._buffers: dict[str, np.ndarray] = {}
+        # key -> (raw buffer, shape, dtype, typed view): the view handed out
+        # last, reused while the buffer and the request are the same.
+        self._views: dict[str, tuple[np.ndarray, tuple, np.dtype, np.ndarray]] = {}
         self._used: set[str] = set()
         self._changed = True  # allocated or trimmed since the pool last learned from it
         self._ready = -1  # the pool's layout version this slot holds in full
@@ -211,22 +249,30 @@ class Slot:
             dtype: NumPy dtype (extension dtypes such as bfloat16 work).
         """
         dtype = np.dtype(dtype)
-        shape = tuple(int(d) for d in shape)
-        nbytes = math.prod(shape) * dtype.itemsize
+        if type(shape) is not tuple:
+            shape = tuple(int(d) for d in shape)
+        self._used.add(key)
         raw = self._buffers.get(key)
+        # Steady state: the same buffer asked for the same way as last time.
+        hit = self._views.get(key)
+        if hit is not None and hit[0] is raw and hit[1] == shape and hit[2] == dtype:
+            return hit[3]
+        nbytes = math.prod(shape) * dtype.itemsize
         if raw is None or raw.nbytes != nbytes:
             raw = aligned_empty(nbytes)
             self._buffers[key] = raw
             self.allocations += 1
             self._changed = True
-        self._used.add(key)
-        return raw.view(dtype).reshape(shape)
+        view = raw.view(dtype).reshape(shape)
+        self._views[key] = (raw, shape, dtype, view)
+        return view
 
     def trim(self) -> None:
         """Frees buffers that the save being staged did not use."""
         unused = [k for k in self._buffers if k not in self._used]
         for key in unused:
             del self._buffers[key]
+            self._views.pop(key, None)
         if unused:
             self._changed = True
 
@@ -252,6 +298,7 @@ class Slot:
     def clear(self) -> None:
         """Drops every buffer (used when the pool is closed)."""
         self._buffers.clear()
+        self._views.clear()
         self._used.clear()
 
 
@@ -330,14 +377,27 @@ class StagingPool:
         if not slot._changed and slot._ready == self._version:
             return
         slot._changed = False
-        self.prepare(slot.layout(), _ready=slot)
+        self.prepare(slot.layout(), _ready=slot, background=False)
 
-    def prepare(self, layout: Mapping[str, int], *, _ready: Slot | None = None) -> None:
+    def prepare(
+        self,
+        layout: Mapping[str, int],
+        *,
+        background: bool = True,
+        _ready: Slot | None = None,
+    ) -> None:
         """Builds buffers of ``layout`` (key to byte size) in the free slots.
 
-        Runs on a background thread; returns at once. Buffers a free slot
-        holds outside ``layout`` are dropped first, so a layout change does
-        not hold two layouts' memory.
+        Buffers a free slot holds outside ``layout`` are dropped first, so a
+        layout change does not hold two layouts' memory.
+
+        Args:
+            layout: Byte size of each buffer, by key.
+            background: Build on the preparer thread and return at once;
+                otherwise build now, on this thread and the copy threads,
+                and return when every free slot holds the layout. A save
+                that has just learned a new layout does the latter (see
+                ``learn``).
         """
         with self._cond:
             if self._closed:
@@ -347,11 +407,44 @@ class StagingPool:
                 self._version += 1
             if _ready is not None:
                 _ready._ready = self._version
+            if not background:
+                self._build_now()
+                return
             if self._preparer is None and self._next_work() is not None:
                 self._preparer = threading.Thread(
                     target=self._prepare_loop, name="asyncckpt-prepare", daemon=True
                 )
                 self._preparer.start()
+
+    def _build_now(self) -> None:
+        """Builds what the free slots miss of the layout, on this thread and the copy threads.
+
+        Called with ``_cond`` held; releases it while pages are touched (in
+        parallel, without the GIL), and installs a slot's buffers only while
+        the slot is still free, as the preparer thread does.
+        """
+        while not self._closed:
+            work = self._next_work()
+            if work is None:
+                return
+            slot, missing = work
+            self._cond.release()
+            try:
+                bufs = [aligned_empty(nbytes, prefault=False) for _, nbytes in missing]
+                prefault_all(bufs)
+            except Exception:  # e.g. MemoryError: the save itself succeeded
+                logger.exception("preparing staging slots failed; they are filled on demand")
+                return
+            finally:
+                self._cond.acquire()
+            if slot not in self._free:
+                continue  # taken meanwhile: it fills itself on demand
+            for (key, nbytes), buf in zip(missing, bufs, strict=True):
+                if self._layout.get(key) == nbytes:
+                    slot._buffers[key] = buf
+                    slot._views.pop(key, None)
+                    slot.prepared += 1
+            del bufs, work, slot
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
         """Waits until the preparer has nothing left to do; False on timeout."""
@@ -367,6 +460,7 @@ class StagingPool:
             stale = [k for k in slot._buffers if k not in self._layout]
             for key in stale:
                 del slot._buffers[key]
+                slot._views.pop(key, None)
             if slot._ready == self._version:
                 continue
             missing = slot._missing(self._layout)
@@ -402,6 +496,7 @@ class StagingPool:
                             break
                         if self._layout.get(key) == nbytes:
                             slot._buffers[key] = buf
+                            slot._views.pop(key, None)
                             slot.prepared += 1
                             built += 1
                     del buf

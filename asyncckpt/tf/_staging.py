@@ -170,6 +170,7 @@ class _Plan:
             and not any("get_slot_names" in dir(o) for o in objects)
         )
         self._batched = None  # tf.function reading every value, traced after the first read
+        self._call = None  # calls the traced _batched without its argument matching
         self._batched_failed = False
         self.traced = threading.Event()  # set once tracing ended (well or not)
         self.uses = 0
@@ -190,7 +191,7 @@ class _Plan:
             self._start_tracing()
         if self._batched is not None and not self._batched_failed:
             try:
-                values = self._batched()
+                values = self._call()
                 for e, v in zip(self.entries, values, strict=True):
                     _check_dtype(v.dtype, e.key, e.owner)
                 return values
@@ -202,26 +203,26 @@ class _Plan:
         return [_to_host(e.value, e.key, e.owner) for e in self.entries]
 
     def _start_tracing(self) -> None:
-        """Traces the batched reader on a background thread (issue 13.3).
+        """Traces the batched reader, on the first save's thread (issue 13.3).
 
-        Tracing takes tens of ms of Python; done on the training thread it
-        made the second save the slowest one. Until it is ready, saves read
-        the variables one by one, as the first save does.
+        Tracing takes tens of ms of Python. Done on a background thread after
+        the first save, it was often not finished when the second save came
+        (a step or two later, or later still on a loaded machine): that save
+        then read the variables one by one while the tracer competed with it
+        for the GIL, and blocked 10-16x a memcpy. The first save already
+        builds the plan and allocates the staging memory; it traces too, so
+        that every later save finds the reader ready.
         """
         readers = [e.value._tensor for e in self.entries]
-
-        def trace() -> None:
-            try:
-                fn = tf.function(lambda: [r() for r in readers])
-                fn.get_concrete_function()
-                self._batched = fn
-            except Exception as e:
-                logger.debug("tracing the batched read failed (%r); reading one by one", e)
-                self._batched_failed = True
-            finally:
-                self.traced.set()
-
-        threading.Thread(target=trace, name="asyncckpt-tf-trace", daemon=True).start()
+        try:
+            fn = tf.function(lambda: [r() for r in readers])
+            self._call = _compat.flat_caller(fn)  # traces; the cheap way to call fn
+            self._batched = fn
+        except Exception as e:
+            logger.debug("tracing the batched read failed (%r); reading one by one", e)
+            self._batched_failed = True
+        finally:
+            self.traced.set()
 
 
 def _graph_signature(checkpoint: tf.train.Checkpoint) -> tuple[list, tuple]:
