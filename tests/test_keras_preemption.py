@@ -5,8 +5,8 @@ end of a chosen batch (the batch is picked from a printed, settable seed);
 the handler must back up at the next batch boundary (not at the earlier
 periodic backup), exit with the platform's code, and the restarted ``fit()``
 must end bit-identical to an uninterrupted run (run after it, in its process).
-In-process: with a grace
-period the handler backs up at the notice and training goes on.
+In-process: with a grace period the handler backs up at the notice and
+training goes on.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import keras
 from keras.src.trainers.epoch_iterator import EpochIterator
 
 from asyncckpt.jobrunner.store import ArrayStore, Restored
-from asyncckpt.keras import _callbacks, _state
+from asyncckpt.keras import _callbacks, _state, _tfdata
 from asyncckpt.keras._preemption import METADATA_KEY, KerasTarget, PreemptionOptions
 from asyncckpt.keras.data import ResumableDataset
 from asyncckpt.options import AsyncOptions
@@ -137,6 +137,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.options = options or BackupOptions()
         self._store: ArrayStore | None = None
         self._siblings: list[Any] = []
+        self._reader: Any = None  # TensorFlow: the batched variable read, kept across backups
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -151,6 +152,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_saved: int | None = None
         self._epoch_done = False
         self._shortened: tuple[Any, int] | None = None
+        self._tf_data: EpochIterator | None = None  # fit's epoch iterator over a tf.data input
+        self._iterator_state: Any = None  # to restore before the resumed epoch's first batch
         self._at = (0, 0)  # the batch boundary the training thread is at
         self._handler: Any = None
         self._preemption: dict = {}
@@ -183,6 +186,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._finish()
         self._reset_run()
         self._siblings = _callbacks.find_siblings(self)
+        self._tf_data = _tfdata.find_tf_data_input()
         store = self._make_store()
         with _OPEN_LOCK:
             left = _OPEN.pop(store.directory, None)
@@ -205,10 +209,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._apply_restored(callbacks=False)
             logger.info("resuming from backup %d in %s at epoch %d, batch %d",
                         self._restored.step, self.backup_dir, epoch, batch)
-            if batch and self.data is None:
+            if batch and self.data is None and not self._resumes_tf_data():
                 warnings.warn(
                     f"the backup was taken at batch {batch} of epoch {epoch}; without "
-                    "`data=ResumableDataset(...)` the epoch is run again from its first batch",
+                    "`data=ResumableDataset(...)` or a tf.data iterator state (TensorFlow "
+                    "backend) the epoch is run again from its first batch",
                     stacklevel=2,
                 )
         self._start_preemption()
@@ -278,15 +283,25 @@ class BackupAndRestore(keras.callbacks.Callback):
                 saved_epoch = int(self._restored.metadata["epoch"])
                 if epoch == saved_epoch and self.data is not None:
                     offset = int(self._restored.metadata["batch"])
+                elif epoch == saved_epoch and self._resumes_tf_data():
+                    offset = int(self._restored.metadata["batch"])
+                    self._iterator_state = self._restored.arrays[_tfdata.ITERATOR_KEY]
         else:
             offset = 0
-            self._boundary(epoch, 0)
+            if self._tf_data is None:
+                # With tf.data the epoch's iterator exists only once its first batch
+                # is fetched: the boundary is taken at that batch instead.
+                self._boundary(epoch, 0)
         self._epoch, self._offset, self._batch = epoch, offset, offset
         self._epoch_done = False
         if self.data is not None:
             self.data.set_position(epoch, offset)
-            if offset:
-                self._shorten_epoch(offset)
+        if offset:
+            self._shorten_epoch(offset)
+
+    def _resumes_tf_data(self) -> bool:
+        return (self._tf_data is not None and self._restored is not None
+                and _tfdata.ITERATOR_KEY in self._restored.arrays)
 
     def _shorten_epoch(self, offset: int) -> None:
         """Makes ``fit`` count ``offset`` fewer batches in this epoch.
@@ -306,6 +321,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         iterator._num_batches = iterator._num_batches - offset
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._iterator_state is not None:
+            state, self._iterator_state = self._iterator_state, None
+            _tfdata.restore(self._tf_data, state)
         self._boundary(self._epoch, batch + self._offset)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -343,7 +361,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             else:
                 position = (self._epoch + 1, 0) if self._epoch_done else (self._epoch, self._batch)
                 if self._pending or self._last_saved != self._global:
-                    self._save(*position, stopped=bool(self._model.stop_training))
+                    # No iterator state: the iterator of an epoch that has not begun is
+                    # not the one that epoch will use (Keras makes another).
+                    self._save(*position, stopped=bool(self._model.stop_training),
+                               iterator=False)
                 store.sync()
         finally:
             self._finish()
@@ -369,13 +390,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._pending:
             self._save(epoch, batch)
 
-    def _save(self, epoch: int, batch: int, *, stopped: bool = False) -> None:
+    def _save(self, epoch: int, batch: int, *, stopped: bool = False,
+              iterator: bool = True) -> None:
         self._pending = False
         if self._last_saved == self._global:
             return  # nothing trained since the last backup
-        arrays, paths = _state.snapshot_sources(self._model)
+        if self._reader is None and keras.backend.backend() == "tensorflow":
+            self._reader = _state.tf_reader()
+        arrays, paths = _state.snapshot_sources(self._model, self._reader)
         cb_states, cb_arrays = _callbacks.collect(self._siblings)
         arrays.update(cb_arrays)
+        if iterator and self._tf_data is not None:
+            state = _tfdata.serialize(self._tf_data)
+            if state is not None:
+                arrays[_tfdata.ITERATOR_KEY] = state
         metadata = {
             "epoch": epoch,
             "batch": batch,
@@ -433,11 +461,15 @@ def _first_batch() -> Any | None:
     """The first rows of fit()'s array input (NumPy arrays or tensors), if that is its input.
 
     Read from the arrays directly, so no iterator or random state is touched.
+    For a ``tf.data`` input: its element spec (shapes and dtypes suffice).
     """
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
     iterator = _callbacks.find_local("epoch_iterator", EpochIterator)
     adapter = getattr(iterator, "data_adapter", None)
+    spec = _tfdata.input_spec(adapter)
+    if spec is not None:
+        return spec
     if not isinstance(adapter, ArrayDataAdapter):
         return None
     rows = adapter.batch_size or 1
