@@ -28,8 +28,8 @@ def test_batched_read_is_current_aliases_the_buffers_and_follows_the_variable_li
     assert plan._batched is not None and not plan._batched_failed
     for i, v in enumerate(variables):
         v.assign(v + tf.cast(i + 1, v.dtype))
-    got = reader.read(variables)  # now one batched call
-    assert plan._batched is not None and not plan._batched_failed
+    got = reader.read(variables)  # now one call of the traced read
+    assert reader._concrete is not None and not plan._batched_failed
     for v, value in zip(variables, got, strict=True):
         np.testing.assert_array_equal(value.numpy(), v.numpy())  # current, not stale
         if v.shape.rank:

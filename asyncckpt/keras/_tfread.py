@@ -6,8 +6,11 @@ TensorFlow front end already reads a checkpoint's variables in one traced
 ``tf.function`` call (``asyncckpt.tf._staging``'s plan: traced on a background
 thread after the first read, eager reads until then, eager again if the
 batched call fails); this reuses that plan over a ``tf.train.Checkpoint`` that
-lists the variables in the backup's order. The reads alias the variables'
-buffers (no copy), so the staging copy stays the only copy.
+lists the variables in the backup's order, and calls its traced function's
+concrete function once it is traced (calling the ``tf.function`` itself
+matches its arguments first, which costs more than the reads on a busy
+machine). The reads alias the variables' buffers (no copy), so the staging
+copy stays the only copy.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ class BatchedReader:
         self._checkpoint: Any = None  # held: the plan refers to its objects weakly
         self._plan: Any = None
         self._order: list[int] = []
+        self._concrete: Any = None  # the plan's traced read, called directly
 
     def _build(self, variables: list) -> None:
         self._variables = list(variables)
+        self._concrete = None
         self._checkpoint = tf.train.Checkpoint(v=list(variables))
         objects, names = _staging._graph_signature(self._checkpoint)
         plan = _staging._Plan(self._checkpoint, objects, names)
@@ -58,8 +63,21 @@ class BatchedReader:
         if self._plan is None:
             return [v.value() for v in variables]
         out: list = [None] * len(variables)
-        for i, value in zip(self._order, self._plan.read(), strict=True):
+        for i, value in zip(self._order, self._values(), strict=True):
             out[i] = value
         if any(v is None for v in out):  # an uninitialized variable: let the caller see it
             return [v.value() for v in variables]
         return out
+
+    def _values(self) -> list:
+        plan = self._plan
+        if self._concrete is None and plan._batched is not None and not plan._batched_failed:
+            self._concrete = plan._batched.get_concrete_function()
+        if self._concrete is not None:
+            try:
+                return self._concrete()
+            except Exception as e:  # e.g. an uninitialized variable: the plan reads eagerly
+                logger.debug("batched read failed (%r); reading variables one by one", e)
+                self._concrete = None
+                plan._batched_failed = True
+        return plan.read()
