@@ -1,5 +1,10 @@
 """Find, describe and verify the checkpoints in a directory, for either framework.
 
+Three kinds: ``tensorflow`` (a prefix's files), ``jax`` (an orbax step
+directory) and ``arrays`` (a step directory of ``asyncckpt.jobrunner.ArrayStore``,
+written by the Keras callbacks and the job runner: ``arrays.bin`` +
+``index.json``).
+
 Framework-neutral: listing and verification read only names and manifests,
 so ``asyncckpt list`` and ``asyncckpt verify`` work without TensorFlow or JAX
 installed. Only describing a TensorFlow checkpoint's variables imports
@@ -29,7 +34,7 @@ class CheckpointInfo:
     Attributes:
         name: Display name: the TensorFlow prefix basename or the step.
         path: TensorFlow prefix, or the JAX step directory.
-        framework: ``"tensorflow"`` or ``"jax"``.
+        framework: ``"tensorflow"``, ``"jax"`` or ``"arrays"``.
         step: Step number, when the name carries one.
         manifest_path: Where its manifest is (the file may be missing).
     """
@@ -39,6 +44,11 @@ class CheckpointInfo:
     framework: str
     step: int | None
     manifest_path: str
+
+    @property
+    def is_directory(self) -> bool:
+        """A step directory (``jax``, ``arrays``), not a TensorFlow prefix's files."""
+        return self.framework != "tensorflow"
 
     @property
     def root(self) -> str:
@@ -91,13 +101,23 @@ def list_checkpoints(directory: str) -> list[CheckpointInfo]:
                 CheckpointInfo(
                     name=name,
                     path=path,
-                    framework="jax",
+                    framework=ARRAYS if _is_array_store(path) else "jax",
                     step=int(digits.group(1)) if digits else None,
                     manifest_path=layout.jax_manifest_path(path),
                 )
             )
     found.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
     return found
+
+
+# ``asyncckpt.jobrunner.store``'s file names and manifest framework (not imported
+# here: listing stays free of the job runner's imports).
+ARRAYS = "arrays"
+_ARRAYS_FILES = ("arrays.bin", "index.json")
+
+
+def _is_array_store(step_dir: str) -> bool:
+    return all(os.path.isfile(os.path.join(step_dir, n)) for n in _ARRAYS_FILES)
 
 
 def select(directory: str, which: str | None) -> list[CheckpointInfo]:
@@ -148,10 +168,24 @@ class ArrayInfo:
 
 
 def describe_arrays(info: CheckpointInfo) -> list[ArrayInfo]:
-    """The arrays (JAX leaves) or variables (TensorFlow keys) a checkpoint holds."""
+    """The arrays (JAX leaves, ArrayStore names) or variables (TensorFlow keys) it holds."""
+    if info.framework == ARRAYS:
+        return _describe_array_store(info.path)
     if info.framework == "jax":
         return _describe_zarr_tree(info.path)
     return _describe_tf(info.path)
+
+
+def _describe_array_store(step_dir: str) -> list[ArrayInfo]:
+    path = os.path.join(step_dir, _ARRAYS_FILES[1])
+    try:
+        with open(path, encoding="utf-8") as f:
+            table = json.load(f)["arrays"]
+    except (OSError, ValueError, KeyError) as e:
+        raise CorruptCheckpointError(f"index {path!r} is unreadable: {e}",
+                                     checkpoint=step_dir, file=path) from e
+    return [ArrayInfo(name, tuple(int(d) for d in e["shape"]), str(e["dtype"]), int(e["nbytes"]))
+            for name, e in sorted(table.items())]
 
 
 def _describe_zarr_tree(step_dir: str) -> list[ArrayInfo]:

@@ -17,8 +17,15 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("asyncckpt.keras needs Keras 3: pip install keras") from e
 
+from asyncckpt.keras._preemption import PreemptionOptions
 from asyncckpt.keras.backup import BackupAndRestore, BackupOptions
 from asyncckpt.keras.checkpoint import ModelCheckpoint
 from asyncckpt.keras.data import ResumableDataset
 
-__all__ = ["BackupAndRestore", "BackupOptions", "ModelCheckpoint", "ResumableDataset"]
+__all__ = [
+    "BackupAndRestore",
+    "BackupOptions",
+    "ModelCheckpoint",
+    "PreemptionOptions",
+    "ResumableDataset",
+]

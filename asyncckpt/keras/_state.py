@@ -60,12 +60,44 @@ def _to_host(value: Any) -> Any:
     return value
 
 
-def snapshot_sources(model: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
+def _tf_variable(v: Any) -> Any | None:
+    """The ``tf.Variable`` behind a Keras variable on the TensorFlow backend, if plain."""
+    import tensorflow as tf
+
+    inner = getattr(v, "_value", None)
+    return inner if isinstance(inner, tf.Variable) else None
+
+
+def tf_reader() -> Any:
+    """A reader of TensorFlow variables in one batched call (keep one per model)."""
+    from asyncckpt.keras._tfread import BatchedReader
+
+    return BatchedReader()
+
+
+def _read_tf(reader: Any, arrays: dict[str, Any]) -> None:
+    """Replaces the TensorFlow variables in ``arrays`` by one batched read of them all."""
+    names, variables = [], []
+    for name, v in arrays.items():
+        inner = _tf_variable(v)
+        if inner is not None:
+            names.append(name)
+            variables.append(inner)
+    if variables:
+        for name, value in zip(names, reader.read(variables), strict=True):
+            arrays[name] = value
+
+
+def snapshot_sources(
+    model: Any, reader: Any = None
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """The model's training state as ``{name: array-like}`` and variable paths per group.
 
     Values are views or device arrays, not copies: the caller copies them
-    (into a staging slot) before training continues.
+    (into a staging slot) before training continues. On TensorFlow, with a
+    ``reader`` (``tf_reader()``), every variable is read in one batched call.
     """
+    tensorflow = keras.backend.backend() == "tensorflow"
     jax_state = None
     if keras.backend.backend() == "jax" and not getattr(model, "_jax_state_synced", True):
         jax_state = getattr(model, "_jax_state", None) or None
@@ -81,6 +113,9 @@ def snapshot_sources(model: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
                 f"{len(variables)} variables"
             )
         for i, v in enumerate(variables):
+            if tensorflow:
+                arrays[f"{group}/{i:04d}"] = v  # read below, all at once
+                continue
             value = live[i] if live is not None else v.value
             if value is None:
                 raise RuntimeError(
@@ -90,7 +125,12 @@ def snapshot_sources(model: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
             arrays[f"{group}/{i:04d}"] = _to_host(value)
     sg = _global_seed_generator()
     if sg is not None:
-        arrays[GLOBAL_SEED] = _to_host(sg.state.value)
+        arrays[GLOBAL_SEED] = sg.state if tensorflow else sg.state.value
+    if tensorflow:
+        if reader is not None:
+            _read_tf(reader, arrays)
+        for name, value in arrays.items():
+            arrays[name] = host_view(value)
     return arrays, paths
 
 

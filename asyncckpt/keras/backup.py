@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import signal
 import threading
 import warnings
 from dataclasses import dataclass
@@ -14,7 +14,8 @@ import keras
 from keras.src.trainers.epoch_iterator import EpochIterator
 
 from asyncckpt.jobrunner.store import ArrayStore, Restored
-from asyncckpt.keras import _callbacks, _state
+from asyncckpt.keras import _callbacks, _state, _tfdata
+from asyncckpt.keras._preemption import METADATA_KEY, KerasTarget, PreemptionOptions
 from asyncckpt.keras.data import ResumableDataset
 from asyncckpt.options import AsyncOptions
 
@@ -29,20 +30,38 @@ _OPEN_LOCK = threading.Lock()
 
 @dataclass(frozen=True, kw_only=True)
 class BackupOptions:
-    """How backups are written and what happens on SIGTERM.
+    """How backups are written and what happens on a termination notice.
 
     Attributes:
         async_options: Staging slots, fsync, checksums of the engine.
-        save_on_sigterm: Install a SIGTERM handler during ``fit``; on the
-            signal, back up at the next batch boundary, wait until it is
-            durable and raise ``SystemExit(sigterm_exit_code)``. Only in the
-            main thread.
+        preemption: Run an ``asyncckpt.preemption.PreemptionCheckpointHandler``
+            during ``fit``: on a notice (SIGTERM, GCE maintenance or Spot
+            notices, a watcher function) the handler picks the batch
+            boundary to back up at (with a grace period, as late as is safe),
+            waits until the backup is durable and calls its ``exit_fn``.
+        save_on_sigterm: Shorthand for ``preemption`` with only SIGTERM
+            watched, no grace period and exit code ``sigterm_exit_code``:
+            back up at the next batch boundary, wait until it is durable and
+            raise ``SystemExit``. Only in the main thread.
         sigterm_exit_code: Exit code after such a save (143 = 128 + SIGTERM).
     """
 
     async_options: AsyncOptions | None = None
+    preemption: PreemptionOptions | None = None
     save_on_sigterm: bool = False
     sigterm_exit_code: int = 143
+
+    def preemption_options(self) -> PreemptionOptions | None:
+        """What the handler is run with, or None for no handler."""
+        if self.preemption is not None:
+            return self.preemption
+        if not self.save_on_sigterm:
+            return None
+        from asyncckpt.preemption.config import TerminationConfig, exit_process
+
+        return PreemptionOptions(termination_config=TerminationConfig(
+            platform="other", grace_period=0.0,
+            exit_fn=functools.partial(exit_process, self.sigterm_exit_code)))
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -67,7 +86,10 @@ class BackupAndRestore(keras.callbacks.Callback):
       without it, the resumed epoch starts from its first batch as Keras's
       own callback does (and a warning says so);
     * ``save_freq=False`` takes no periodic backups (use with
-      ``BackupOptions(save_on_sigterm=True)``); Keras's treats False as 0.
+      ``BackupOptions(preemption=...)``); Keras's treats False as 0;
+    * with ``BackupOptions(preemption=PreemptionOptions(...))`` a
+      ``PreemptionCheckpointHandler`` decides at every batch boundary
+      whether to back up and exit (``preemption_handler``).
 
     Backups are taken at batch boundaries, just before the next batch (or at
     the next epoch's start, or at the end of training), once every callback
@@ -115,6 +137,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.options = options or BackupOptions()
         self._store: ArrayStore | None = None
         self._siblings: list[Any] = []
+        self._reader: Any = None  # TensorFlow: the batched variable read, kept across backups
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -129,8 +152,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_saved: int | None = None
         self._epoch_done = False
         self._shortened: tuple[Any, int] | None = None
-        self._sigterm = threading.Event()
-        self._old_handler: Any = None
+        self._tf_data: EpochIterator | None = None  # fit's epoch iterator over a tf.data input
+        self._iterator_state: Any = None  # to restore before the resumed epoch's first batch
+        self._at = (0, 0)  # the batch boundary the training thread is at
+        self._handler: Any = None
+        self._preemption: dict = {}
         self.preempted = False
 
     # -- introspection -----------------------------------------------------------
@@ -139,6 +165,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     def store(self) -> ArrayStore | None:
         """The backing ``ArrayStore`` during ``fit`` (stats: ``store.engine.history``)."""
         return self._store
+
+    @property
+    def preemption_handler(self) -> Any:
+        """The ``PreemptionCheckpointHandler`` of the current (or last) ``fit``, or None."""
+        return self._handler
 
     @property
     def restored_position(self) -> tuple[int, int] | None:
@@ -155,6 +186,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._finish()
         self._reset_run()
         self._siblings = _callbacks.find_siblings(self)
+        self._tf_data = _tfdata.find_tf_data_input()
         store = self._make_store()
         with _OPEN_LOCK:
             left = _OPEN.pop(store.directory, None)
@@ -177,14 +209,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._apply_restored(callbacks=False)
             logger.info("resuming from backup %d in %s at epoch %d, batch %d",
                         self._restored.step, self.backup_dir, epoch, batch)
-            if batch and self.data is None:
+            if batch and self.data is None and not self._resumes_tf_data():
                 warnings.warn(
                     f"the backup was taken at batch {batch} of epoch {epoch}; without "
-                    "`data=ResumableDataset(...)` the epoch is run again from its first batch",
+                    "`data=ResumableDataset(...)` or a tf.data iterator state (TensorFlow "
+                    "backend) the epoch is run again from its first batch",
                     stacklevel=2,
                 )
-        if self.options.save_on_sigterm and threading.current_thread() is threading.main_thread():
-            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._start_preemption()
 
     def _make_store(self) -> ArrayStore:
         return ArrayStore(
@@ -194,8 +226,53 @@ class BackupAndRestore(keras.callbacks.Callback):
             name="asyncckpt.keras.backup",
         )
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self._sigterm.set()
+    # -- preemption ---------------------------------------------------------------------
+
+    def _start_preemption(self) -> None:
+        opts = self.options.preemption_options()
+        if opts is None:
+            return
+        from asyncckpt._coordination import auto_coordinator
+        from asyncckpt.preemption import PreemptionCheckpointHandler
+
+        coordinator = opts.coordinator or auto_coordinator(
+            "jax" if keras.backend.backend() == "jax" else "tensorflow")
+        self._handler = PreemptionCheckpointHandler(
+            self, termination_config=opts.termination_config, coordinator=coordinator,
+            grace_options=opts.grace_options, agreement_options=opts.agreement_options)
+
+    def make_preemption_target(self, *, worker_id: int, num_workers: int) -> KerasTarget:
+        """The handler's target (called by ``PreemptionCheckpointHandler``)."""
+        del worker_id, num_workers  # every worker backs up into its own backup_dir
+        return KerasTarget(self)
+
+    def _preemption_bookkeeping(self) -> tuple[int, dict]:
+        """The handler's run count (= batches trained) and estimates from the backup."""
+        estimates = {}
+        if self._restored is not None:
+            estimates = dict(self._restored.metadata.get(METADATA_KEY, {}).get("estimates") or {})
+        self._preemption = {"estimates": estimates}
+        return self._global, estimates
+
+    def _preemption_track(self, runs: int, estimates: dict | None) -> None:
+        self._preemption["total_run_calls"] = runs
+        if estimates is not None:
+            self._preemption["estimates"] = estimates
+
+    def _preemption_save(self) -> None:
+        self._save(*self._at)
+
+    def _preemption_boundary(self) -> None:
+        """Tells the handler of each batch trained since the last boundary; it may save/exit."""
+        handler = self._handler
+        try:
+            while handler.total_run_calls < self._global:
+                handler.save_checkpoint_if_preempted()
+        except BaseException:  # exit_fn's SystemExit, or a peer's failure
+            self.preempted = handler.preempted
+            self._finish()
+            raise
+        self.preempted = handler.preempted
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._first_epoch:
@@ -206,15 +283,25 @@ class BackupAndRestore(keras.callbacks.Callback):
                 saved_epoch = int(self._restored.metadata["epoch"])
                 if epoch == saved_epoch and self.data is not None:
                     offset = int(self._restored.metadata["batch"])
+                elif epoch == saved_epoch and self._resumes_tf_data():
+                    offset = int(self._restored.metadata["batch"])
+                    self._iterator_state = self._restored.arrays[_tfdata.ITERATOR_KEY]
         else:
             offset = 0
-            self._boundary(epoch, 0)
+            if self._tf_data is None:
+                # With tf.data the epoch's iterator exists only once its first batch
+                # is fetched: the boundary is taken at that batch instead.
+                self._boundary(epoch, 0)
         self._epoch, self._offset, self._batch = epoch, offset, offset
         self._epoch_done = False
         if self.data is not None:
             self.data.set_position(epoch, offset)
-            if offset:
-                self._shorten_epoch(offset)
+        if offset:
+            self._shorten_epoch(offset)
+
+    def _resumes_tf_data(self) -> bool:
+        return (self._tf_data is not None and self._restored is not None
+                and _tfdata.ITERATOR_KEY in self._restored.arrays)
 
     def _shorten_epoch(self, offset: int) -> None:
         """Makes ``fit`` count ``offset`` fewer batches in this epoch.
@@ -234,6 +321,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         iterator._num_batches = iterator._num_batches - offset
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._iterator_state is not None:
+            state, self._iterator_state = self._iterator_state, None
+            _tfdata.restore(self._tf_data, state)
         self._boundary(self._epoch, batch + self._offset)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -271,15 +361,17 @@ class BackupAndRestore(keras.callbacks.Callback):
             else:
                 position = (self._epoch + 1, 0) if self._epoch_done else (self._epoch, self._batch)
                 if self._pending or self._last_saved != self._global:
-                    self._save(*position, stopped=bool(self._model.stop_training))
+                    # No iterator state: the iterator of an epoch that has not begun is
+                    # not the one that epoch will use (Keras makes another).
+                    self._save(*position, stopped=bool(self._model.stop_training),
+                               iterator=False)
                 store.sync()
         finally:
             self._finish()
 
     def _finish(self) -> None:
-        if self._old_handler is not None:
-            signal.signal(signal.SIGTERM, self._old_handler)
-            self._old_handler = None
+        if self._handler is not None:
+            self._handler.close()  # the object stays readable (saves, preempted)
         if self._store is not None:
             store, self._store = self._store, None
             with _OPEN_LOCK:
@@ -292,23 +384,26 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _boundary(self, epoch: int, batch: int) -> None:
         """Runs at a batch boundary: every callback has seen what came before it."""
-        if self._sigterm.is_set():
-            self._save(epoch, batch)
-            self._store.sync()
-            self.preempted = True
-            logger.warning("SIGTERM: backed up at epoch %d, batch %d; exiting", epoch, batch)
-            self._finish()
-            raise SystemExit(self.options.sigterm_exit_code)
+        self._at = (epoch, batch)
+        if self._handler is not None:
+            self._preemption_boundary()
         if self._pending:
             self._save(epoch, batch)
 
-    def _save(self, epoch: int, batch: int, *, stopped: bool = False) -> None:
+    def _save(self, epoch: int, batch: int, *, stopped: bool = False,
+              iterator: bool = True) -> None:
         self._pending = False
         if self._last_saved == self._global:
             return  # nothing trained since the last backup
-        arrays, paths = _state.snapshot_sources(self._model)
+        if self._reader is None and keras.backend.backend() == "tensorflow":
+            self._reader = _state.tf_reader()
+        arrays, paths = _state.snapshot_sources(self._model, self._reader)
         cb_states, cb_arrays = _callbacks.collect(self._siblings)
         arrays.update(cb_arrays)
+        if iterator and self._tf_data is not None:
+            state = _tfdata.serialize(self._tf_data)
+            if state is not None:
+                arrays[_tfdata.ITERATOR_KEY] = state
         metadata = {
             "epoch": epoch,
             "batch": batch,
@@ -318,6 +413,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "paths": paths,
             "callbacks": cb_states,
             "backend": keras.backend.backend(),
+            METADATA_KEY: self._preemption,
             "keras_version": keras.__version__,
         }
         self._store.save(self._global, arrays, metadata)
@@ -365,11 +461,15 @@ def _first_batch() -> Any | None:
     """The first rows of fit()'s array input (NumPy arrays or tensors), if that is its input.
 
     Read from the arrays directly, so no iterator or random state is touched.
+    For a ``tf.data`` input: its element spec (shapes and dtypes suffice).
     """
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
     iterator = _callbacks.find_local("epoch_iterator", EpochIterator)
     adapter = getattr(iterator, "data_adapter", None)
+    spec = _tfdata.input_spec(adapter)
+    if spec is not None:
+        return spec
     if not isinstance(adapter, ArrayDataAdapter):
         return None
     rows = adapter.batch_size or 1

@@ -90,7 +90,14 @@ class Target:
 
 def make_target(obj: Any, *, checkpoint_dir: str | None, worker_id: int,
                 num_workers: int) -> Target:
-    """The target for a TF or JAX checkpoint (manager) object."""
+    """The target for a TF or JAX checkpoint (manager) object.
+
+    An object with a ``make_preemption_target(worker_id=, num_workers=)``
+    method (``asyncckpt.keras.BackupAndRestore``) provides its own target.
+    """
+    provide = getattr(obj, "make_preemption_target", None)
+    if callable(provide):
+        return provide(worker_id=worker_id, num_workers=num_workers)
     module = type(obj).__module__
     if module.startswith("asyncckpt.jax"):
         return JaxTarget(obj)

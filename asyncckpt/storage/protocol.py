@@ -75,7 +75,8 @@ class RemoteCheckpoint:
 
     Attributes:
         name: ``ckpt-10`` (TensorFlow prefix basename) or ``10`` (JAX step).
-        framework: ``"tensorflow"`` or ``"jax"``.
+        framework: ``"tensorflow"``, ``"jax"`` or ``"arrays"`` (a directory
+            checkpoint of ``asyncckpt.jobrunner.ArrayStore``).
         step: The step, when the name carries one.
         manifest_crc32: CRC32 of the manifest object, from the marker.
         nbytes: Bytes of data the manifest lists.
@@ -92,7 +93,7 @@ class RemoteCheckpoint:
     @property
     def root_key(self) -> str:
         """Key prefix the manifest's file names are relative to."""
-        return f"{self.name}/" if self.framework == "jax" else ""
+        return _root_key(self.framework, self.name)
 
     @property
     def manifest_key(self) -> str:
@@ -103,18 +104,23 @@ class RemoteCheckpoint:
         return _marker_key(self.framework, self.name)
 
 
+def _is_dir(framework: str) -> bool:
+    """Directory checkpoints (``jax``, ``arrays``) share one remote layout: ``<step>/...``."""
+    return framework != "tensorflow"
+
+
 def _manifest_key(framework: str, name: str) -> str:
-    if framework == "jax":
+    if _is_dir(framework):
         return f"{name}/{layout.JAX_MANIFEST_NAME}"
     return name + layout.TF_MANIFEST_SUFFIX
 
 
 def _marker_key(framework: str, name: str) -> str:
-    return f"{name}/{JAX_MARKER_NAME}" if framework == "jax" else name + TF_MARKER_SUFFIX
+    return f"{name}/{JAX_MARKER_NAME}" if _is_dir(framework) else name + TF_MARKER_SUFFIX
 
 
 def _root_key(framework: str, name: str) -> str:
-    return f"{name}/" if framework == "jax" else ""
+    return f"{name}/" if _is_dir(framework) else ""
 
 
 def _pool_map(fn: Callable, items: list, workers: int) -> None:
@@ -300,6 +306,8 @@ def upload_checkpoint(
 
 
 def _remote_from_marker(framework: str, name: str, marker: dict) -> RemoteCheckpoint:
+    if _is_dir(framework) and _is_dir(marker.get("framework", framework)):
+        framework = marker.get("framework", framework)  # "arrays", or "jax" (also older uploads)
     return RemoteCheckpoint(
         name=name,
         framework=framework,
@@ -400,7 +408,7 @@ def download_checkpoint(
         manifest_name = os.path.basename(remote.manifest_key)
         with open(os.path.join(tmp, manifest_name), "wb") as f:
             f.write(manifest_bytes)
-        if remote.framework == "jax":
+        if _is_dir(remote.framework):
             final = os.path.join(directory, remote.name)
             try:
                 if os.path.lexists(final):
@@ -437,7 +445,8 @@ def delete_checkpoint(store: ObjectStore, remote: RemoteCheckpoint, *,
     store.delete([remote.marker_key] + (
         [remote.root_key + ORBAX_COMMIT_NAME] if remote.framework == "jax" else []))
     objects = store.list(remote.root_key or remote.name) if objects is None else objects
-    store.delete([o.key for o in objects if _group_of(o.key) == (remote.framework, remote.name)])
+    group = ("jax" if _is_dir(remote.framework) else "tensorflow", remote.name)
+    store.delete([o.key for o in objects if _group_of(o.key) == group])
 
 
 def delete_uncommitted(store: ObjectStore, *, older_than_step: int,

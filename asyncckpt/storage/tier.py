@@ -78,7 +78,7 @@ def _pin(info: catalog.CheckpointInfo, directory: str) -> tuple[catalog.Checkpoi
     pin = os.path.join(directory, f"{commit_lib.TEMP_PREFIX}upload-{info.name}-"
                                   f"{uuid.uuid4().hex[:8]}")
     manifest = read_manifest(info.manifest_path)
-    jax = info.framework == "jax"
+    jax = info.is_directory
     root = os.path.join(pin, info.name) if jax else pin
     names = [f.name for f in manifest.files] + [os.path.relpath(info.manifest_path, info.root)]
     for name in names:
@@ -171,7 +171,7 @@ class RemoteTier:
             return None
         if self._closed:
             raise EngineClosedError(f"{self.url}: remote tier is closed")
-        pinned, pin = _pin(info, os.path.dirname(info.root) if info.framework == "jax"
+        pinned, pin = _pin(info, os.path.dirname(info.root) if info.is_directory
                            else info.root)
         future: Future = Future()
         with self._cv:
@@ -436,7 +436,7 @@ def _sorted_listing(found: list[protocol.RemoteCheckpoint]) -> list[protocol.Rem
 
 def _discard_local(info: catalog.CheckpointInfo) -> None:
     """Removes a local checkpoint, its commit file first (JAX: the directory, renamed away)."""
-    if info.framework == "jax":
+    if info.is_directory:
         doomed = os.path.join(os.path.dirname(info.path), f"{commit_lib.TEMP_PREFIX}discard-"
                                                           f"{info.name}-{uuid.uuid4().hex[:8]}")
         with contextlib.suppress(FileNotFoundError):

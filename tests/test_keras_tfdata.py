@@ -1,0 +1,105 @@
+"""Exact mid-epoch resume of ``fit`` on a shuffled ``tf.data.Dataset`` (TensorFlow backend).
+
+A child trains on ``from_tensor_slices(...).shuffle(seed).batch().prefetch()``
+(reshuffled every epoch) with ``BackupAndRestore(save_freq=4)``: backups fall
+mid-epoch and on epoch boundaries (8 batches per epoch). The parent SIGKILLs
+it after random batches (seed printed; ``ASYNCCKPT_KILL_SEED`` replays it) and
+restarts it until it finishes (each kill comes once a backup of that run is
+durable, so every restart resumes from a newer one); the final weights must be bit-identical to an
+uninterrupted run's (made after the resumed one, in the same process), which
+only holds if every resumed epoch continues the saved iterator (its position,
+its buffers and the dataset's reshuffle seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+from tests.helpers import start_python, subprocess_env, write_script
+
+WORKER = r'''
+import hashlib, json, os, sys
+import numpy as np
+import keras
+import tensorflow as tf
+import asyncckpt.keras as ak
+
+
+class Backup(ak.BackupAndRestore):
+    def _make_store(self):
+        store = super()._make_store()
+        store._on_commit = lambda step, stats: print("C", step, flush=True)  # durable
+        return store
+
+
+def train(backup_dir):
+    keras.utils.set_random_seed(9)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(96, 10)).astype("float32")
+    y = (x[:, :3].sum(1, keepdims=True) + 0.1 * rng.normal(size=(96, 1))).astype("float32")
+    data = (tf.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(96, seed=3).batch(12).prefetch(2))  # 8 batches, reshuffled each epoch
+    model = keras.Sequential([
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss="mse")
+    backup = Backup(backup_dir, save_freq=4)
+
+    class Report(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            sys.stdout.write("B\n")
+            sys.stdout.flush()
+
+    model.fit(data, epochs=3, callbacks=[backup, Report()], verbose=0, shuffle=False)
+    digest = hashlib.sha256(b"".join(
+        np.ascontiguousarray(w).tobytes() for w in model.get_weights())).hexdigest()
+    return digest, backup.restored_position, int(np.asarray(model.optimizer.iterations.value))
+
+
+weights, restored, iterations = train(sys.argv[1])
+print("RESTORED", json.dumps(restored), flush=True)
+reference, _, ref_iterations = train(sys.argv[1] + "-reference")
+with open(sys.argv[2], "w") as f:
+    json.dump({"weights": weights, "iterations": iterations, "reference": reference,
+               "ref_iterations": ref_iterations}, f)
+'''
+
+
+def test_sigkill_at_random_batches_resumes_a_shuffled_tf_data_fit_bit_identical(tmp_path):
+    script = write_script(tmp_path, "worker.py", WORKER)
+    env = subprocess_env(KERAS_BACKEND="tensorflow")
+    seed = int(os.environ.get("ASYNCCKPT_KILL_SEED", random.randrange(1 << 30)))
+    kills = int(os.environ.get("ASYNCCKPT_KILLS_PER_TRIAL", "1"))
+    rng = random.Random(seed)
+    plan = [rng.randrange(3, 12) for _ in range(kills)]
+    print(f"ASYNCCKPT_KILL_SEED={seed}: kill after {plan} batches of each run")
+    backup_dir, out = tmp_path / "backup", tmp_path / "out.json"
+    restored = []
+    for kill_at in [*plan, None]:
+        proc = start_python(script, str(backup_dir), str(out), env=env)
+        batches, committed = 0, False
+        for line in proc.stdout:
+            if line.startswith("RESTORED"):
+                restored.append(json.loads(line.split(None, 1)[1]))
+            committed = committed or line.startswith("C")
+            if line.startswith("B"):
+                batches += 1
+                if kill_at is not None and batches >= kill_at and committed:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+        rc = proc.wait(timeout=240)
+        err = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+        assert rc == (0 if kill_at is None else -signal.SIGKILL), err[-3000:]
+    got = json.loads(out.read_text())
+    assert got["iterations"] == got["ref_iterations"] == 24
+    # The last run resumed from a backup its predecessor made.
+    assert restored and restored[-1] is not None
+    assert got["weights"] == got["reference"], "resumed weights differ from the uninterrupted run"
