@@ -338,6 +338,19 @@ def report(trials: list[dict], cells: list[tuple]) -> None:
           f"{'yes' if must_share else 'NO'}")
 
 
+def report_files(paths: list[str]) -> None:
+    """The table of the trials in ``paths`` (``--json`` files, complete or not)."""
+    trials: list[dict] = []
+    for path in paths:
+        with open(path) as f:
+            trials += json.load(f)
+    cells = sorted({(r["grace"], r["step_s"], r["write_s"], r["noise"]) for r in trials},
+                   key=lambda c: (c[0], c[1], c[2], c[3] != "none", c[3]))
+    frameworks = sorted({r["framework"] for r in trials})
+    print(f"{len(trials)} trials ({', '.join(frameworks)}) from {', '.join(paths)}")
+    report(trials, cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("tf", "jax"), default="tf")
@@ -355,8 +368,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write all trials to this file")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                        help="only print the table of trials saved with --json (partial runs "
+                             "included: the file is rewritten after every trial)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.report:
+        report_files(args.report)
+        return
     noises = [n.strip() for n in args.noise.split(",") if n.strip()]
     for n in noises:
         if not set(n.split("+")) <= {"none", "heavy", "disk"}:

@@ -81,6 +81,8 @@ WRITE_WINDOW = 16
 STEP_WINDOW = 32
 # Final saves kept (in a file beside the checkpoints: see ``_targets``).
 FINAL_WINDOW = 8
+# Cold first saves of recent runs kept (same file).
+COLD_WINDOW = 4
 # Layout of the estimates as a flat float vector (TensorFlow stores them in a
 # float64 variable of fixed shape): a version, then each window, NaN-padded.
 ESTIMATES_VERSION = 2.0
@@ -130,7 +132,7 @@ class GraceOptions:
     min_spread: float = 0.05
     min_samples: int = 4
     cold_factor: float = 1.5
-    slack_s: float = 0.05
+    slack_s: float | None = None
     unknown_write_fraction: float = 0.5
     save_at_notice_ratio: float = 4.0
     tier_fn: Callable[[SaveStats], str] = field(default=local_tier, compare=False)
@@ -138,7 +140,7 @@ class GraceOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.window <= WRITE_WINDOW:
             raise ValueError(f"window must be within [1, {WRITE_WINDOW}], got {self.window!r}")
-        if self.spread_k < 0 or self.slack_s < 0 or self.min_spread < 0:
+        if self.spread_k < 0 or (self.slack_s or 0.0) < 0 or self.min_spread < 0:
             raise ValueError("spread_k, min_spread and slack_s must be >= 0")
         if self.min_samples < 1 or self.cold_factor < 1:
             raise ValueError("min_samples and cold_factor must be >= 1")
@@ -164,6 +166,49 @@ def bound(samples: Sequence[float], *, k: float, min_samples: int,
     med = statistics.median(samples)
     sigma = max(1.4826 * statistics.median(abs(x - med) for x in samples), min_spread * med)
     return max(top, med + k * sigma)
+
+
+def t_quantile(k: float, df: float) -> float:
+    """Student's t quantile with the upper tail of a normal's ``k`` sigmas (``df`` >= 1).
+
+    Cornish-Fisher expansion to the third order (within ~10% of the exact
+    value for df >= 4 at k = 3, exact as df grows); used so that a bound
+    from few samples widens by what estimating their spread costs.
+    """
+    z, v = k, max(1.0, df)
+    return (z + (z ** 3 + z) / (4 * v)
+            + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * v ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * v ** 3))
+
+
+def log_bound(samples: Sequence[float], *, k: float, min_spread: float = 0.0,
+              spread_from: Sequence[float] = ()) -> float:
+    """An upper prediction bound of the next sample, in log space.
+
+    ``max(max(x), exp(mean + t * s * sqrt(1 + 1/n)))`` over the logs of the
+    ``n`` samples ``x``: ``s`` is the standard deviation of the logs pooled
+    with those of ``spread_from`` (each group about its own mean; at least
+    ``min_spread``) and ``t`` the Student quantile with the tail of ``k``
+    normal sigmas for the pooled degrees of freedom. Log space because save
+    times are positive and skewed (multiplicative noise); the plain, not a
+    robust, standard deviation because it is the more efficient estimate
+    from few samples and an outlier can only widen the bound;
+    ``sqrt(1 + 1/n)`` and ``t`` because mean and spread are estimated.
+    """
+    logs = [math.log(x) for x in samples if x > 0]
+    if not logs:
+        return max(samples)
+    other = [math.log(x) for x in spread_from if x > 0]
+    ss, df = 0.0, 0
+    for group in (logs, other):
+        if len(group) >= 2:
+            mean = statistics.fmean(group)
+            ss += sum((v - mean) ** 2 for v in group)
+            df += len(group) - 1
+    s = max(math.sqrt(ss / df) if df else 0.0, min_spread)
+    t = t_quantile(k, df) if df else k
+    n = len(logs)
+    return max(max(samples), math.exp(statistics.fmean(logs) + t * s * math.sqrt(1 + 1 / n)))
 
 
 def tf_final_save_start(notice_time: float, grace_period: float, mean_step_s: float) -> float:
@@ -264,15 +309,32 @@ class GraceClock:
         self.step_allowance = 1.0 if num_workers <= 1 else 2.0
         self._seeded: dict[str, list[float]] = {}
         self._finals: deque[tuple[float, float]] = deque(maxlen=FINAL_WINDOW)
+        self._cold: deque[tuple[float, float]] = deque(maxlen=COLD_WINDOW)
+        self._cold_seen: SaveStats | None = None  # the engine's first save, if cold
+        self._warm_first: SaveStats | None = None  # ... if it was not
         self._lock = threading.Lock()  # the watcher thread reads the margin too
 
     # -- samples ----------------------------------------------------------------
 
+    def _is_cold(self, first: SaveStats, warm: Sequence[float]) -> bool:
+        """Whether the engine's first save was cold: ``cold_factor`` times the others' bound.
+
+        The first save of a process pays for imports, tracing and first
+        allocations (TensorFlow here: 0.97 s against 0.3 s for the next ones);
+        the first save of a new engine in a warm process does not. So it is
+        judged by what it cost, against the warm samples, with room for an
+        ordinary slow save (which stays in the window).
+        """
+        hi = self._bound(warm) if len(warm) >= self.options.min_samples else None
+        return hi is not None and self.save_cost(first) > hi * self.options.cold_factor
+
     def _save_samples(self) -> tuple[list[float], list[float]]:
-        """``(seconds, bytes)`` of recent saves of the tier the next save goes to.
+        """``(seconds, bytes)`` of recent warm saves of the tier the next save goes to.
 
         The engine's own saves come after the seeded ones (from the restored
-        checkpoint) and push them out of the window.
+        checkpoint) and push them out of the window. The engine's first save
+        is left out if it was cold (``_is_cold``); it is kept apart and stored
+        beside the final saves.
         """
         history = self.engine.history
         seconds = list(self._seeded.get("save_s", []))
@@ -280,38 +342,67 @@ class GraceClock:
         if history:
             tier = self.options.tier_fn(history[-1])
             mine = [s for s in history if self.options.tier_fn(s) == tier]
+            first = history[0]
+            if mine and mine[0] is first and first is not self._warm_first:
+                rest = seconds + [self.save_cost(s) for s in mine[1:]]
+                if first is self._cold_seen or self._is_cold(first, rest[-self.options.window:]):
+                    if self._cold_seen is None:
+                        self._cold_seen = first
+                        with self._lock:
+                            self._cold.append((self.save_cost(first), float(first.nbytes)))
+                    mine = mine[1:]
+                else:
+                    self._warm_first = first
             seconds += [self.save_cost(s) for s in mine]
             sizes += [float(s.nbytes) for s in mine]
         n = self.options.window
         return seconds[-n:], sizes[-n:]
+
+    def is_cold(self, stats: SaveStats) -> bool:
+        """Whether ``stats`` is the engine's first save and was cold (see ``_is_cold``)."""
+        self._save_samples()
+        return stats is self._cold_seen
 
     def _bound(self, samples: Sequence[float]) -> float | None:
         o = self.options
         return bound(samples, k=o.spread_k, min_samples=o.min_samples,
                      cold_factor=o.cold_factor, min_spread=o.min_spread)
 
-    def save_seconds(self) -> float | None:
-        """Upper bound of the next save's time to durable; None if never measured."""
+    def _scaled(self, pairs, nbytes: float) -> list[float]:
+        return [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t for t, b in pairs]
+
+    def _bounds(self) -> tuple[float | None, float | None]:
+        """``(final, during)``: bounds of the final save and of a save made while training.
+
+        See the module docstring. ``final`` is what the final save is
+        expected to need at most; ``during`` bounds a save made while
+        training runs (what a save in flight at the notice may still need).
+        """
+        o = self.options
         seconds, sizes = self._save_samples()
         last = self.engine.last_stats
         nbytes = float(last.nbytes) if last is not None else (sizes[-1] if sizes else 0.0)
-
-        def scaled(pairs):
-            return [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t for t, b in pairs]
-
-        during = scaled(zip(seconds, sizes, strict=True))
+        during = self._scaled(zip(seconds, sizes, strict=True), nbytes)
         with self._lock:
-            finals = scaled(list(self._finals))
-        if not during:
-            return self._bound(finals)
-        hi = self._bound(during)
-        if len(finals) >= self.options.min_samples:
-            # Final saves run while training waits: scale the recent saves'
-            # distribution (its spread included) by how much faster final
-            # saves were, never up, never below the finals' own bound.
-            ratio = min(1.0, statistics.median(finals) / statistics.median(during))
-            hi = max(hi * ratio, self._bound(finals))
-        return hi
+            finals = self._scaled(list(self._finals), nbytes)
+            cold = self._scaled(list(self._cold), nbytes)
+        during_hi = self._bound(during)
+        if len(finals) >= o.min_samples:
+            final_hi = log_bound(finals, k=o.spread_k, min_spread=o.min_spread,
+                                 spread_from=during)
+        elif during_hi is not None:
+            final_hi = max([during_hi, *finals])
+        else:
+            final_hi = self._bound(finals)
+        if final_hi is not None and cold and not self.engine.history:
+            # The final save would be the engine's first: it may pay the cold
+            # cost (imports, tracing, first allocations) of earlier runs.
+            final_hi = max([final_hi, *cold])
+        return final_hi, (during_hi if during_hi is not None else final_hi)
+
+    def save_seconds(self) -> float | None:
+        """Upper bound of the final save's time to durable; None if never measured."""
+        return self._bounds()[0]
 
     @staticmethod
     def save_cost(stats: SaveStats) -> float:
@@ -319,7 +410,12 @@ class GraceClock:
         return stats.blocking_s - stats.slot_wait_s + stats.background_s
 
     def record_final(self, stats: SaveStats) -> None:
-        """Adds the measured cost of a final save (made while training waited)."""
+        """Adds the measured cost of a final save (made while training waited).
+
+        A cold final save (the process's first) is kept apart: see ``is_cold``.
+        """
+        if self.is_cold(stats):
+            return
         with self._lock:
             self._finals.append((self.save_cost(stats), float(stats.nbytes)))
 
@@ -328,16 +424,23 @@ class GraceClock:
         with self._lock:
             return [[t, b] for t, b in self._finals]
 
-    def seed_finals(self, samples) -> None:
-        """Starts from the final saves of earlier runs (``final_samples()``'s format)."""
-        for item in samples or ():
-            try:
-                t, b = (_finite(x) for x in item)
-            except (TypeError, ValueError):
-                continue
-            if t is not None:
-                with self._lock:
-                    self._finals.append((t, b or 0.0))
+    def cold_samples(self) -> list[list[float]]:
+        """``[[seconds, bytes], ...]`` of cold first saves of recent runs, oldest first."""
+        self._save_samples()
+        with self._lock:
+            return [[t, b] for t, b in self._cold]
+
+    def seed_finals(self, samples, *, cold=None) -> None:
+        """Starts from the final (and cold) saves of earlier runs (``final_samples()``'s format)."""
+        for window, items in ((self._finals, samples), (self._cold, cold)):
+            for item in items or ():
+                try:
+                    t, b = (_finite(x) for x in item)
+                except (TypeError, ValueError):
+                    continue
+                if t is not None:
+                    with self._lock:
+                        window.append((t, b or 0.0))
 
     def step_seconds(self) -> float:
         return self._bound(self.steps.samples) or 0.0
@@ -354,13 +457,19 @@ class GraceClock:
 
     def margin_parts(self) -> tuple[float, float] | None:
         """``(margin, queued)``: the margin and its part for saves in flight; None if unknown."""
-        save = self.save_seconds()
+        save, during = self._bounds()
         if save is None:
             return None
-        queued = self.queued_seconds(save)
-        margin = (save + queued + self.step_allowance * self.step_seconds()
-                  + self.options.slack_s)
+        queued = self.queued_seconds(during)
+        margin = save + queued + self.step_allowance * self.step_seconds() + self.slack_s
         return margin, queued
+
+    @property
+    def slack_s(self) -> float:
+        """Fixed seconds for the protocol: ``slack_s``, or its default per worker count."""
+        if self.options.slack_s is not None:
+            return self.options.slack_s
+        return 0.01 if self.step_allowance == 1.0 else 0.05
 
     def margin(self) -> float | None:
         """Seconds before the deadline the final round must start; None if unknown."""

@@ -155,7 +155,8 @@ class PreemptionCheckpointHandler(ClosingContext):
                                  num_workers=self._coordinator.num_workers)
         runs, estimates = self._target.restore_bookkeeping()
         self._clock.seed(estimates)
-        self._clock.seed_finals(self._target.read_timings().get("final_s"))
+        timings = self._target.read_timings()
+        self._clock.seed_finals(timings.get("final_s"), cold=timings.get("cold_s"))
         self._agreement = StepAgreement(
             self._coordinator,
             namespace=f"asyncckpt/preemption/{next(_handler_ids)}",
@@ -425,7 +426,8 @@ class PreemptionCheckpointHandler(ClosingContext):
             return
         self._clock.record_final(last)
         if self._coordinator.worker_id == 0:
-            self._target.write_timings({"final_s": self._clock.final_samples()})
+            self._target.write_timings({"final_s": self._clock.final_samples(),
+                                        "cold_s": self._clock.cold_samples()})
 
     def _adopt_in_flight(self) -> bool:
         """Single worker: a save is in flight and a new one would end after the deadline.
