@@ -221,16 +221,25 @@ def tf_final_save_start(notice_time: float, grace_period: float, mean_step_s: fl
 
 
 class StepTimes:
-    """The last ``STEP_WINDOW`` seconds between step boundaries."""
+    """The last ``STEP_WINDOW`` seconds between step boundaries.
+
+    The first interval measured is left out: the first step of a process
+    compiles or traces (JAX's jit: 0.5 s for a 50 ms step here) and would
+    hold the bound up for ``STEP_WINDOW`` steps.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._samples: deque[float] = deque(maxlen=STEP_WINDOW)
         self._seeded = False
         self.count = 0
+        self.first: float | None = None
 
     def update(self, seconds: float) -> None:
         with self._lock:
+            if self.first is None:
+                self.first = seconds
+                return
             if self._seeded:  # the first measured step replaces the earlier run's
                 self._samples.clear()
                 self._seeded = False
@@ -312,6 +321,10 @@ class GraceClock:
         self._cold: deque[tuple[float, float]] = deque(maxlen=COLD_WINDOW)
         self._cold_seen: SaveStats | None = None  # the engine's first save, if cold
         self._warm_first: SaveStats | None = None  # ... if it was not
+        # The manager's remote tier (``_remote.RemoteTierView``), set by the
+        # handler; and the tier the final save is planned for at the notice.
+        self.remote = None
+        self.plan: str | None = None
         self._lock = threading.Lock()  # the watcher thread reads the margin too
 
     # -- samples ----------------------------------------------------------------
@@ -325,7 +338,7 @@ class GraceClock:
         judged by what it cost, against the warm samples, with room for an
         ordinary slow save (which stays in the window).
         """
-        hi = self._bound(warm) if len(warm) >= self.options.min_samples else None
+        hi = self._bound(warm)
         return hi is not None and self.save_cost(first) > hi * self.options.cold_factor
 
     def _save_samples(self) -> tuple[list[float], list[float]]:
@@ -345,11 +358,15 @@ class GraceClock:
             first = history[0]
             if mine and mine[0] is first and first is not self._warm_first:
                 rest = seconds + [self.save_cost(s) for s in mine[1:]]
-                if first is self._cold_seen or self._is_cold(first, rest[-self.options.window:]):
-                    if self._cold_seen is None:
-                        self._cold_seen = first
-                        with self._lock:
-                            self._cold.append((self.save_cost(first), float(first.nbytes)))
+                warm = rest[-self.options.window:]
+                if first is self._cold_seen:
+                    mine = mine[1:]
+                elif len(warm) < self.options.min_samples:
+                    pass  # too few warm saves to judge it yet: counted, judged later
+                elif self._is_cold(first, warm):
+                    self._cold_seen = first
+                    with self._lock:
+                        self._cold.append((self.save_cost(first), float(first.nbytes)))
                     mine = mine[1:]
                 else:
                     self._warm_first = first
@@ -455,12 +472,58 @@ class GraceClock:
             return pending * write
         return (pending - 1) * write + max(write - busy, write / 4)
 
+    def upload_seconds(self) -> float | None:
+        """Upper bound of an upload of the final checkpoint to the remote tier, queue included.
+
+        None without a remote tier that uploads in the background, or without
+        a measured upload. Bounded like a save (``bound``), scaled to the
+        state's current size; an upload in progress is ahead of the final
+        one, by what is left of its bound (at least a quarter of it).
+        """
+        if self.remote is None or self.remote.every_save:
+            return None
+        samples = self.remote.samples()
+        last = self.engine.last_stats
+        nbytes = float(last.nbytes) if last is not None else 0.0
+        hi = self._bound(self._scaled(samples, nbytes))
+        if hi is None:
+            return None
+        running = self.remote.running_for()
+        return hi if running is None else hi + max(hi - running, hi / 4)
+
+    def choose_tier(self, left: float) -> str:
+        """At the notice: the tier the final save is planned for, with ``left`` seconds left.
+
+        ``remote`` when the margin with the upload fits in the time left,
+        else ``local`` (no upload measured yet counts as not fitting). A URL
+        directory uploads every save: always ``remote``. Kept for later calls.
+        """
+        if self.plan is None:
+            if self.remote is None:
+                self.plan = "local"
+            elif self.remote.every_save:
+                self.plan = "remote"
+            else:
+                self.plan = "remote"  # margin_parts counts the upload while planned
+                parts = self.margin_parts()
+                if parts is None or self.upload_seconds() is None or parts[0] >= left:
+                    self.plan = "local"
+        return self.plan
+
     def margin_parts(self) -> tuple[float, float] | None:
-        """``(margin, queued)``: the margin and its part for saves in flight; None if unknown."""
+        """``(margin, queued)``: the margin and its part for saves in flight; None if unknown.
+
+        With a remote tier planned for (``choose_tier``; before the notice:
+        whenever one exists), the upload's bound is part of both.
+        """
         save, during = self._bounds()
         if save is None:
             return None
         queued = self.queued_seconds(during)
+        if self.plan != "local":
+            upload = self.upload_seconds()
+            if upload is not None:
+                queued += upload
         margin = save + queued + self.step_allowance * self.step_seconds() + self.slack_s
         return margin, queued
 
