@@ -351,11 +351,12 @@ def report_files(paths: list[str]) -> None:
     for path in paths:
         with open(path) as f:
             trials += json.load(f)
-    cells = sorted({(r["grace"], r["step_s"], r["write_s"], r["noise"]) for r in trials},
-                   key=lambda c: (c[0], c[1], c[2], c[3] != "none", c[3]))
-    frameworks = sorted({r["framework"] for r in trials})
-    print(f"{len(trials)} trials ({', '.join(frameworks)}) from {', '.join(paths)}")
-    report(trials, cells)
+    for framework in sorted({r["framework"] for r in trials}):
+        mine = [r for r in trials if r["framework"] == framework]
+        cells = sorted({(r["grace"], r["step_s"], r["write_s"], r["noise"]) for r in mine},
+                       key=lambda c: (c[0], c[1], c[2], c[3] != "none", c[3]))
+        print(f"\n{framework}: {len(mine)} trials from {', '.join(paths)}")
+        report(mine, cells)
 
 
 def main() -> None:

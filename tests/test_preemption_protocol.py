@@ -388,26 +388,28 @@ def test_a_cold_first_save_is_kept_apart_and_bounds_a_first_final_save():
     with AsyncEngine(name="t") as engine:
         clock = grace_lib.GraceClock(engine)
         clock.seed({"save_s": [0.02] * 6, "save_bytes": [1000.0] * 6})
-        _save(engine, 0.3)  # the first save of a fresh process: imports, tracing
+        _save(engine, 1.0)  # the first save of a fresh process: imports, tracing
         for _ in range(3):
             _save(engine, 0.02)
         first = engine.history[0]
         assert clock.is_cold(first)
-        assert clock.save_seconds() < 0.3  # not in the window of warm saves
-        assert all(s < 0.3 for s in clock.estimates()["save_s"])  # nor stored as one
+        assert clock.save_seconds() < 1.0  # not in the window of warm saves
+        assert all(s < 1.0 for s in clock.estimates()["save_s"])  # nor stored as one
         assert clock.cold_samples() == [[pytest.approx(clock.save_cost(first)), 1000.0]]
         clock.record_final(first)
         assert clock.final_samples() == []  # a cold save is no final save's sample
         stored = clock.cold_samples()
+    assert stored[0][0] >= 1.0
     with AsyncEngine(name="t2") as engine2:
         restarted = grace_lib.GraceClock(engine2)
-        restarted.seed({"save_s": [0.02] * 6, "save_bytes": [1000.0] * 6})
-        restarted.seed_finals([], cold=stored)
+        # Warm saves of 0.5 s: a first save is cold above 1.5 x their bound.
+        restarted.seed({"save_s": [0.5] * 6, "save_bytes": [1000.0] * 6})
+        restarted.seed_finals([], cold=[[2.0, 1000.0]])
         # No save yet in this run: the final save would be the first, cold one.
-        assert restarted.save_seconds() >= 0.3
+        assert restarted.save_seconds() >= 2.0
         _save(engine2, 0.02)  # a warm first save (the process was warm)
         assert not restarted.is_cold(engine2.history[0])
-        assert restarted.save_seconds() < 0.3
+        assert restarted.save_seconds() < 2.0
 
 
 def test_write_bound_scales_with_state_bytes_and_is_per_tier():

@@ -5,54 +5,56 @@ final save must *start* early enough to be durable before ``D = t0 + G``. At
 every step boundary ``t`` the handler starts the final round if
 ``t + margin >= D``, where::
 
-    margin = T_hi + Q + a * S_hi + slack
+    margin = T_hi + Q + a * S_hi + slack  (+ U_hi when the final save is to be uploaded)
 
-Every ``X_hi`` is a robust upper bound of the last ``N`` measured samples of
-``X`` (``bound``): the larger of their maximum and ``median + k * sigma``
-with ``sigma = 1.4826 * MAD`` (a ``k``-sigma bound that stays honest when the
-spread is wide but the window has not yet seen a bad sample), but at least
-``min_spread`` of the median (a few samples taken close together can agree
-by chance more than the next one will); with fewer than ``min_samples``
-samples it is the maximum times ``cold_factor``.
-
-* ``T``: what one save costs from its start to durable when nothing is
-  queued before it: the copy to host (blocking time less any wait for a free
-  slot) plus the background write, commit and fsync. Samples of the tier the
-  next save goes to only (``GraceOptions.tier_fn``: the local disk, an
-  object store...), each scaled up to the state's current size (a state that
-  grew since the sample was taken writes longer). Bounding the sum per save,
-  not each part, keeps the bound tight: a save with a slow copy (the first
-  use of a staging slot) need not also have the slowest write. Saves made
-  while training runs compete with it for CPU and the GIL (the writer runs
-  at a lower priority); the final save does not, the training thread waits.
-  So once ``min_samples`` final saves of earlier preemptions were measured
-  (the last ``FINAL_WINDOW``, kept beside the checkpoints), the bound of the
-  recent saves is scaled by ``median(finals) / median(recent)`` when that is
-  below 1 (the recent window keeps its spread, which reflects the machine's
-  current state), but never below the finals' own bound;
+* ``T_hi`` bounds the final save (copy to host, write, commit, fsync). Two
+  populations are measured per storage tier (``GraceOptions.tier_fn``), each
+  scaled to the state's current size: the last ``WRITE_WINDOW`` saves made
+  while training ran, and the last ``FINAL_WINDOW`` final saves of earlier
+  preemptions, made while training waited (kept beside the checkpoints).
+  Saves made while training runs compete with it for CPU and the GIL (the
+  writer runs at a lower priority), the final save does not; so once
+  ``min_samples`` finals exist they bound it, in log space (``log_bound``):
+  ``exp(mean(log finals) + t * s * sqrt(1 + 1/n))`` and at least their
+  maximum, with ``s`` the standard deviation of the logs pooled over both
+  populations and ``t`` the Student quantile with the tail of ``spread_k``
+  normal sigmas for the pooled degrees of freedom. Before that, the bound of
+  the saves made while training (``bound``: their maximum, or ``median + k
+  sigma``, whichever is larger).
+* The engine's first save is cold when it costs more than ``cold_factor``
+  times the bound of the warm saves (imports, tracing, first allocations):
+  it is kept out of the window (it would hold the bound up for
+  ``WRITE_WINDOW`` saves and across restarts) and apart, and bounds a final
+  save that would be the engine's first.
 * ``Q``: what the saves in flight still need (the engine writes in order, so
-  the final save waits for them): ``T_hi`` per queued save and, for the one
-  being written, ``T_hi`` minus the time it has run, at least ``T_hi / 4`` (a
-  write already past the bound is slow, not nearly done);
-* ``S``: step time; ``a`` steps: one because the check runs once per step
-  (the deadline can be crossed just after one), one more with several
-  workers (the agreed step is the largest current step + 1);
-* ``slack``: fixed costs (coordination round trips, waking the waiter).
+  the final save waits for them), bounded like saves made while training:
+  the bound per queued save and, for the one being written, the bound minus
+  the time it has run, at least a quarter of it.
+* ``S``: step time (``bound`` over the last ``STEP_WINDOW``, the first
+  interval left out: compiling, tracing); ``a`` steps: one because the check
+  runs once per step (the deadline can be crossed just after one), one more
+  with several workers (the agreed step is the largest current step + 1).
+* ``slack``: coordination round trips and waking the waiter.
+* ``U_hi``: with a remote tier beside the local one and the final save
+  planned for it (``choose_tier`` at the notice: when the margin with the
+  upload fits in the time left), the bound of the measured uploads, plus
+  what is left of an upload in progress.
 
-Why it is safe: the final save is durable in time unless it takes longer
-than ``T_hi`` plus what the step and slack terms leave over, i.e. unless it is
-slower than the slowest of the last ``N`` saves *and* than the median plus
-``k`` robust standard deviations. The risk it accepts is exactly that: a save
-from the tail beyond anything seen recently (with the defaults ``N = 16``,
-``k = 3``, at least 5% of the median per sigma: about 1 in 1000 saves for a
-Gaussian spread, more for heavier tails, e.g. about 1 in 100 for log-normal
-noise of sigma 0.25).
+The risk accepted: a final save slower than ``T_hi`` plus what the step and
+slack terms leave over. For log-normal save times whose spread the saves made
+while training share, about 1 in 740 (3 sigma, one-sided), the estimation of
+mean and spread from few samples paid for by ``t`` and ``sqrt(1 + 1/n)``.
+Not covered: a final save slower than its population (a stall that starts
+during it), finals spread wider than the saves made while training, and
+finals measured on a machine that has since become slower
+(``docs/preemption.md``).
 
-The samples (last ``N`` of each) are stored in every checkpoint and seed the
-next run, so a restarted job starts from its measured distribution, not from
-zero. With several workers, each publishes its margin at the notice and the
-final round starts at the boundary where the *largest* margin of any worker
-crosses the deadline (see ``agreement``).
+The samples are stored in every checkpoint (and the final, cold and upload
+times in a file beside them) and seed the next run, so a restarted job
+starts from its measured distribution, not from zero. With several workers,
+each publishes its margin at the notice and the final round starts at the
+boundary where the *largest* margin of any worker crosses the deadline (see
+``agreement``).
 
 TensorFlow's handler uses ``G - 6 * mean step time``: it ignores the write,
 so a final save that takes longer than six steps misses the deadline, and it
@@ -107,14 +109,18 @@ class GraceOptions:
     Attributes:
         window: Recent saves the bound is taken over (at most
             ``WRITE_WINDOW``, what checkpoints store).
-        spread_k: Robust standard deviations above the median the bound
-            reaches at least.
-        min_spread: Least robust standard deviation assumed, as a share of
+        spread_k: Standard deviations above the center the bounds reach (for
+            the final save: a normal tail of this many sigmas, widened for
+            few samples).
+        min_spread: Least standard deviation assumed, as a share of
             the median.
         min_samples: Below this many samples the bound is the maximum times
-            ``cold_factor`` (the spread is not known yet).
-        cold_factor: See ``min_samples``.
-        slack_s: Fixed seconds for coordination round trips and wake-ups.
+            ``cold_factor`` (the spread is not known yet); as many final
+            saves are needed before they bound the final save.
+        cold_factor: See ``min_samples``; also, an engine's first save is
+            cold when it costs more than this times the warm saves' bound.
+        slack_s: Fixed seconds for coordination round trips and wake-ups
+            (None: 0.01 s for one worker, 0.05 s for several).
         unknown_write_fraction: Share of the grace period to train for when no
             write time has ever been measured.
         save_at_notice_ratio: Save at the notice as well only if the grace
