@@ -377,9 +377,13 @@ def test_log_bound_widens_for_few_samples_and_covers_the_measured_tail():
     # The spread of other saves pooled in: more degrees of freedom, a
     # tighter t; a wider spread there, a wider bound.
     narrow = [3.0 * math.exp(0.15 * v) for v in z * 2]
-    assert grace_lib.log_bound(finals, k=3.0, spread_from=narrow) < hi
+    pooled = grace_lib.log_bound(finals, k=3.0, spread_from=narrow)
+    assert 1.4 * statistics.median(finals) <= pooled < hi
     wide = [3.0 * math.exp(0.5 * v) for v in z * 2]
-    assert grace_lib.log_bound(finals, k=3.0, spread_from=wide) > hi
+    assert grace_lib.log_bound(finals, k=3.0, spread_from=wide) > pooled
+    # A few saves slowed ten times by a loaded machine widen it, not explode it.
+    stalled = narrow[:-3] + [30.0] * 3
+    assert grace_lib.log_bound(finals, k=3.0, spread_from=stalled) < 2 * pooled
     assert grace_lib.log_bound([2.0] * 4, k=3.0) == pytest.approx(2.0)  # no spread: the max
     assert grace_lib.log_bound([2.0] * 4, k=3.0, min_spread=0.05) > 2.0
 

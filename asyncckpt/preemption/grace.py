@@ -16,11 +16,11 @@ every step boundary ``t`` the handler starts the final round if
   writer runs at a lower priority), the final save does not; so once
   ``min_samples`` finals exist they bound it, in log space (``log_bound``):
   ``exp(mean(log finals) + t * s * sqrt(1 + 1/n))`` and at least their
-  maximum, with ``s`` the standard deviation of the logs pooled over both
-  populations and ``t`` the Student quantile with the tail of ``spread_k``
-  normal sigmas for the pooled degrees of freedom. Before that, the bound of
-  the saves made while training (``bound``: their maximum, or ``median + k
-  sigma``, whichever is larger).
+  maximum, with ``s`` the robust standard deviation (MAD) of the logs
+  pooled over both populations and ``t`` the Student quantile with the tail
+  of ``spread_k`` normal sigmas for the degrees of freedom that MAD is
+  worth. Before that, the bound of the saves made while training
+  (``bound``: their maximum, or ``median + k sigma``, whichever is larger).
 * The engine's first save is cold when it costs more than ``cold_factor``
   times the bound of the warm saves (imports, tracing, first allocations):
   it is kept out of the window (it would hold the bound up for
@@ -187,32 +187,41 @@ def t_quantile(k: float, df: float) -> float:
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * v ** 3))
 
 
+# Asymptotic efficiency of the MAD as an estimate of a normal's sigma: the
+# degrees of freedom a spread from the MAD of n samples is worth.
+MAD_EFFICIENCY = 0.37
+
+
 def log_bound(samples: Sequence[float], *, k: float, min_spread: float = 0.0,
               spread_from: Sequence[float] = ()) -> float:
     """An upper prediction bound of the next sample, in log space.
 
     ``max(max(x), exp(mean + t * s * sqrt(1 + 1/n)))`` over the logs of the
-    ``n`` samples ``x``: ``s`` is the standard deviation of the logs pooled
-    with those of ``spread_from`` (each group about its own mean; at least
-    ``min_spread``) and ``t`` the Student quantile with the tail of ``k``
-    normal sigmas for the pooled degrees of freedom. Log space because save
-    times are positive and skewed (multiplicative noise); the plain, not a
-    robust, standard deviation because it is the more efficient estimate
-    from few samples and an outlier can only widen the bound;
+    ``n`` samples ``x``: ``s`` is the robust standard deviation (``1.4826
+    MAD``) of the logs pooled with those of ``spread_from``, each group about
+    its own median (at least ``min_spread``), and ``t`` the Student quantile
+    with the tail of ``k`` normal sigmas for the degrees of freedom the pooled
+    MAD is worth (``MAD_EFFICIENCY`` of ``n - 1`` per group). Log space
+    because save times are positive and skewed (multiplicative noise); robust
+    because saves slowed by a loaded machine (a few 10 times the median) are
+    not a spread to extrapolate (a plain standard deviation made bounds of
+    15-20 s from samples of 0.3-5 s); the slowest sample is kept as a floor;
     ``sqrt(1 + 1/n)`` and ``t`` because mean and spread are estimated.
     """
     logs = [math.log(x) for x in samples if x > 0]
     if not logs:
         return max(samples)
     other = [math.log(x) for x in spread_from if x > 0]
-    ss, df = 0.0, 0
+    residuals: list[float] = []
+    df = 0
     for group in (logs, other):
         if len(group) >= 2:
-            mean = statistics.fmean(group)
-            ss += sum((v - mean) ** 2 for v in group)
+            center = statistics.median(group)
+            residuals += [v - center for v in group]
             df += len(group) - 1
-    s = max(math.sqrt(ss / df) if df else 0.0, min_spread)
-    t = t_quantile(k, df) if df else k
+    s = 1.4826 * statistics.median(abs(r) for r in residuals) if residuals else 0.0
+    s = max(s, min_spread)
+    t = t_quantile(k, df * MAD_EFFICIENCY) if df else k
     n = len(logs)
     return max(max(samples), math.exp(statistics.fmean(logs) + t * s * math.sqrt(1 + 1 / n)))
 
