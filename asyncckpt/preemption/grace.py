@@ -190,10 +190,13 @@ def t_quantile(k: float, df: float) -> float:
 # Asymptotic efficiency of the MAD as an estimate of a normal's sigma: the
 # degrees of freedom a spread from the MAD of n samples is worth.
 MAD_EFFICIENCY = 0.37
+# Least degrees of freedom ``t_quantile`` is asked for (its expansion holds
+# from about there: 6.4 at k = 3, the exact value being 7.2).
+MIN_DF = 4.0
 
 
 def log_bound(samples: Sequence[float], *, k: float, min_spread: float = 0.0,
-              spread_from: Sequence[float] = ()) -> float:
+              spread_from: Sequence[float] = (), cap: float | None = None) -> float:
     """An upper prediction bound of the next sample, in log space.
 
     ``max(max(x), exp(mean + t * s * sqrt(1 + 1/n)))`` over the logs of the
@@ -206,7 +209,8 @@ def log_bound(samples: Sequence[float], *, k: float, min_spread: float = 0.0,
     because saves slowed by a loaded machine (a few 10 times the median) are
     not a spread to extrapolate (a plain standard deviation made bounds of
     15-20 s from samples of 0.3-5 s); the slowest sample is kept as a floor;
-    ``sqrt(1 + 1/n)`` and ``t`` because mean and spread are estimated.
+    ``sqrt(1 + 1/n)`` and ``t`` because mean and spread are estimated. At
+    most ``cap`` (and never below the slowest sample).
     """
     logs = [math.log(x) for x in samples if x > 0]
     if not logs:
@@ -221,9 +225,15 @@ def log_bound(samples: Sequence[float], *, k: float, min_spread: float = 0.0,
             df += len(group) - 1
     s = 1.4826 * statistics.median(abs(r) for r in residuals) if residuals else 0.0
     s = max(s, min_spread)
-    t = t_quantile(k, df * MAD_EFFICIENCY) if df else k
+    # At least MIN_DF degrees of freedom: below, the expansion diverges (and a
+    # t of 7 or more times a spread of saves slowed by a loaded machine gave
+    # bounds of a minute for a 0.25 s write); ``cap`` bounds what is left.
+    t = t_quantile(k, max(MIN_DF, df * MAD_EFFICIENCY)) if df else k
     n = len(logs)
-    return max(max(samples), math.exp(statistics.fmean(logs) + t * s * math.sqrt(1 + 1 / n)))
+    hi = math.exp(statistics.fmean(logs) + t * s * math.sqrt(1 + 1 / n))
+    if cap is not None:
+        hi = min(hi, cap)
+    return max(max(samples), hi)
 
 
 def tf_final_save_start(notice_time: float, grace_period: float, mean_step_s: float) -> float:
@@ -420,8 +430,10 @@ class GraceClock:
             cold = self._scaled(list(self._cold), nbytes)
         during_hi = self._bound(during)
         if len(finals) >= o.min_samples:
+            # At most cold_factor times the slowest save of either kind.
             final_hi = log_bound(finals, k=o.spread_k, min_spread=o.min_spread,
-                                 spread_from=during)
+                                 spread_from=during,
+                                 cap=o.cold_factor * max(finals + during))
         elif during_hi is not None:
             final_hi = max([during_hi, *finals])
         else:
