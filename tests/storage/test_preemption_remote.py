@@ -168,8 +168,6 @@ def test_final_save_commits_locally_when_the_remote_tier_is_unreachable(own_s3, 
         assert final.run in mgr.all_steps()
         got = mgr.restore(final.run, target=_state(0))
         np.testing.assert_array_equal(got["w"], state["w"])
-        with pytest.raises(Exception):  # noqa: B017 (the failed upload surfaces later too)
-            mgr.wait_until_finished()
     assert "final save planned for the remote tier" in caplog.text
     assert "committed locally only" in caplog.text
 
