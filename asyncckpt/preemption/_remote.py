@@ -94,14 +94,20 @@ class RemoteTierView:
         Returns:
             None once the checkpoint is committed remotely, else why not
             (an error, or not within ``timeout`` seconds; the upload then
-            goes on in the background).
+            goes on in the background). A failed upload also stays pending
+            in the manager, whose next call (or ``close``) raises it.
         """
         remote = self._tiers.remote
         running, waiting = remote.in_flight()
         timeout = max(0.0, timeout)
         try:
             if name in (waiting, running[0] if running else None):
-                remote.wait(timeout)  # handed over by the manager's schedule already
+                # Handed over by the manager's schedule already. A failure
+                # stays pending: the manager's next call raises it too.
+                remote.wait(timeout, raise_errors=False)
+                if not any(e["name"] == name for e in list(remote.stats)):
+                    return (f"upload to {self.url} failed (the manager's next call raises "
+                            "the error)")
             else:
                 info = protocol.local_info(self._tiers.local_dir, name)
                 future = remote.submit(info, force=True, raise_errors=False)

@@ -277,8 +277,11 @@ class RemoteTier:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Waits until nothing is uploading or waiting; re-raises a failure."""
+    def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> None:
+        """Waits until nothing is uploading or waiting; re-raises a failure.
+
+        ``raise_errors=False`` leaves a failure pending for the next call.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._pending is not None or self._busy:
@@ -286,7 +289,8 @@ class RemoteTier:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"uploads to {self.url} still running after {timeout} s")
                 self._cv.wait(left)
-        self.raise_pending_error()
+        if raise_errors:
+            self.raise_pending_error()
 
     def close(self, timeout: float | None = None) -> None:
         """Finishes the uploads in flight, stops the uploader, re-raises a failure."""
