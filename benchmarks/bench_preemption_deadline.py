@@ -160,8 +160,9 @@ class TFLoop:
 
         self.handler.run(fn)
 
-    def periodic_save(self) -> None:
+    def periodic_save(self) -> bool:
         self.mgr.save(checkpoint_number=self.handler.total_run_calls)
+        return True
 
     def close(self) -> None:
         self.handler.close()
@@ -195,13 +196,15 @@ class JaxLoop:
 
         self.state = self.handler.run(fn, self.state)
 
-    def periodic_save(self) -> None:
+    def periodic_save(self) -> bool:
         try:
             self.mgr.save(self.handler.total_run_calls, self.state, force=True,
                           custom_metadata=self.handler.checkpoint_metadata())
         except ValueError as e:  # this step is saved already (a restart, or no step since)
             if "already saved" not in str(e):
                 raise
+            return False
+        return True
 
     def close(self) -> None:
         self.handler.close()
@@ -250,8 +253,8 @@ def run_trial(framework: str, grace: float, step_s: float, write_s: float, direc
         timer.start()
         while not handler.preempted:
             now = time.monotonic()
-            if periodic and not handler.noticed and now - last_periodic >= max(2 * write_s, 0.5):
-                loop.periodic_save()
+            if (periodic and not handler.noticed and now - last_periodic >= max(2 * write_s, 0.5)
+                    and loop.periodic_save()):  # JAX: not the restored step again
                 last_periodic = now
             t = time.perf_counter()
             loop.train()
@@ -263,17 +266,19 @@ def run_trial(framework: str, grace: float, step_s: float, write_s: float, direc
 
     first, final = handler.saves[0], handler.saves[-1]
     notice, deadline = final.notice_time, final.deadline
-    final_stats = stats[final.run]
+    # None: the final save found its step saved already (reused, durable before).
+    final_stats = stats.get(final.run)
     first_stats = stats.get(first.run) if not first.final else None
     mean_step = statistics.fmean(step_times)
     final_s = final.durable_at - final.started_at
     usable = grace - final_s - mean_step
-    ours_train = 0.0 if getattr(final, "adopted", False) else max(
+    ours_train = 0.0 if final.adopted or final_stats is None else max(
         0.0, (final.started_at - notice)
         - (first_stats.blocking_s if first_stats is not None else 0.0))
     # TensorFlow's formula on the same run: same steps, same disk.
     tf_start = tf_final_save_start(notice, grace, mean_step)
-    sync_save = final_stats.blocking_s + final_stats.write_s + final_stats.commit_s
+    sync_save = (final_stats.blocking_s + final_stats.write_s + final_stats.commit_s
+                 if final_stats is not None else 0.0)
     tf_durable = tf_start + sync_save
     tf_insurance = (first_stats.blocking_s + first_stats.write_s + first_stats.commit_s
                     if first_stats is not None else sync_save)
@@ -281,12 +286,14 @@ def run_trial(framework: str, grace: float, step_s: float, write_s: float, direc
     return {
         "framework": framework, "grace": grace, "step_s": step_s, "write_s": write_s,
         "final_save_s": final_s,
-        "measured_write_s": final_stats.write_s + final_stats.commit_s,
+        "measured_write_s": (final_stats.write_s + final_stats.commit_s
+                             if final_stats is not None else 0.0),
+        "reused_saved_step": final_stats is None,
         "mean_step_s": mean_step,
         "usable_s": usable,
         "margin_s": final.margin_s,
         "saved_at_notice": first_stats is not None,
-        "adopted_in_flight": getattr(final, "adopted", False),
+        "adopted_in_flight": final.adopted,
         "ours_hit": final.durable_at <= deadline,
         "ours_slack_s": deadline - final.durable_at,
         "ours_train_s": ours_train,
@@ -338,6 +345,20 @@ def report(trials: list[dict], cells: list[tuple]) -> None:
           f"{'yes' if must_share else 'NO'}")
 
 
+def report_files(paths: list[str]) -> None:
+    """The table of the trials in ``paths`` (``--json`` files, complete or not)."""
+    trials: list[dict] = []
+    for path in paths:
+        with open(path) as f:
+            trials += json.load(f)
+    for framework in sorted({r["framework"] for r in trials}):
+        mine = [r for r in trials if r["framework"] == framework]
+        cells = sorted({(r["grace"], r["step_s"], r["write_s"], r["noise"]) for r in mine},
+                       key=lambda c: (c[0], c[1], c[2], c[3] != "none", c[3]))
+        print(f"\n{framework}: {len(mine)} trials from {', '.join(paths)}")
+        report(mine, cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("tf", "jax"), default="tf")
@@ -355,8 +376,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write all trials to this file")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                        help="only print the table of trials saved with --json (partial runs "
+                             "included: the file is rewritten after every trial)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.report:
+        report_files(args.report)
+        return
     noises = [n.strip() for n in args.noise.split(",") if n.strip()]
     for n in noises:
         if not set(n.split("+")) <= {"none", "heavy", "disk"}:

@@ -299,6 +299,7 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
         assert clock.margin() is None  # nothing measured
         for seconds in (0.03, 0.05, 0.04, 0.06, 0.03):
             _save(engine, seconds)
+        clock.steps.update(0.5)  # the first step (compiling, tracing): left out
         for _ in range(10):
             clock.steps.update(0.01)
         saves = [s.blocking_s - s.slot_wait_s + s.background_s for s in engine.history]
@@ -307,7 +308,8 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
         assert clock.save_seconds() == pytest.approx(save_hi)
         assert save_hi >= max(saves) >= 0.06
         margin = clock.margin()
-        assert margin == pytest.approx(save_hi + 0.01 * 1.15 + opts.slack_s, rel=1e-6)
+        assert margin == pytest.approx(save_hi + 0.01 * 1.15 + clock.slack_s, rel=1e-6)
+        assert clock.slack_s == 0.01  # one worker: no coordination round trips
         estimates = clock.estimates()
         assert estimates["save_s"] == pytest.approx(saves)
         assert estimates["step_s"] == pytest.approx([0.01] * 10)
@@ -329,27 +331,89 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
         restarted.seed(restored)
         assert restarted.save_seconds() == pytest.approx(clock.save_seconds())
         assert restarted.step_seconds() == pytest.approx(0.01 * 1.15)  # 3 sigma of 5%
+        restarted.steps.update(0.5)  # the first step here: left out, the seeds stay
+        assert restarted.step_seconds() == pytest.approx(0.01 * 1.15)
         restarted.steps.update(0.02)  # measured here: the earlier run's steps are dropped
         assert restarted.step_seconds() == pytest.approx(0.02 * 1.5)
 
 
-def test_final_saves_of_earlier_runs_tighten_the_bound_never_widen_it():
+def test_final_saves_bound_the_final_save_with_the_spread_of_all_saves():
     with AsyncEngine(name="t") as engine:
         clock = grace_lib.GraceClock(engine)
-        for _ in range(4):
-            _save(engine, 0.05)  # saves during training, slowed by it
+        for seconds in (0.05, 0.06, 0.05, 0.07, 0.05):
+            _save(engine, seconds)  # saves during training, slowed by it
         during_training = clock.save_seconds()
         costs = [clock.save_cost(st) for st in engine.history]
+        assert during_training == pytest.approx(grace_lib.bound(
+            costs, k=3.0, min_samples=4, cold_factor=1.5, min_spread=0.05))
         clock.seed_finals([[0.01, 1000.0]] * 3)  # too few finals: not used
         assert clock.save_seconds() == pytest.approx(during_training)
-        clock.seed_finals([[0.01, 1000.0]])  # four: the recent bound scaled down
-        ratio = 0.01 / statistics.median(costs)
-        assert clock.save_seconds() == pytest.approx(during_training * ratio)
-        clock.seed_finals([[1.0, 1000.0]] * 8)  # slower finals: never scaled up
-        assert clock.save_seconds() == pytest.approx(max(during_training, 1.15))
+        clock.seed_finals([[0.012, 1000.0]])  # four: they bound the final save
+        finals = [0.01, 0.01, 0.01, 0.012]
+        expected = grace_lib.log_bound(finals, k=3.0, min_spread=0.05, spread_from=costs)
+        assert clock.save_seconds() == pytest.approx(expected)
+        assert 0.012 <= expected < during_training
+        clock.seed_finals([[1.0, 1000.0]] * 8)  # slower finals: a slower final save
+        assert clock.save_seconds() >= 1.0
         clock.record_final(engine.last_stats)
         assert clock.final_samples()[-1][0] == pytest.approx(
             grace_lib.GraceClock.save_cost(engine.last_stats))
+
+
+def test_log_bound_widens_for_few_samples_and_covers_the_measured_tail():
+    import math
+
+    assert grace_lib.t_quantile(3.0, 1e6) == pytest.approx(3.0, rel=1e-3)
+    qs = [grace_lib.t_quantile(3.0, df) for df in (4, 7, 15, 30)]
+    assert qs == sorted(qs, reverse=True) and qs[-1] > 3.0
+    assert qs[1] == pytest.approx(4.785, rel=0.1)  # Student t_7 at 1 - 0.00135
+    # Final saves with a log-normal spread of sigma 0.15 (the benchmark's
+    # heavy noise), at the normal quantiles of 8 samples: the bound reaches
+    # a save 1.4 times their median (a 2.2 sigma event) and more.
+    z = [-1.42, -0.85, -0.47, -0.15, 0.15, 0.47, 0.85, 1.42]
+    finals = [3.0 * math.exp(0.15 * v) for v in z]
+    hi = grace_lib.log_bound(finals, k=3.0, min_spread=0.05)
+    assert hi >= 1.4 * statistics.median(finals)
+    # The spread of other saves pooled in: more degrees of freedom, a
+    # tighter t; a wider spread there, a wider bound.
+    narrow = [3.0 * math.exp(0.15 * v) for v in z * 2]
+    pooled = grace_lib.log_bound(finals, k=3.0, spread_from=narrow)
+    assert 1.4 * statistics.median(finals) <= pooled < hi
+    wide = [3.0 * math.exp(0.5 * v) for v in z * 2]
+    assert grace_lib.log_bound(finals, k=3.0, spread_from=wide) > pooled
+    # A few saves slowed ten times by a loaded machine widen it, not explode it.
+    stalled = narrow[:-3] + [30.0] * 3
+    assert grace_lib.log_bound(finals, k=3.0, spread_from=stalled) < 2 * pooled
+    assert grace_lib.log_bound([2.0] * 4, k=3.0) == pytest.approx(2.0)  # no spread: the max
+    assert grace_lib.log_bound([2.0] * 4, k=3.0, min_spread=0.05) > 2.0
+
+
+def test_a_cold_first_save_is_kept_apart_and_bounds_a_first_final_save():
+    with AsyncEngine(name="t") as engine:
+        clock = grace_lib.GraceClock(engine)
+        clock.seed({"save_s": [0.02] * 6, "save_bytes": [1000.0] * 6})
+        _save(engine, 1.0)  # the first save of a fresh process: imports, tracing
+        for _ in range(3):
+            _save(engine, 0.02)
+        first = engine.history[0]
+        assert clock.is_cold(first)
+        assert clock.save_seconds() < 1.0  # not in the window of warm saves
+        assert all(s < 1.0 for s in clock.estimates()["save_s"])  # nor stored as one
+        assert clock.cold_samples() == [[pytest.approx(clock.save_cost(first)), 1000.0]]
+        clock.record_final(first)
+        assert clock.final_samples() == []  # a cold save is no final save's sample
+        stored = clock.cold_samples()
+    assert stored[0][0] >= 1.0
+    with AsyncEngine(name="t2") as engine2:
+        restarted = grace_lib.GraceClock(engine2)
+        # Warm saves of 0.5 s: a first save is cold above 1.5 x their bound.
+        restarted.seed({"save_s": [0.5] * 6, "save_bytes": [1000.0] * 6})
+        restarted.seed_finals([], cold=[[2.0, 1000.0]])
+        # No save yet in this run: the final save would be the first, cold one.
+        assert restarted.save_seconds() >= 2.0
+        _save(engine2, 0.02)  # a warm first save (the process was warm)
+        assert not restarted.is_cold(engine2.history[0])
+        assert restarted.save_seconds() < 2.0
 
 
 def test_write_bound_scales_with_state_bytes_and_is_per_tier():

@@ -221,6 +221,12 @@ class AsyncEngine(ClosingContext):
         return self._estimator.seconds
 
     @property
+    def writer_thread_id(self) -> int | None:
+        """The writer thread's native id (None before the first save), e.g. to set its priority."""
+        thread = self._thread
+        return None if thread is None else thread.native_id
+
+    @property
     def busy_for(self) -> float | None:
         """Seconds the writer has spent on the save it is writing now; None when idle.
 

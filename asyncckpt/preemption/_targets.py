@@ -51,6 +51,15 @@ class Target:
     def sync(self) -> None:
         raise NotImplementedError
 
+    def sync_local(self) -> None:
+        """Waits until every save is committed locally (not for background uploads)."""
+        self.engine.sync()
+
+    @property
+    def manager(self) -> Any:
+        """The checkpoint manager saves go through."""
+        raise NotImplementedError
+
     def after_final_save(self) -> None:
         """Cleanup once the final checkpoint is durable on every worker."""
 
@@ -177,6 +186,10 @@ class TFTarget(Target):
         return self._write.engine
 
     @property
+    def manager(self) -> Any:
+        return self._write
+
+    @property
     def directory(self) -> str:
         return os.fspath(self._read.directory)
 
@@ -241,6 +254,10 @@ class JaxTarget(Target):
     @property
     def engine(self) -> AsyncEngine:
         return self._mgr.engine
+
+    @property
+    def manager(self) -> Any:
+        return self._mgr
 
     @property
     def directory(self) -> str:

@@ -5,54 +5,56 @@ final save must *start* early enough to be durable before ``D = t0 + G``. At
 every step boundary ``t`` the handler starts the final round if
 ``t + margin >= D``, where::
 
-    margin = T_hi + Q + a * S_hi + slack
+    margin = T_hi + Q + a * S_hi + slack  (+ U_hi when the final save is to be uploaded)
 
-Every ``X_hi`` is a robust upper bound of the last ``N`` measured samples of
-``X`` (``bound``): the larger of their maximum and ``median + k * sigma``
-with ``sigma = 1.4826 * MAD`` (a ``k``-sigma bound that stays honest when the
-spread is wide but the window has not yet seen a bad sample), but at least
-``min_spread`` of the median (a few samples taken close together can agree
-by chance more than the next one will); with fewer than ``min_samples``
-samples it is the maximum times ``cold_factor``.
-
-* ``T``: what one save costs from its start to durable when nothing is
-  queued before it: the copy to host (blocking time less any wait for a free
-  slot) plus the background write, commit and fsync. Samples of the tier the
-  next save goes to only (``GraceOptions.tier_fn``: the local disk, an
-  object store...), each scaled up to the state's current size (a state that
-  grew since the sample was taken writes longer). Bounding the sum per save,
-  not each part, keeps the bound tight: a save with a slow copy (the first
-  use of a staging slot) need not also have the slowest write. Saves made
-  while training runs compete with it for CPU and the GIL (the writer runs
-  at a lower priority); the final save does not, the training thread waits.
-  So once ``min_samples`` final saves of earlier preemptions were measured
-  (the last ``FINAL_WINDOW``, kept beside the checkpoints), the bound of the
-  recent saves is scaled by ``median(finals) / median(recent)`` when that is
-  below 1 (the recent window keeps its spread, which reflects the machine's
-  current state), but never below the finals' own bound;
+* ``T_hi`` bounds the final save (copy to host, write, commit, fsync). Two
+  populations are measured per storage tier (``GraceOptions.tier_fn``), each
+  scaled to the state's current size: the last ``WRITE_WINDOW`` saves made
+  while training ran, and the last ``FINAL_WINDOW`` final saves of earlier
+  preemptions, made while training waited (kept beside the checkpoints).
+  Saves made while training runs compete with it for CPU and the GIL (the
+  writer runs at a lower priority), the final save does not; so once
+  ``min_samples`` finals exist they bound it, in log space (``log_bound``):
+  ``exp(mean(log finals) + t * s * sqrt(1 + 1/n))`` and at least their
+  maximum, with ``s`` the robust standard deviation (MAD) of the logs
+  pooled over both populations and ``t`` the Student quantile with the tail
+  of ``spread_k`` normal sigmas for the degrees of freedom that MAD is
+  worth. Before that, the bound of the saves made while training
+  (``bound``: their maximum, or ``median + k sigma``, whichever is larger).
+* The engine's first save is cold when it costs more than ``cold_factor``
+  times the bound of the warm saves (imports, tracing, first allocations):
+  it is kept out of the window (it would hold the bound up for
+  ``WRITE_WINDOW`` saves and across restarts) and apart, and bounds a final
+  save that would be the engine's first.
 * ``Q``: what the saves in flight still need (the engine writes in order, so
-  the final save waits for them): ``T_hi`` per queued save and, for the one
-  being written, ``T_hi`` minus the time it has run, at least ``T_hi / 4`` (a
-  write already past the bound is slow, not nearly done);
-* ``S``: step time; ``a`` steps: one because the check runs once per step
-  (the deadline can be crossed just after one), one more with several
-  workers (the agreed step is the largest current step + 1);
-* ``slack``: fixed costs (coordination round trips, waking the waiter).
+  the final save waits for them), bounded like saves made while training:
+  the bound per queued save and, for the one being written, the bound minus
+  the time it has run, at least a quarter of it.
+* ``S``: step time (``bound`` over the last ``STEP_WINDOW``, the first
+  interval left out: compiling, tracing); ``a`` steps: one because the check
+  runs once per step (the deadline can be crossed just after one), one more
+  with several workers (the agreed step is the largest current step + 1).
+* ``slack``: coordination round trips and waking the waiter.
+* ``U_hi``: with a remote tier beside the local one and the final save
+  planned for it (``choose_tier`` at the notice: when the margin with the
+  upload fits in the time left), the bound of the measured uploads, plus
+  what is left of an upload in progress.
 
-Why it is safe: the final save is durable in time unless it takes longer
-than ``T_hi`` plus what the step and slack terms leave over, i.e. unless it is
-slower than the slowest of the last ``N`` saves *and* than the median plus
-``k`` robust standard deviations. The risk it accepts is exactly that: a save
-from the tail beyond anything seen recently (with the defaults ``N = 16``,
-``k = 3``, at least 5% of the median per sigma: about 1 in 1000 saves for a
-Gaussian spread, more for heavier tails, e.g. about 1 in 100 for log-normal
-noise of sigma 0.25).
+The risk accepted: a final save slower than ``T_hi`` plus what the step and
+slack terms leave over. For log-normal save times whose spread the saves made
+while training share, about 1 in 740 (3 sigma, one-sided), the estimation of
+mean and spread from few samples paid for by ``t`` and ``sqrt(1 + 1/n)``.
+Not covered: a final save slower than its population (a stall that starts
+during it), finals spread wider than the saves made while training, and
+finals measured on a machine that has since become slower
+(``docs/preemption.md``).
 
-The samples (last ``N`` of each) are stored in every checkpoint and seed the
-next run, so a restarted job starts from its measured distribution, not from
-zero. With several workers, each publishes its margin at the notice and the
-final round starts at the boundary where the *largest* margin of any worker
-crosses the deadline (see ``agreement``).
+The samples are stored in every checkpoint (and the final, cold and upload
+times in a file beside them) and seed the next run, so a restarted job
+starts from its measured distribution, not from zero. With several workers,
+each publishes its margin at the notice and the final round starts at the
+boundary where the *largest* margin of any worker crosses the deadline (see
+``agreement``).
 
 TensorFlow's handler uses ``G - 6 * mean step time``: it ignores the write,
 so a final save that takes longer than six steps misses the deadline, and it
@@ -81,6 +83,8 @@ WRITE_WINDOW = 16
 STEP_WINDOW = 32
 # Final saves kept (in a file beside the checkpoints: see ``_targets``).
 FINAL_WINDOW = 8
+# Cold first saves of recent runs kept (same file).
+COLD_WINDOW = 4
 # Layout of the estimates as a flat float vector (TensorFlow stores them in a
 # float64 variable of fixed shape): a version, then each window, NaN-padded.
 ESTIMATES_VERSION = 2.0
@@ -105,14 +109,18 @@ class GraceOptions:
     Attributes:
         window: Recent saves the bound is taken over (at most
             ``WRITE_WINDOW``, what checkpoints store).
-        spread_k: Robust standard deviations above the median the bound
-            reaches at least.
-        min_spread: Least robust standard deviation assumed, as a share of
+        spread_k: Standard deviations above the center the bounds reach (for
+            the final save: a normal tail of this many sigmas, widened for
+            few samples).
+        min_spread: Least standard deviation assumed, as a share of
             the median.
         min_samples: Below this many samples the bound is the maximum times
-            ``cold_factor`` (the spread is not known yet).
-        cold_factor: See ``min_samples``.
-        slack_s: Fixed seconds for coordination round trips and wake-ups.
+            ``cold_factor`` (the spread is not known yet); as many final
+            saves are needed before they bound the final save.
+        cold_factor: See ``min_samples``; also, an engine's first save is
+            cold when it costs more than this times the warm saves' bound.
+        slack_s: Fixed seconds for coordination round trips and wake-ups
+            (None: 0.01 s for one worker, 0.05 s for several).
         unknown_write_fraction: Share of the grace period to train for when no
             write time has ever been measured.
         save_at_notice_ratio: Save at the notice as well only if the grace
@@ -130,7 +138,7 @@ class GraceOptions:
     min_spread: float = 0.05
     min_samples: int = 4
     cold_factor: float = 1.5
-    slack_s: float = 0.05
+    slack_s: float | None = None
     unknown_write_fraction: float = 0.5
     save_at_notice_ratio: float = 4.0
     tier_fn: Callable[[SaveStats], str] = field(default=local_tier, compare=False)
@@ -138,7 +146,7 @@ class GraceOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.window <= WRITE_WINDOW:
             raise ValueError(f"window must be within [1, {WRITE_WINDOW}], got {self.window!r}")
-        if self.spread_k < 0 or self.slack_s < 0 or self.min_spread < 0:
+        if self.spread_k < 0 or (self.slack_s or 0.0) < 0 or self.min_spread < 0:
             raise ValueError("spread_k, min_spread and slack_s must be >= 0")
         if self.min_samples < 1 or self.cold_factor < 1:
             raise ValueError("min_samples and cold_factor must be >= 1")
@@ -166,6 +174,68 @@ def bound(samples: Sequence[float], *, k: float, min_samples: int,
     return max(top, med + k * sigma)
 
 
+def t_quantile(k: float, df: float) -> float:
+    """Student's t quantile with the upper tail of a normal's ``k`` sigmas (``df`` >= 1).
+
+    Cornish-Fisher expansion to the third order (within ~10% of the exact
+    value for df >= 4 at k = 3, exact as df grows); used so that a bound
+    from few samples widens by what estimating their spread costs.
+    """
+    z, v = k, max(1.0, df)
+    return (z + (z ** 3 + z) / (4 * v)
+            + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * v ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * v ** 3))
+
+
+# Asymptotic efficiency of the MAD as an estimate of a normal's sigma: the
+# degrees of freedom a spread from the MAD of n samples is worth.
+MAD_EFFICIENCY = 0.37
+# Least degrees of freedom ``t_quantile`` is asked for (its expansion holds
+# from about there: 6.4 at k = 3, the exact value being 7.2).
+MIN_DF = 4.0
+
+
+def log_bound(samples: Sequence[float], *, k: float, min_spread: float = 0.0,
+              spread_from: Sequence[float] = (), cap: float | None = None) -> float:
+    """An upper prediction bound of the next sample, in log space.
+
+    ``max(max(x), exp(mean + t * s * sqrt(1 + 1/n)))`` over the logs of the
+    ``n`` samples ``x``: ``s`` is the robust standard deviation (``1.4826
+    MAD``) of the logs pooled with those of ``spread_from``, each group about
+    its own median (at least ``min_spread``), and ``t`` the Student quantile
+    with the tail of ``k`` normal sigmas for the degrees of freedom the pooled
+    MAD is worth (``MAD_EFFICIENCY`` of ``n - 1`` per group). Log space
+    because save times are positive and skewed (multiplicative noise); robust
+    because saves slowed by a loaded machine (a few 10 times the median) are
+    not a spread to extrapolate (a plain standard deviation made bounds of
+    15-20 s from samples of 0.3-5 s); the slowest sample is kept as a floor;
+    ``sqrt(1 + 1/n)`` and ``t`` because mean and spread are estimated. At
+    most ``cap`` (and never below the slowest sample).
+    """
+    logs = [math.log(x) for x in samples if x > 0]
+    if not logs:
+        return max(samples)
+    other = [math.log(x) for x in spread_from if x > 0]
+    residuals: list[float] = []
+    df = 0
+    for group in (logs, other):
+        if len(group) >= 2:
+            center = statistics.median(group)
+            residuals += [v - center for v in group]
+            df += len(group) - 1
+    s = 1.4826 * statistics.median(abs(r) for r in residuals) if residuals else 0.0
+    s = max(s, min_spread)
+    # At least MIN_DF degrees of freedom: below, the expansion diverges (and a
+    # t of 7 or more times a spread of saves slowed by a loaded machine gave
+    # bounds of a minute for a 0.25 s write); ``cap`` bounds what is left.
+    t = t_quantile(k, max(MIN_DF, df * MAD_EFFICIENCY)) if df else k
+    n = len(logs)
+    hi = math.exp(statistics.fmean(logs) + t * s * math.sqrt(1 + 1 / n))
+    if cap is not None:
+        hi = min(hi, cap)
+    return max(max(samples), hi)
+
+
 def tf_final_save_start(notice_time: float, grace_period: float, mean_step_s: float) -> float:
     """When TensorFlow's handler starts its final save: ``notice + G - 6 * step``.
 
@@ -176,16 +246,25 @@ def tf_final_save_start(notice_time: float, grace_period: float, mean_step_s: fl
 
 
 class StepTimes:
-    """The last ``STEP_WINDOW`` seconds between step boundaries."""
+    """The last ``STEP_WINDOW`` seconds between step boundaries.
+
+    The first interval measured is left out: the first step of a process
+    compiles or traces (JAX's jit: 0.5 s for a 50 ms step here) and would
+    hold the bound up for ``STEP_WINDOW`` steps.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._samples: deque[float] = deque(maxlen=STEP_WINDOW)
         self._seeded = False
         self.count = 0
+        self.first: float | None = None
 
     def update(self, seconds: float) -> None:
         with self._lock:
+            if self.first is None:
+                self.first = seconds
+                return
             if self._seeded:  # the first measured step replaces the earlier run's
                 self._samples.clear()
                 self._seeded = False
@@ -264,15 +343,36 @@ class GraceClock:
         self.step_allowance = 1.0 if num_workers <= 1 else 2.0
         self._seeded: dict[str, list[float]] = {}
         self._finals: deque[tuple[float, float]] = deque(maxlen=FINAL_WINDOW)
+        self._cold: deque[tuple[float, float]] = deque(maxlen=COLD_WINDOW)
+        self._cold_seen: SaveStats | None = None  # the engine's first save, if cold
+        self._warm_first: SaveStats | None = None  # ... if it was not
+        # The manager's remote tier (``_remote.RemoteTierView``), set by the
+        # handler; and the tier the final save is planned for at the notice.
+        self.remote = None
+        self.plan: str | None = None
         self._lock = threading.Lock()  # the watcher thread reads the margin too
 
     # -- samples ----------------------------------------------------------------
 
+    def _is_cold(self, first: SaveStats, warm: Sequence[float]) -> bool:
+        """Whether the engine's first save was cold: ``cold_factor`` times the others' bound.
+
+        The first save of a process pays for imports, tracing and first
+        allocations (TensorFlow here: 0.97 s against 0.3 s for the next ones);
+        the first save of a new engine in a warm process does not. So it is
+        judged by what it cost, against the warm samples, with room for an
+        ordinary slow save (which stays in the window).
+        """
+        hi = self._bound(warm)
+        return hi is not None and self.save_cost(first) > hi * self.options.cold_factor
+
     def _save_samples(self) -> tuple[list[float], list[float]]:
-        """``(seconds, bytes)`` of recent saves of the tier the next save goes to.
+        """``(seconds, bytes)`` of recent warm saves of the tier the next save goes to.
 
         The engine's own saves come after the seeded ones (from the restored
-        checkpoint) and push them out of the window.
+        checkpoint) and push them out of the window. The engine's first save
+        is left out if it was cold (``_is_cold``); it is kept apart and stored
+        beside the final saves.
         """
         history = self.engine.history
         seconds = list(self._seeded.get("save_s", []))
@@ -280,38 +380,73 @@ class GraceClock:
         if history:
             tier = self.options.tier_fn(history[-1])
             mine = [s for s in history if self.options.tier_fn(s) == tier]
+            first = history[0]
+            if mine and mine[0] is first and first is not self._warm_first:
+                rest = seconds + [self.save_cost(s) for s in mine[1:]]
+                warm = rest[-self.options.window:]
+                if first is self._cold_seen:
+                    mine = mine[1:]
+                elif len(warm) < self.options.min_samples:
+                    pass  # too few warm saves to judge it yet: counted, judged later
+                elif self._is_cold(first, warm):
+                    self._cold_seen = first
+                    with self._lock:
+                        self._cold.append((self.save_cost(first), float(first.nbytes)))
+                    mine = mine[1:]
+                else:
+                    self._warm_first = first
             seconds += [self.save_cost(s) for s in mine]
             sizes += [float(s.nbytes) for s in mine]
         n = self.options.window
         return seconds[-n:], sizes[-n:]
+
+    def is_cold(self, stats: SaveStats) -> bool:
+        """Whether ``stats`` is the engine's first save and was cold (see ``_is_cold``)."""
+        self._save_samples()
+        return stats is self._cold_seen
 
     def _bound(self, samples: Sequence[float]) -> float | None:
         o = self.options
         return bound(samples, k=o.spread_k, min_samples=o.min_samples,
                      cold_factor=o.cold_factor, min_spread=o.min_spread)
 
-    def save_seconds(self) -> float | None:
-        """Upper bound of the next save's time to durable; None if never measured."""
+    def _scaled(self, pairs, nbytes: float) -> list[float]:
+        return [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t for t, b in pairs]
+
+    def _bounds(self) -> tuple[float | None, float | None]:
+        """``(final, during)``: bounds of the final save and of a save made while training.
+
+        See the module docstring. ``final`` is what the final save is
+        expected to need at most; ``during`` bounds a save made while
+        training runs (what a save in flight at the notice may still need).
+        """
+        o = self.options
         seconds, sizes = self._save_samples()
         last = self.engine.last_stats
         nbytes = float(last.nbytes) if last is not None else (sizes[-1] if sizes else 0.0)
-
-        def scaled(pairs):
-            return [t * max(1.0, nbytes / b) if b > 0 and nbytes > 0 else t for t, b in pairs]
-
-        during = scaled(zip(seconds, sizes, strict=True))
+        during = self._scaled(zip(seconds, sizes, strict=True), nbytes)
         with self._lock:
-            finals = scaled(list(self._finals))
-        if not during:
-            return self._bound(finals)
-        hi = self._bound(during)
-        if len(finals) >= self.options.min_samples:
-            # Final saves run while training waits: scale the recent saves'
-            # distribution (its spread included) by how much faster final
-            # saves were, never up, never below the finals' own bound.
-            ratio = min(1.0, statistics.median(finals) / statistics.median(during))
-            hi = max(hi * ratio, self._bound(finals))
-        return hi
+            finals = self._scaled(list(self._finals), nbytes)
+            cold = self._scaled(list(self._cold), nbytes)
+        during_hi = self._bound(during)
+        if len(finals) >= o.min_samples:
+            # At most cold_factor times the slowest save of either kind.
+            final_hi = log_bound(finals, k=o.spread_k, min_spread=o.min_spread,
+                                 spread_from=during,
+                                 cap=o.cold_factor * max(finals + during))
+        elif during_hi is not None:
+            final_hi = max([during_hi, *finals])
+        else:
+            final_hi = self._bound(finals)
+        if final_hi is not None and cold and not self.engine.history:
+            # The final save would be the engine's first: it may pay the cold
+            # cost (imports, tracing, first allocations) of earlier runs.
+            final_hi = max([final_hi, *cold])
+        return final_hi, (during_hi if during_hi is not None else final_hi)
+
+    def save_seconds(self) -> float | None:
+        """Upper bound of the final save's time to durable; None if never measured."""
+        return self._bounds()[0]
 
     @staticmethod
     def save_cost(stats: SaveStats) -> float:
@@ -319,7 +454,12 @@ class GraceClock:
         return stats.blocking_s - stats.slot_wait_s + stats.background_s
 
     def record_final(self, stats: SaveStats) -> None:
-        """Adds the measured cost of a final save (made while training waited)."""
+        """Adds the measured cost of a final save (made while training waited).
+
+        A cold final save (the process's first) is kept apart: see ``is_cold``.
+        """
+        if self.is_cold(stats):
+            return
         with self._lock:
             self._finals.append((self.save_cost(stats), float(stats.nbytes)))
 
@@ -328,16 +468,23 @@ class GraceClock:
         with self._lock:
             return [[t, b] for t, b in self._finals]
 
-    def seed_finals(self, samples) -> None:
-        """Starts from the final saves of earlier runs (``final_samples()``'s format)."""
-        for item in samples or ():
-            try:
-                t, b = (_finite(x) for x in item)
-            except (TypeError, ValueError):
-                continue
-            if t is not None:
-                with self._lock:
-                    self._finals.append((t, b or 0.0))
+    def cold_samples(self) -> list[list[float]]:
+        """``[[seconds, bytes], ...]`` of cold first saves of recent runs, oldest first."""
+        self._save_samples()
+        with self._lock:
+            return [[t, b] for t, b in self._cold]
+
+    def seed_finals(self, samples, *, cold=None) -> None:
+        """Starts from the final (and cold) saves of earlier runs (``final_samples()``'s format)."""
+        for window, items in ((self._finals, samples), (self._cold, cold)):
+            for item in items or ():
+                try:
+                    t, b = (_finite(x) for x in item)
+                except (TypeError, ValueError):
+                    continue
+                if t is not None:
+                    with self._lock:
+                        window.append((t, b or 0.0))
 
     def step_seconds(self) -> float:
         return self._bound(self.steps.samples) or 0.0
@@ -352,15 +499,67 @@ class GraceClock:
             return pending * write
         return (pending - 1) * write + max(write - busy, write / 4)
 
+    def upload_seconds(self) -> float | None:
+        """Upper bound of an upload of the final checkpoint to the remote tier, queue included.
+
+        None without a remote tier that uploads in the background, or without
+        a measured upload. Bounded like a save (``bound``), scaled to the
+        state's current size; an upload in progress is ahead of the final
+        one, by what is left of its bound (at least a quarter of it).
+        """
+        if self.remote is None or self.remote.every_save:
+            return None
+        samples = self.remote.samples()
+        last = self.engine.last_stats
+        nbytes = float(last.nbytes) if last is not None else 0.0
+        hi = self._bound(self._scaled(samples, nbytes))
+        if hi is None:
+            return None
+        running = self.remote.running_for()
+        return hi if running is None else hi + max(hi - running, hi / 4)
+
+    def choose_tier(self, left: float) -> str:
+        """At the notice: the tier the final save is planned for, with ``left`` seconds left.
+
+        ``remote`` when the margin with the upload fits in the time left,
+        else ``local`` (no upload measured yet counts as not fitting). A URL
+        directory uploads every save: always ``remote``. Kept for later calls.
+        """
+        if self.plan is None:
+            if self.remote is None:
+                self.plan = "local"
+            elif self.remote.every_save:
+                self.plan = "remote"
+            else:
+                self.plan = "remote"  # margin_parts counts the upload while planned
+                parts = self.margin_parts()
+                if parts is None or self.upload_seconds() is None or parts[0] >= left:
+                    self.plan = "local"
+        return self.plan
+
     def margin_parts(self) -> tuple[float, float] | None:
-        """``(margin, queued)``: the margin and its part for saves in flight; None if unknown."""
-        save = self.save_seconds()
+        """``(margin, queued)``: the margin and its part for saves in flight; None if unknown.
+
+        With a remote tier planned for (``choose_tier``; before the notice:
+        whenever one exists), the upload's bound is part of both.
+        """
+        save, during = self._bounds()
         if save is None:
             return None
-        queued = self.queued_seconds(save)
-        margin = (save + queued + self.step_allowance * self.step_seconds()
-                  + self.options.slack_s)
+        queued = self.queued_seconds(during)
+        if self.plan != "local":
+            upload = self.upload_seconds()
+            if upload is not None:
+                queued += upload
+        margin = save + queued + self.step_allowance * self.step_seconds() + self.slack_s
         return margin, queued
+
+    @property
+    def slack_s(self) -> float:
+        """Fixed seconds for the protocol: ``slack_s``, or its default per worker count."""
+        if self.options.slack_s is not None:
+            return self.options.slack_s
+        return 0.01 if self.step_allowance == 1.0 else 0.05
 
     def margin(self) -> float | None:
         """Seconds before the deadline the final round must start; None if unknown."""

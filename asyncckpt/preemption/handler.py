@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -24,6 +25,12 @@ from asyncckpt._coordination import (
     CoordinationTimeoutError,
     Coordinator,
     auto_coordinator,
+)
+from asyncckpt.preemption._remote import (
+    RemoteTierView,
+    raise_priority,
+    restore_priority,
+    tiers_of,
 )
 from asyncckpt.preemption._targets import JaxTarget, Target, make_target
 from asyncckpt.preemption.agreement import AgreementOptions, Decision, StepAgreement
@@ -62,6 +69,12 @@ class PreemptionSave:
         adopted: No new save was made: the save in flight at the final
             boundary became the final checkpoint (``run`` is its step), as a
             new one could not be durable in time.
+        tier: Final saves: the tier the checkpoint reached, ``"remote"``
+            (committed to the manager's remote tier or URL directory) or
+            ``"local"`` (the local directory only).
+        location: Final saves: the URL or local path of that tier.
+        remote_error: Final saves of a manager with a remote tier that ended
+            ``"local"``: why the remote tier was not reached.
     """
 
     run: int
@@ -72,6 +85,9 @@ class PreemptionSave:
     deadline: float | None
     margin_s: float | None
     adopted: bool = False
+    tier: str | None = None
+    location: str | None = None
+    remote_error: str | None = None
 
 
 def _framework_of(obj: Any) -> str:
@@ -155,7 +171,13 @@ class PreemptionCheckpointHandler(ClosingContext):
                                  num_workers=self._coordinator.num_workers)
         runs, estimates = self._target.restore_bookkeeping()
         self._clock.seed(estimates)
-        self._clock.seed_finals(self._target.read_timings().get("final_s"))
+        timings = self._target.read_timings()
+        self._clock.seed_finals(timings.get("final_s"), cold=timings.get("cold_s"))
+        tiers = tiers_of(self._target.manager)
+        self._remote = None if tiers is None else RemoteTierView(tiers)
+        if self._remote is not None:
+            self._remote.seed(timings.get("upload_s"))
+            self._clock.remote = self._remote
         self._agreement = StepAgreement(
             self._coordinator,
             namespace=f"asyncckpt/preemption/{next(_handler_ids)}",
@@ -213,7 +235,18 @@ class PreemptionCheckpointHandler(ClosingContext):
 
     def _handle_notice(self, notice: Notice) -> None:
         try:
-            self._agreement.notice(notice, self._config.grace_for(notice.source))
+            grace = self._config.grace_for(notice.source)
+            if self._remote is not None and self._clock.plan is None:
+                plan = self._clock.choose_tier(notice.wall_time + grace - time.time())
+                upload = self._clock.upload_seconds()
+                logger.warning(
+                    "[worker %d] final save planned for the %s tier (%s): %s",
+                    self._coordinator.worker_id, plan,
+                    self._remote.url if plan == "remote" else self._remote.local_dir,
+                    "every save is uploaded" if self._remote.every_save else
+                    "no upload measured yet" if upload is None else
+                    f"upload bound {upload:.2f} s, grace period {grace:.1f} s")
+            self._agreement.notice(notice, grace)
         except Exception:
             logger.exception("could not handle the termination notice %s", notice)
 
@@ -277,6 +310,16 @@ class PreemptionCheckpointHandler(ClosingContext):
     @property
     def coordinator(self) -> Coordinator:
         return self._coordinator
+
+    @property
+    def final_tier(self) -> str | None:
+        """The tier the final checkpoint reached, ``"remote"`` or ``"local"`` (None before).
+
+        ``saves[-1].location`` says where, ``saves[-1].remote_error`` why a
+        remote tier was not reached.
+        """
+        finals = [s for s in self.saves if s.final]
+        return finals[-1].tier if finals else None
 
     @property
     def grace_clock(self) -> GraceClock:
@@ -386,6 +429,11 @@ class PreemptionCheckpointHandler(ClosingContext):
         margin = self._agreement.margin()
         started = time.time()
         estimates = self._clock.estimates()
+        boosted = []
+        if final:  # training waits now: the writer (and uploader) need not yield to it
+            boosted = raise_priority([self._target.engine.writer_thread_id,
+                                      None if self._remote is None
+                                      else self._remote.uploader_thread_id])
         adopted = final and self._adopt_in_flight()
         if adopted:
             pass  # the save in flight becomes the final checkpoint
@@ -395,10 +443,12 @@ class PreemptionCheckpointHandler(ClosingContext):
             self._config.save_fn(*save_args, **kwargs)
         else:
             self._target.save(runs, estimates, state, args, dict(kwargs))
-        durable = None
+        durable = tier = location = remote_error = None
         if final:
-            self._target.sync()
-            durable = time.time()
+            try:
+                tier, location, remote_error, durable = self._make_durable()
+            finally:
+                restore_priority(boosted)
         if final and not adopted and self._config.save_fn is None:
             self._record_final()
         if adopted:
@@ -409,7 +459,8 @@ class PreemptionCheckpointHandler(ClosingContext):
         record = PreemptionSave(
             run=runs, final=final, started_at=started, durable_at=durable,
             notice_time=notice.get("time"), deadline=self._agreement.deadline(),
-            margin_s=margin, adopted=adopted,
+            margin_s=margin, adopted=adopted, tier=tier, location=location,
+            remote_error=remote_error,
         )
         self.saves.append(record)
         if not final:
@@ -418,6 +469,41 @@ class PreemptionCheckpointHandler(ClosingContext):
             return
         self._finish(record)
 
+    def _make_durable(self) -> tuple[str, str, str | None, float]:
+        """Final save: waits until it is durable on the tier planned.
+
+        With a remote tier beside the local directory the checkpoint is
+        committed locally first; when the final save is planned for the
+        remote tier it is then uploaded (unless the manager's schedule has
+        it on its way already) and waited for no longer than the deadline
+        allows. If the upload fails or does not finish in time the
+        checkpoint stays committed locally, which is reported.
+
+        Returns:
+            ``(tier, location, why the remote tier was not reached, when
+            the checkpoint became durable on that tier)``.
+        """
+        remote = self._remote
+        if remote is None:
+            self._target.sync()
+            return "local", self._target.directory, None, time.time()
+        if remote.every_save:  # a URL directory: committed remotely, or the save fails
+            self._target.sync()
+            return "remote", remote.url, None, time.time()
+        self._target.sync_local()
+        local_at = time.time()
+        last = self._target.engine.last_stats
+        name = os.path.basename(last.label) if last is not None else ""
+        local = remote.local_location(name)
+        if self._clock.plan != "remote":
+            return "local", local, "the grace period is too short for the upload", local_at
+        deadline = self._agreement.deadline()
+        left = (deadline - time.time() - self._clock.slack_s) if deadline is not None else 3600.0
+        why = remote.upload_final(name, left)
+        if why is None:
+            return "remote", f"{remote.url.rstrip('/')}/{name}", None, time.time()
+        return "local", local, why, local_at
+
     def _record_final(self) -> None:
         """Keeps the final save's cost for the next run's margin (worker 0 writes it)."""
         last = self._target.engine.last_stats
@@ -425,7 +511,11 @@ class PreemptionCheckpointHandler(ClosingContext):
             return
         self._clock.record_final(last)
         if self._coordinator.worker_id == 0:
-            self._target.write_timings({"final_s": self._clock.final_samples()})
+            timings = {"final_s": self._clock.final_samples(),
+                       "cold_s": self._clock.cold_samples()}
+            if self._remote is not None:
+                timings["upload_s"] = self._remote.samples()
+            self._target.write_timings(timings)
 
     def _adopt_in_flight(self) -> bool:
         """Single worker: a save is in flight and a new one would end after the deadline.
@@ -463,8 +553,14 @@ class PreemptionCheckpointHandler(ClosingContext):
             left = f"{record.deadline - record.durable_at:.2f} s before the deadline"
         else:
             left = f"{record.durable_at - record.deadline:.2f} s after the deadline"
-        logger.warning("[worker %d] final checkpoint at run %d durable (%s); exiting",
-                       me, record.run, left)
+        if record.tier == "local" and record.remote_error is not None:
+            logger.warning("[worker %d] final checkpoint at run %d committed locally only, at "
+                           "%s (%s); the remote tier was not reached: %s; exiting",
+                           me, record.run, record.location, left, record.remote_error)
+        else:
+            logger.warning("[worker %d] final checkpoint at run %d durable on the %s tier, "
+                           "%s (%s); exiting", me, record.run, record.tier, record.location,
+                           left)
         self._config.exit_fn()
         logger.warning("[worker %d] exit_fn returned: training may go on, but the handler no "
                        "longer watches for termination", me)

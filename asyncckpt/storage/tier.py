@@ -114,6 +114,7 @@ class RemoteTier:
         self._cv = threading.Condition()
         self._pending: tuple[catalog.CheckpointInfo, str | None, Future] | None = None
         self._busy = False
+        self._current: tuple[str, float] | None = None  # (name, monotonic start) uploading
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -211,6 +212,7 @@ class RemoteTier:
                 info, pin, future = self._pending
                 self._pending = None
                 self._busy = True
+                self._current = (info.name, time.monotonic())
             try:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -225,6 +227,7 @@ class RemoteTier:
                     shutil.rmtree(pin, ignore_errors=True)
                 with self._cv:
                     self._busy = False
+                    self._current = None
                     self._cv.notify_all()
 
     def _upload_and_retain(self, info: catalog.CheckpointInfo, *, data_uploaded: bool = False
@@ -233,8 +236,8 @@ class RemoteTier:
         remote = protocol.upload_checkpoint(
             self.store, info, retry=self.options.retry, concurrency=self.options.concurrency,
             data_uploaded=data_uploaded)
-        self.stats.append({"name": info.name, "nbytes": remote.nbytes,
-                           "seconds": time.monotonic() - t0})
+        entry = {"name": info.name, "nbytes": remote.nbytes, "seconds": time.monotonic() - t0}
+        self.stats.append(entry)
         with self._cv:
             if self._listing is not None:
                 self._listing = _sorted_listing(
@@ -243,6 +246,7 @@ class RemoteTier:
             self._retain(remote)
         except Exception as e:  # retention is housekeeping: the new step is committed
             logger.warning("%s: remote retention after %s failed: %s", self.url, remote.name, e)
+        entry["total_seconds"] = time.monotonic() - t0  # retention included
         return remote
 
     def _retain(self, newest: protocol.RemoteCheckpoint) -> None:
@@ -261,6 +265,20 @@ class RemoteTier:
             protocol.delete_uncommitted(self.store, older_than_step=newest.step, objects=objects)
         self.store.abort_incomplete_uploads(older_than_s=max(0.0, time.time() -
                                                              self._started_wall))
+
+    @property
+    def uploader_thread_id(self) -> int | None:
+        """The uploader thread's native id (None before the first upload)."""
+        thread = self._thread
+        return None if thread is None else thread.native_id
+
+    def in_flight(self) -> tuple[tuple[str, float] | None, str | None]:
+        """What the uploader holds: ``((name, seconds it has run) | None, waiting name | None)``."""
+        with self._cv:
+            running = (None if self._current is None
+                       else (self._current[0], time.monotonic() - self._current[1]))
+            waiting = None if self._pending is None else self._pending[0].name
+        return running, waiting
 
     # -- reading -------------------------------------------------------------------
 
@@ -291,8 +309,11 @@ class RemoteTier:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Waits until nothing is uploading or waiting; re-raises a failure."""
+    def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> None:
+        """Waits until nothing is uploading or waiting; re-raises a failure.
+
+        ``raise_errors=False`` leaves a failure pending for the next call.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._pending is not None or self._busy:
@@ -300,7 +321,8 @@ class RemoteTier:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"uploads to {self.url} still running after {timeout} s")
                 self._cv.wait(left)
-        self.raise_pending_error()
+        if raise_errors:
+            self.raise_pending_error()
 
     def close(self, timeout: float | None = None) -> None:
         """Finishes the uploads in flight, stops the uploader, re-raises a failure."""
