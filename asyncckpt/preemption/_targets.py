@@ -57,8 +57,8 @@ class Target:
 
     @property
     def manager(self) -> Any:
-        """The checkpoint manager saves go through."""
-        raise NotImplementedError
+        """The checkpoint manager saves go through (None: no manager, so no remote tier)."""
+        return None
 
     def after_final_save(self) -> None:
         """Cleanup once the final checkpoint is durable on every worker."""
