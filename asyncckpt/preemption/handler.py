@@ -47,6 +47,7 @@ from asyncckpt.preemption.watchers import (
     maintenance_watcher,
     spot_watcher,
 )
+from asyncckpt.storage.base import StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -435,6 +436,7 @@ class PreemptionCheckpointHandler(ClosingContext):
                                       None if self._remote is None
                                       else self._remote.uploader_thread_id])
         adopted = final and self._adopt_in_flight()
+        upload_error = None
         if adopted:
             pass  # the save in flight becomes the final checkpoint
         elif self._config.save_fn is not None:
@@ -442,7 +444,8 @@ class PreemptionCheckpointHandler(ClosingContext):
             save_args = ((state,) if self._target.needs_state else ()) + tuple(args)
             self._config.save_fn(*save_args, **kwargs)
         else:
-            self._target.save(runs, estimates, state, args, dict(kwargs))
+            upload_error = self._save_despite_upload_failure(runs, estimates, state, args,
+                                                             kwargs)
         durable = tier = location = remote_error = None
         if final:
             try:
@@ -460,7 +463,7 @@ class PreemptionCheckpointHandler(ClosingContext):
             run=runs, final=final, started_at=started, durable_at=durable,
             notice_time=notice.get("time"), deadline=self._agreement.deadline(),
             margin_s=margin, adopted=adopted, tier=tier, location=location,
-            remote_error=remote_error,
+            remote_error=remote_error or upload_error,
         )
         self.saves.append(record)
         if not final:
@@ -503,6 +506,30 @@ class PreemptionCheckpointHandler(ClosingContext):
         if why is None:
             return "remote", f"{remote.url.rstrip('/')}/{name}", None, time.time()
         return "local", local, why, local_at
+
+    def _save_despite_upload_failure(self, runs: int, estimates: dict, state: Any,
+                                     args: tuple, kwargs: dict) -> str | None:
+        """Saves; an earlier background upload's failure does not cost this checkpoint.
+
+        With two tiers, ``save()`` re-raises a failed background upload (once).
+        In the grace period that must not stop the checkpoint: the local tier is
+        intact, so the save goes ahead there and the failure is logged and
+        reported with the save. A URL directory has no local tier: it raises.
+
+        Returns:
+            The upload failure, as text, or None.
+        """
+        try:
+            self._target.save(runs, estimates, state, args, dict(kwargs))
+            return None
+        except StorageError as e:
+            if self._remote is None or self._remote.every_save:
+                raise
+            logger.warning("[worker %d] an earlier upload to %s failed (%s); saving run %d "
+                           "on the local tier", self._coordinator.worker_id, self._remote.url,
+                           e, runs)
+            self._target.save(runs, estimates, state, args, dict(kwargs))
+            return f"an earlier upload to {self._remote.url} failed: {e}"
 
     def _record_final(self) -> None:
         """Keeps the final save's cost for the next run's margin (worker 0 writes it)."""
