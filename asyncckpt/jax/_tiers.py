@@ -64,9 +64,15 @@ class StepTiers:
         * A local directory with a remote tier: the local directory is the
           multi-process checkpoint (it must be shared, as without a remote);
           the primary uploads each committed step from it in the background,
-          like a single process. Returns None.
+          like a single process; the other processes list the bucket each
+          time they list steps. Returns None.
         """
-        if coordinator is None or not self._dir.remote_only:
+        if coordinator is None or self._dir.remote is None:
+            return None
+        if not self._dir.remote_only:
+            # Process 0 uploads: the others list the bucket to see its commits
+            # (on every listing, as orbax lists its directory).
+            self._dir.remote.cache_listing = coordinator.primary
             return None
         assert self._dir.remote is not None
         self._shards = ShardUploader(self._dir.remote, process_index=coordinator.process_index)
@@ -85,6 +91,11 @@ class StepTiers:
             return None
         return functools.partial(_hand_over, self._dir, self._names,
                                  data_uploaded=self._shards is not None)
+
+    def refresh(self) -> None:
+        """The next listing asks the remote tier (a restore must see what others committed)."""
+        if self._dir.remote is not None:
+            self._dir.remote.forget_listing()
 
     def ensure_local(self, step: int, *, checksums: bool) -> None:
         """Downloads ``step`` from the remote tier unless the local one has it."""

@@ -561,6 +561,7 @@ class CheckpointManager(ClosingContext):
                  directory: str | os.PathLike | None) -> Any:
         if directory is None:
             self._wait_for(None if step is None else [operator.index(step)])
+            self._tiers.refresh()  # every process of a run must pick the same step
             root, steps = self._directory, self.all_steps()
         else:
             root = os.path.abspath(os.fspath(directory))

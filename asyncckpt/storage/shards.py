@@ -77,6 +77,10 @@ class ShardUploader:
                     self.process_index, len(records), sum(r.size for r in records) / 2**20,
                     name, self.url, time.monotonic() - t0)
 
+    def committed_elsewhere(self) -> None:
+        """Another process committed a checkpoint: this process's cached listing is stale."""
+        self._remote.forget_listing()
+
     def check(self, name: str, records: Sequence[FileRecord]) -> None:
         """Primary: every process's objects of ``name`` exist with their recorded sizes.
 

@@ -124,6 +124,8 @@ class RemoteTier:
         # The committed listing as of the last upload (or listing): what save() consults, so
         # a save never waits on the network (None: not listed yet).
         self._listing: list[protocol.RemoteCheckpoint] | None = None
+        # False where another process uploads (it would never see their commits).
+        self.cache_listing = True
 
     @property
     def url(self) -> str:
@@ -292,7 +294,7 @@ class RemoteTier:
                 network. Checkpoints other processes commit meanwhile show up
                 after the next upload.
         """
-        if cached:
+        if cached and self.cache_listing:
             with self._cv:
                 if self._listing is not None:
                     return list(self._listing)
@@ -300,6 +302,11 @@ class RemoteTier:
         with self._cv:
             self._listing = list(found)
         return found
+
+    def forget_listing(self) -> None:
+        """Drops the cached listing: a checkpoint this tier did not upload was committed."""
+        with self._cv:
+            self._listing = None
 
     def download(self, remote: protocol.RemoteCheckpoint, directory: str, *,
                  checksums: bool = True) -> None:

@@ -166,13 +166,17 @@ def test_two_processes_save_to_s3_with_separate_scratch_directories(s3_server, t
     port = str(free_port())
     procs = [start_python(script, str(i), port, url, str(shared), url2,
                           env=subprocess_env(JAX_PLATFORMS="cpu")) for i in range(2)]
-    results = []
-    for i, proc in enumerate(procs):
+    outputs = []
+    for proc in procs:
         try:
-            stdout, stderr = proc.communicate(timeout=240)
+            outputs.append(proc.communicate(timeout=240))
         finally:
             proc.kill()
-        assert proc.returncode == 0, f"process {i} failed:\n{stdout}\n{stderr[-4000:]}"
+    report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{out}\n{err[-4000:]}"
+                       for i, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)))
+    assert all(p.returncode == 0 for p in procs), report
+    results = []
+    for stdout, _ in outputs:
         line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
         results.append(json.loads(line[len("RESULT "):]))
     p0, p1 = results
