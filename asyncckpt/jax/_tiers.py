@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from asyncckpt.jax._options import ManagerConfig, StepNames
+from asyncckpt.storage.lazy import LazyStep
 from asyncckpt.storage.shards import ShardUploader
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
 
@@ -90,6 +91,16 @@ class StepTiers:
         """Downloads ``step`` from the remote tier unless the local one has it."""
         if self.has_remote:
             self._dir.ensure_local(self._names.name(step), checksums=checksums)
+
+    def open_remote(self, step: int, *, checksums: bool) -> LazyStep | None:
+        """``step`` opened for reading from the remote tier, fetched only as read.
+
+        None when there is no remote tier or the local tier has the step (read
+        it there); see ``TieredDirectory.open_remote``.
+        """
+        if not self.has_remote:
+            return None
+        return self._dir.open_remote(self._names.name(step), checksums=checksums)
 
     def raise_pending_error(self) -> None:
         """Re-raises a failed background upload (two tiers)."""

@@ -579,17 +579,15 @@ class CheckpointManager(ClosingContext):
                 shown = ", ".join(map(str, steps[-20:])) or "none"
                 raise CheckpointNotFoundError(
                     f"no checkpoint for step {step} in {root!r} (steps there: {shown})")
-            if directory is None:
-                self._tiers.ensure_local(step, checksums=checksums)
-            return restore_step(step_dir(step), requests, named, checksums=checksums)
+            return self._restore_one(step, step_dir, requests, named, checksums,
+                                     from_tiers=directory is None)
         if not steps:
             raise CheckpointNotFoundError(f"no checkpoints in {root!r}")
         failures = []
         for candidate in reversed(steps):
             try:
-                if directory is None:
-                    self._tiers.ensure_local(candidate, checksums=checksums)
-                return restore_step(step_dir(candidate), requests, named, checksums=checksums)
+                return self._restore_one(candidate, step_dir, requests, named, checksums,
+                                         from_tiers=directory is None)
             except CorruptCheckpointError as e:
                 # Every file is checked before anything is placed on a device,
                 # and the processes share their verdicts: all skip alike.
@@ -601,3 +599,11 @@ class CheckpointManager(ClosingContext):
             checkpoint=root,
             file=failures[0].file,
         )
+
+    def _restore_one(self, step: int, step_dir: Callable[[int], str], requests: Any,
+                     named: bool, checksums: bool, *, from_tiers: bool) -> Any:
+        # [storage] A step only the remote tier holds is read from a private cache
+        # it is fetched into file by file: only the files this restore reads.
+        remote = self._tiers.open_remote(step, checksums=checksums) if from_tiers else None
+        where = step_dir(step) if remote is None else remote.path
+        return restore_step(where, requests, named, checksums=checksums, remote=remote)

@@ -35,6 +35,7 @@ from asyncckpt.engine.writer import lower_thread_priority
 from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import RetryPolicy
+from asyncckpt.storage.lazy import LazyStep
 from asyncckpt.storage.stores import open_store
 from asyncckpt.storage.url import parse_location
 
@@ -358,6 +359,9 @@ class TieredDirectory:
             self.remote = None if remote is None else RemoteTier(remote, options=remote_options)
             self.remote_only = False
         self.display = loc.url
+        self._fetch_dir: str | None = None  # private cache of partly fetched remote steps
+        self._lazy: dict[str, LazyStep] = {}
+        self._lazy_lock = threading.Lock()
 
     def after_commit(self, name: str, *, data_uploaded: bool = False) -> None:
         """Writer thread, right after a local commit of checkpoint ``name``.
@@ -413,6 +417,48 @@ class TieredDirectory:
                     return
         raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.display!r}")
 
+    def open_remote(self, name: str, *, checksums: bool = True) -> LazyStep | None:
+        """Opens directory checkpoint ``name`` for reading from the remote tier, file by file.
+
+        Returns None when the local tier has it (read it there). Otherwise a
+        ``LazyStep`` in a private cache directory (never the manager's
+        directory: a partly fetched step must not pass for a local one),
+        holding its manifest and metadata files; the reader fetches the rest
+        it needs with ``LazyStep.fetch``. The step stays cached (what was
+        fetched is reused by the next restore of it) until another step is
+        opened or ``close``.
+
+        Raises:
+            CheckpointNotFoundError: neither tier has it.
+            CorruptCheckpointError: its manifest or metadata fail verification.
+        """
+        if any(c.name == name for c in _list_local(self.local_dir)):
+            return None
+        remote = None if self.remote is None else next(
+            (c for c in self.remote.committed() if c.name == name), None)
+        if remote is None:
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.display!r}")
+        assert self.remote is not None
+        with self._lazy_lock:
+            cached = self._lazy.get(name)
+            if cached is not None and cached.remote == remote:
+                return cached
+            for old in self._lazy.values():
+                shutil.rmtree(old.path, ignore_errors=True)
+            self._lazy.clear()
+            if self._fetch_dir is None:
+                self._fetch_dir = tempfile.mkdtemp(prefix="asyncckpt-fetch-")
+            path = os.path.join(self._fetch_dir, f"{name}-{uuid.uuid4().hex[:8]}")
+            try:
+                lazy = LazyStep(self.remote.store, remote, path, retry=self.remote.options.retry,
+                                concurrency=self.remote.options.concurrency,
+                                checksums=checksums)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            self._lazy[name] = lazy
+            return lazy
+
     def raise_pending_error(self) -> None:
         if self.remote is not None:
             self.remote.raise_pending_error()
@@ -428,6 +474,11 @@ class TieredDirectory:
         finally:
             if self._own_scratch is not None:
                 shutil.rmtree(self._own_scratch, ignore_errors=True)
+            with self._lazy_lock:
+                self._lazy.clear()
+                if self._fetch_dir is not None:
+                    shutil.rmtree(self._fetch_dir, ignore_errors=True)
+                    self._fetch_dir = None
 
 
 def _sorted_listing(found: list[protocol.RemoteCheckpoint]) -> list[protocol.RemoteCheckpoint]:
