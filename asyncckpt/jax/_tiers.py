@@ -73,11 +73,15 @@ class StepTiers:
         self._shards = ShardUploader(self._dir.remote, process_index=coordinator.process_index)
         return self._shards
 
-    def steps(self, local: list[int]) -> list[int]:
-        """``local`` steps plus those only the remote tier has, oldest first."""
+    def steps(self, local: list[int], *, fresh: bool = False) -> list[int]:
+        """``local`` steps plus those only the remote tier has, oldest first.
+
+        ``fresh``: list the remote tier now (a restore), not its cached listing
+        (which a process that never commits does not refresh).
+        """
         if not self.has_remote:
             return local
-        remote = (self._names.parse(n) for n in self._dir.remote_names())
+        remote = (self._names.parse(n) for n in self._dir.remote_names(fresh=fresh))
         return sorted({*local, *(s for s in remote if s is not None)})
 
     def on_published(self) -> Callable[[int], None] | None:

@@ -561,7 +561,7 @@ class CheckpointManager(ClosingContext):
                  directory: str | os.PathLike | None) -> Any:
         if directory is None:
             self._wait_for(None if step is None else [operator.index(step)])
-            root, steps = self._directory, self.all_steps()
+            root, steps = self._directory, self._tiers.steps(self._view.steps(), fresh=True)
         else:
             root = os.path.abspath(os.fspath(directory))
             names = self._config.names

@@ -391,12 +391,15 @@ class TieredDirectory:
         """``after_commit`` for a checkpoint named by its step (the JAX layout)."""
         self.after_commit(str(step))
 
-    def remote_names(self) -> list[str]:
-        """Names of the committed remote checkpoints, oldest first ([] without a remote)."""
+    def remote_names(self, *, fresh: bool = False) -> list[str]:
+        """Names of the committed remote checkpoints, oldest first ([] without a remote).
+
+        ``fresh``: list the store now (a restore) instead of the cached listing.
+        """
         if self.remote is None:
             return []
         try:
-            return [c.name for c in self.remote.committed(cached=True)]
+            return [c.name for c in self.remote.committed(cached=not fresh)]
         except Exception as e:  # the local tier stays usable while the remote is unreachable
             logger.warning("cannot list %s: %s", self.remote.url, e)
             return []
