@@ -91,11 +91,6 @@ class StepTiers:
         return functools.partial(_hand_over, self._dir, self._names,
                                  data_uploaded=self._shards is not None)
 
-    def ensure_local(self, step: int, *, checksums: bool) -> None:
-        """Downloads ``step`` from the remote tier unless the local one has it."""
-        if self.has_remote:
-            self._dir.ensure_local(self._names.name(step), checksums=checksums)
-
     def open_remote(self, step: int, *, checksums: bool) -> LazyStep | None:
         """``step`` opened for reading from the remote tier, fetched only as read.
 

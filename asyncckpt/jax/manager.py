@@ -274,10 +274,11 @@ class CheckpointManager(ClosingContext):
                 return found
             return RootMetadata(custom_metadata=dict(self._root_metadata or {}))
         step = self._existing_step(step)
-        if self._tiers.has_remote:  # a step only the remote tier holds whole: fetch it
+        if self._tiers.has_remote:  # a step only the remote tier holds: its metadata files
             self._wait_for([step])
-            self._tiers.ensure_local(step, checksums=self._restore_options.verify_checksums)
-        return _metadata.read_step_metadata(step, self.step_dir(step))
+        remote = self._tiers.open_remote(step, checksums=self._restore_options.verify_checksums)
+        return _metadata.read_step_metadata(step, self.step_dir(step) if remote is None
+                                            else remote.path)
 
     def item_metadata(self, step: int) -> Any:
         """Shapes and dtypes of a step's items (``metadata(step).item_metadata``)."""
@@ -602,8 +603,7 @@ class CheckpointManager(ClosingContext):
 
     def _restore_one(self, step: int, step_dir: Callable[[int], str], requests: Any,
                      named: bool, checksums: bool, *, from_tiers: bool) -> Any:
-        # [storage] A step only the remote tier holds is read from a private cache
-        # it is fetched into file by file: only the files this restore reads.
+        # [storage] A remote-only step is fetched file by file, as read, into a private cache.
         remote = self._tiers.open_remote(step, checksums=checksums) if from_tiers else None
         where = step_dir(step) if remote is None else remote.path
         return restore_step(where, requests, named, checksums=checksums, remote=remote)
