@@ -192,7 +192,7 @@ class JaxSaveJob:
             if error is not None:
                 raise error
             if self._shards is not None:
-                self._shards.committed_elsewhere()
+                self._shards.committed_elsewhere()  # [storage] the new step in its listing
             self._release_tmp()  # published (and owned) by the primary
             return
         if self._coord is not None:

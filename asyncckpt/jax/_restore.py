@@ -52,10 +52,15 @@ class ChunkStore:
         step_dir: The checkpoint.
         manifest: Its manifest, or None for a checkpoint written by orbax.
         checksums: Check CRC32s (sizes are checked in any case).
+        remote: The step is a remote one opened file by file
+            (``asyncckpt.storage.lazy.LazyStep``): each file is fetched into
+            ``step_dir`` just before it is read, and only then.
     """
 
-    def __init__(self, step_dir: str, manifest: Manifest | None, *, checksums: bool):
+    def __init__(self, step_dir: str, manifest: Manifest | None, *, checksums: bool,
+                 remote: Any = None):
         self._dir = step_dir
+        self._remote = remote
         self._records = {r.name: r for r in manifest.files} if manifest else {}
         self._checksums = checksums
         self._data: dict[str, np.ndarray | None] = {}
@@ -96,6 +101,8 @@ class ChunkStore:
         todo = sorted(set(paths) - set(self._data))
         if not todo:
             return
+        if self._remote is not None:
+            self._remote.fetch(todo)
         plans = {path: self._plan(path) for path in todo}
         planned = [p[0] for p in plans.values() if p is not None]
         try:
@@ -153,6 +160,8 @@ class ChunkStore:
             rest = rest[share[0]::share[1]]
         if not rest:
             return
+        if self._remote is not None:
+            self._remote.fetch_names([rec.name for rec in rest])
 
         def check(rec: FileRecord) -> None:
             path = os.path.join(self._dir, *rec.name.split("/"))
@@ -264,6 +273,7 @@ def restore_tree(
     item: str = fmt.ITEM,
     partial: bool = False,
     restore_args: Any = None,
+    remote: Any = None,
 ) -> Any:
     """Verifies and reads the pytree of one item of a step directory.
 
@@ -284,6 +294,9 @@ def restore_tree(
         restore_args: orbax ``RestoreArgs``/``ArrayRestoreArgs`` tree; says
             the type, dtype and sharding of each leaf (and, without a target,
             the tree's structure).
+        remote: ``step_dir`` is a remote step's cache (``LazyStep``): its
+            metadata files are there and every file's size was checked
+            against the store's listing; chunk files are fetched as read.
 
     Raises:
         CorruptCheckpointError: a file is missing, truncated or corrupt (named),
@@ -293,9 +306,9 @@ def restore_tree(
     """
     manifest = load_manifest(layout.jax_manifest_path(step_dir), checkpoint=step_dir,
                              owned=has_owner_marker(step_dir))  # asyncckpt's: must have one
-    if manifest is not None:
+    if manifest is not None and remote is None:
         verify_files(step_dir, manifest.files, checksums=False, checkpoint=step_dir)
-    else:
+    elif manifest is None:
         logger.info("%s has no asyncckpt manifest (written by orbax?); restoring unverified",
                     step_dir)
     item_dir = os.path.join(step_dir, item)
@@ -308,10 +321,12 @@ def restore_tree(
                 f"{item_dir!r} is an orbax (compressed/OCDBT) checkpoint; restore it whole, "
                 "or restore the subset with orbax's own manager"
             )
+        if remote is not None:
+            remote.fetch_all()
         if manifest is not None:
             verify_files(step_dir, manifest.files, checksums=checksums, checkpoint=step_dir)
         return _restore_with_orbax(item_dir, target)
-    store = ChunkStore(step_dir, manifest, checksums=checksums)
+    store = ChunkStore(step_dir, manifest, checksums=checksums, remote=remote)
     if target is None:
         pairs = [(e, None) for e in entries]
         treedef = None
@@ -497,10 +512,12 @@ def _to_device(array: fmt.ZarrArray, dtype: np.dtype, sharding: Any) -> jax.Arra
 
 
 def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named: bool, *,
-                 checksums: bool) -> Any:
+                 checksums: bool, remote: Any = None) -> Any:
     """Restores the items of a step: one unnamed item, or a ``Composite`` of named ones.
 
     ``requests`` None restores every item on disk (the metrics item too, as orbax).
+    ``remote``: ``step_dir`` is a remote step opened file by file
+    (``asyncckpt.storage.lazy.LazyStep``); only the files read are fetched.
     """
     handlers = fmt.read_step_metadata(step_dir).get("item_handlers") or {}
     on_disk = _metadata.item_names(step_dir, handlers if isinstance(handlers, dict) else {})
@@ -508,7 +525,7 @@ def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named:
     if requests is None:
         if default_mode and not named:
             return _restore_item(step_dir, _args.RestoreItem(fmt.ITEM, "pytree"),
-                                 checksums=checksums)
+                                 checksums=checksums, remote=remote)
         everything = on_disk + ([fmt.METRICS_ITEM] if os.path.isdir(
             os.path.join(step_dir, fmt.METRICS_ITEM)) else [])
         requests = [_args.RestoreItem(n, "auto") for n in everything]
@@ -516,11 +533,13 @@ def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named:
     if not named and not default_mode:
         raise ValueError(f"{step_dir!r} holds named items {on_disk}: restore with "
                          "args=ocp.args.Composite(name=...)")
-    out = {r.name: _restore_item(step_dir, r, checksums=checksums) for r in requests}
+    out = {r.name: _restore_item(step_dir, r, checksums=checksums, remote=remote)
+           for r in requests}
     return _args.composite(out) if named else out[fmt.ITEM]
 
 
-def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool) -> Any:
+def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool,
+                  remote: Any = None) -> Any:
     item_dir = os.path.join(step_dir, request.name)
     if not os.path.isdir(item_dir):
         raise CheckpointNotFoundError(
@@ -532,4 +551,5 @@ def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool)
     if kind == "json":
         return fmt.read_json_item(item_dir)
     return restore_tree(step_dir, request.target, checksums=checksums, item=request.name,
-                        partial=request.partial, restore_args=request.restore_args)
+                        partial=request.partial, restore_args=request.restore_args,
+                        remote=remote)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from asyncckpt.jax._options import ManagerConfig, StepNames
+from asyncckpt.storage.lazy import LazyStep
 from asyncckpt.storage.shards import ShardUploader
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
 
@@ -78,11 +79,15 @@ class StepTiers:
         self._shards = ShardUploader(self._dir.remote, process_index=coordinator.process_index)
         return self._shards
 
-    def steps(self, local: list[int]) -> list[int]:
-        """``local`` steps plus those only the remote tier has, oldest first."""
+    def steps(self, local: list[int], *, fresh: bool = False) -> list[int]:
+        """``local`` steps plus those only the remote tier has, oldest first.
+
+        ``fresh``: list the remote tier now (a restore), not its cached listing
+        (which a process that never commits does not refresh).
+        """
         if not self.has_remote:
             return local
-        remote = (self._names.parse(n) for n in self._dir.remote_names())
+        remote = (self._names.parse(n) for n in self._dir.remote_names(fresh=fresh))
         return sorted({*local, *(s for s in remote if s is not None)})
 
     def on_published(self) -> Callable[[int], None] | None:
@@ -92,15 +97,15 @@ class StepTiers:
         return functools.partial(_hand_over, self._dir, self._names,
                                  data_uploaded=self._shards is not None)
 
-    def refresh(self) -> None:
-        """The next listing asks the remote tier (a restore must see what others committed)."""
-        if self._dir.remote is not None:
-            self._dir.remote.forget_listing()
+    def open_remote(self, step: int, *, checksums: bool) -> LazyStep | None:
+        """``step`` opened for reading from the remote tier, fetched only as read.
 
-    def ensure_local(self, step: int, *, checksums: bool) -> None:
-        """Downloads ``step`` from the remote tier unless the local one has it."""
-        if self.has_remote:
-            self._dir.ensure_local(self._names.name(step), checksums=checksums)
+        None when there is no remote tier or the local tier has the step (read
+        it there); see ``TieredDirectory.open_remote``.
+        """
+        if not self.has_remote:
+            return None
+        return self._dir.open_remote(self._names.name(step), checksums=checksums)
 
     def raise_pending_error(self) -> None:
         """Re-raises a failed background upload (two tiers)."""

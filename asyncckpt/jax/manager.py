@@ -274,10 +274,11 @@ class CheckpointManager(ClosingContext):
                 return found
             return RootMetadata(custom_metadata=dict(self._root_metadata or {}))
         step = self._existing_step(step)
-        if self._tiers.has_remote:  # a step only the remote tier holds whole: fetch it
+        if self._tiers.has_remote:  # a step only the remote tier holds: its metadata files
             self._wait_for([step])
-            self._tiers.ensure_local(step, checksums=self._restore_options.verify_checksums)
-        return _metadata.read_step_metadata(step, self.step_dir(step))
+        remote = self._tiers.open_remote(step, checksums=self._restore_options.verify_checksums)
+        return _metadata.read_step_metadata(step, self.step_dir(step) if remote is None
+                                            else remote.path)
 
     def item_metadata(self, step: int) -> Any:
         """Shapes and dtypes of a step's items (``metadata(step).item_metadata``)."""
@@ -561,8 +562,7 @@ class CheckpointManager(ClosingContext):
                  directory: str | os.PathLike | None) -> Any:
         if directory is None:
             self._wait_for(None if step is None else [operator.index(step)])
-            self._tiers.refresh()  # every process of a run must pick the same step
-            root, steps = self._directory, self.all_steps()
+            root, steps = self._directory, self._tiers.steps(self._view.steps(), fresh=True)
         else:
             root = os.path.abspath(os.fspath(directory))
             names = self._config.names
@@ -580,17 +580,15 @@ class CheckpointManager(ClosingContext):
                 shown = ", ".join(map(str, steps[-20:])) or "none"
                 raise CheckpointNotFoundError(
                     f"no checkpoint for step {step} in {root!r} (steps there: {shown})")
-            if directory is None:
-                self._tiers.ensure_local(step, checksums=checksums)
-            return restore_step(step_dir(step), requests, named, checksums=checksums)
+            return self._restore_one(step, step_dir, requests, named, checksums,
+                                     from_tiers=directory is None)
         if not steps:
             raise CheckpointNotFoundError(f"no checkpoints in {root!r}")
         failures = []
         for candidate in reversed(steps):
             try:
-                if directory is None:
-                    self._tiers.ensure_local(candidate, checksums=checksums)
-                return restore_step(step_dir(candidate), requests, named, checksums=checksums)
+                return self._restore_one(candidate, step_dir, requests, named, checksums,
+                                         from_tiers=directory is None)
             except CorruptCheckpointError as e:
                 # Every file is checked before anything is placed on a device,
                 # and the processes share their verdicts: all skip alike.
@@ -602,3 +600,10 @@ class CheckpointManager(ClosingContext):
             checkpoint=root,
             file=failures[0].file,
         )
+
+    def _restore_one(self, step: int, step_dir: Callable[[int], str], requests: Any,
+                     named: bool, checksums: bool, *, from_tiers: bool) -> Any:
+        # [storage] A remote-only step is fetched file by file, as read, into a private cache.
+        remote = self._tiers.open_remote(step, checksums=checksums) if from_tiers else None
+        where = step_dir(step) if remote is None else remote.path
+        return restore_step(where, requests, named, checksums=checksums, remote=remote)

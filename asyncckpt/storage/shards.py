@@ -78,8 +78,16 @@ class ShardUploader:
                     name, self.url, time.monotonic() - t0)
 
     def committed_elsewhere(self) -> None:
-        """Another process committed a checkpoint: this process's cached listing is stale."""
-        self._remote.forget_listing()
+        """Non-primary, once the primary has committed: lists the remote steps again.
+
+        The tier's cached listing (what ``all_steps`` and ``save`` consult) is
+        refreshed by the process that commits; the others refresh it here, on
+        the writer thread, so it holds the new step (and the primary's retention).
+        """
+        try:
+            self._remote.committed()
+        except Exception as e:  # listing is bookkeeping: the step is committed
+            logger.warning("[process %d] cannot list %s: %s", self.process_index, self.url, e)
 
     def check(self, name: str, records: Sequence[FileRecord]) -> None:
         """Primary: every process's objects of ``name`` exist with their recorded sizes.

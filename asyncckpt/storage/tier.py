@@ -35,6 +35,7 @@ from asyncckpt.engine.writer import lower_thread_priority
 from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import RetryPolicy
+from asyncckpt.storage.lazy import LazyStep
 from asyncckpt.storage.stores import open_store
 from asyncckpt.storage.url import parse_location
 
@@ -303,11 +304,6 @@ class RemoteTier:
             self._listing = list(found)
         return found
 
-    def forget_listing(self) -> None:
-        """Drops the cached listing: a checkpoint this tier did not upload was committed."""
-        with self._cv:
-            self._listing = None
-
     def download(self, remote: protocol.RemoteCheckpoint, directory: str, *,
                  checksums: bool = True) -> None:
         """Downloads one committed checkpoint into a local manager directory."""
@@ -387,6 +383,9 @@ class TieredDirectory:
             self.remote = None if remote is None else RemoteTier(remote, options=remote_options)
             self.remote_only = False
         self.display = loc.url
+        self._fetch_dir: str | None = None  # private cache of partly fetched remote steps
+        self._lazy: dict[str, LazyStep] = {}
+        self._lazy_lock = threading.Lock()
 
     def after_commit(self, name: str, *, data_uploaded: bool = False) -> None:
         """Writer thread, right after a local commit of checkpoint ``name``.
@@ -416,12 +415,15 @@ class TieredDirectory:
         """``after_commit`` for a checkpoint named by its step (the JAX layout)."""
         self.after_commit(str(step))
 
-    def remote_names(self) -> list[str]:
-        """Names of the committed remote checkpoints, oldest first ([] without a remote)."""
+    def remote_names(self, *, fresh: bool = False) -> list[str]:
+        """Names of the committed remote checkpoints, oldest first ([] without a remote).
+
+        ``fresh``: list the store now (a restore) instead of the cached listing.
+        """
         if self.remote is None:
             return []
         try:
-            return [c.name for c in self.remote.committed(cached=True)]
+            return [c.name for c in self.remote.committed(cached=not fresh)]
         except Exception as e:  # the local tier stays usable while the remote is unreachable
             logger.warning("cannot list %s: %s", self.remote.url, e)
             return []
@@ -442,6 +444,48 @@ class TieredDirectory:
                     return
         raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.display!r}")
 
+    def open_remote(self, name: str, *, checksums: bool = True) -> LazyStep | None:
+        """Opens directory checkpoint ``name`` for reading from the remote tier, file by file.
+
+        Returns None when the local tier has it (read it there). Otherwise a
+        ``LazyStep`` in a private cache directory (never the manager's
+        directory: a partly fetched step must not pass for a local one),
+        holding its manifest and metadata files; the reader fetches the rest
+        it needs with ``LazyStep.fetch``. The step stays cached (what was
+        fetched is reused by the next restore of it) until another step is
+        opened or ``close``.
+
+        Raises:
+            CheckpointNotFoundError: neither tier has it.
+            CorruptCheckpointError: its manifest or metadata fail verification.
+        """
+        if any(c.name == name for c in _list_local(self.local_dir)):
+            return None
+        remote = None if self.remote is None else next(
+            (c for c in self.remote.committed() if c.name == name), None)
+        if remote is None:
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in {self.display!r}")
+        assert self.remote is not None
+        with self._lazy_lock:
+            cached = self._lazy.get(name)
+            if cached is not None and cached.remote == remote:
+                return cached
+            for old in self._lazy.values():
+                shutil.rmtree(old.path, ignore_errors=True)
+            self._lazy.clear()
+            if self._fetch_dir is None:
+                self._fetch_dir = tempfile.mkdtemp(prefix="asyncckpt-fetch-")
+            path = os.path.join(self._fetch_dir, f"{name}-{uuid.uuid4().hex[:8]}")
+            try:
+                lazy = LazyStep(self.remote.store, remote, path, retry=self.remote.options.retry,
+                                concurrency=self.remote.options.concurrency,
+                                checksums=checksums)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            self._lazy[name] = lazy
+            return lazy
+
     def raise_pending_error(self) -> None:
         if self.remote is not None:
             self.remote.raise_pending_error()
@@ -457,6 +501,11 @@ class TieredDirectory:
         finally:
             if self._own_scratch is not None:
                 shutil.rmtree(self._own_scratch, ignore_errors=True)
+            with self._lazy_lock:
+                self._lazy.clear()
+                if self._fetch_dir is not None:
+                    shutil.rmtree(self._fetch_dir, ignore_errors=True)
+                    self._fetch_dir = None
 
 
 def _sorted_listing(found: list[protocol.RemoteCheckpoint]) -> list[protocol.RemoteCheckpoint]:

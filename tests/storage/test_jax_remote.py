@@ -13,7 +13,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
-from asyncckpt.storage import UnsupportedURLError, open_store  # noqa: E402
+from asyncckpt.storage import StorageError, UnsupportedURLError, open_store  # noqa: E402
 from asyncckpt.storage.protocol import ORBAX_COMMIT_NAME, list_committed  # noqa: E402
 from asyncckpt.storage.tier import RemoteOptions  # noqa: E402
 
@@ -45,8 +45,12 @@ def test_url_directory_round_trip(remote_url):
         assert mgr.metadata(2).custom_metadata == {"step": 2}  # only the remote has it
         assert _same(mgr.restore(target=_state(0)), _state(3))
         assert _same(mgr.restore(2, target=_state(0)), _state(2))
-        with pytest.raises(ValueError, match="already saved"):
-            mgr.save(3, _state(3), force=True)
+        # The restores fetched steps 2 and 3 into a private cache, not the scratch
+        # directory: a committed step saved again is refused by its commit marker.
+        assert mgr.save(3, _state(3), force=True)
+        with pytest.raises(StorageError, match="already committed"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [2, 3]
 
 
 @pytest.mark.parametrize("bad", ["hdfs://nn/run", "gs:/bucket/run", "foo://x"])

@@ -46,6 +46,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
 import asyncckpt.jax as aj
 from asyncckpt._coordination import JaxCoordinator
 from asyncckpt.storage import tier as tier_lib
+from asyncckpt.storage.lazy import is_chunk
 
 kv = JaxCoordinator.for_processes()
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
@@ -138,6 +139,11 @@ for step, fault in ((4, "refuse"), (5, "lose")):
     FaultyStore.fault = None
     out[fault + "_steps"] = mgr.all_steps()
 out["restored_ok"] = restored_ok(mgr, 3)
+# What that restore fetched: the chunks of this process's regions (and its share of the rest).
+lazy = mgr._tiers._dir._lazy["3"]
+chunks = {n: r.size for n, r in lazy.records.items() if is_chunk(n)}
+mine = sorted(n for n in lazy._fetched if n in chunks)
+out["fetched"] = [sum(chunks[n] for n in mine), sum(chunks.values()), mine, sorted(chunks)]
 out["custom"] = mgr.metadata(2).custom_metadata  # fetched: no scratch directory holds it
 mgr.close()
 
@@ -190,6 +196,13 @@ def test_two_processes_save_to_s3_with_separate_scratch_directories(s3_server, t
     sharded = 16 * 8 * 4 + 32 * 2
     assert p1["nbytes"][0] < sharded < p0["nbytes"][0] + p1["nbytes"][0]
 
+    # Each process fetched the chunks its restore reads, not the whole step; between
+    # them, every chunk was fetched (and CRC32-checked) by one of them at least.
+    for p in (p0, p1):
+        fetched, total, _, _ = p["fetched"]
+        print(f"restore of step 3: fetched {fetched} of {total} chunk bytes")
+        assert 0 < fetched < 0.75 * total, p["fetched"]
+    assert set(p0["fetched"][2]) | set(p1["fetched"][2]) == set(p0["fetched"][3])
     for p in (p0, p1):
         assert "checkpoint 3 is already committed" in p["again"], p["again"]
     # An upload refused on process 1 fails the save on both processes.
