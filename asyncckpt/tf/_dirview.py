@@ -31,9 +31,13 @@ from dataclasses import dataclass, field
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
 from asyncckpt.engine.lock import DirectoryLock
+from asyncckpt.engine.manifest import Manifest
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.tf import _compat
-from asyncckpt.tf._job import delete_checkpoint
+from asyncckpt.tf._job import delete_checkpoint, manifest_path
+
+# In the manifest's ``extra`` of every checkpoint a manager saves.
+MANAGED_KEY = "managed"
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,7 @@ class DirectoryView:
         state = _compat.read_checkpoint_state(self.abs_dir)
         if state is None:
             self.last_preserved = now - 1.0
+            self._adopt_unrecorded([], now)
             return
         latest = state.model_checkpoint_path or None
         self.latest = self.latest_durable = self.rel(latest) if latest else None
@@ -113,6 +118,38 @@ class DirectoryView:
         self.durable.update(name for name, _ in entries)
         if self.latest:
             self.durable.add(self.latest)
+        self._adopt_unrecorded([name for name, _ in entries], now)
+
+    def _adopt_unrecorded(self, known: list[str], now: float) -> None:
+        """Takes in manager checkpoints committed after the state file was last written.
+
+        The state file is written after a checkpoint is committed (publish is
+        the line), so a process killed in between leaves a durable checkpoint,
+        already reported as saved, that the state file does not name. It is
+        adopted as the newest, as its manager would have recorded it. Only
+        checkpoints a manager wrote (their manifest says so) and committed after
+        the state file's last write qualify: older files not named there are
+        retention's, on their way out.
+        """
+        state_path = os.path.join(self.abs_dir, "checkpoint")
+        try:
+            state_mtime = os.stat(state_path).st_mtime_ns
+        except FileNotFoundError:
+            state_mtime = -1
+        found = []
+        for name in _managed_checkpoints(self.abs_dir):
+            if name in known or name == self.latest:
+                continue
+            mtime = os.stat(os.path.join(self.abs_dir, name + ".index")).st_mtime_ns
+            if mtime > state_mtime:
+                found.append((mtime, name))
+        for mtime, name in sorted(found):
+            logger.warning("%s was committed but the state file does not name it (a process "
+                           "stopped in between): managing it as the newest checkpoint",
+                           os.path.join(self.abs_dir, name))
+            self.maybe_delete[name] = min(mtime / 1e9, now)
+            self.durable.add(name)
+            self.latest = self.latest_durable = name
 
     def _rebuild(self, entries: list[tuple[str, float | None]], now: float) -> None:
         # tf.train.CheckpointManager's rules for a recovered state.
@@ -312,6 +349,27 @@ class DirectoryView:
 
 _VIEWS: weakref.WeakValueDictionary[str, DirectoryView] = weakref.WeakValueDictionary()
 _VIEWS_LOCK = threading.Lock()
+
+
+def _managed_checkpoints(directory: str) -> list[str]:
+    """Names of the committed checkpoints in ``directory`` that a manager wrote."""
+    names = []
+    try:
+        entries = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return names  # created at the first save
+    for entry in entries:
+        if not entry.endswith(".index"):
+            continue
+        prefix = os.path.join(directory, entry[: -len(".index")])
+        try:
+            with open(manifest_path(prefix)) as f:
+                manifest = Manifest.from_json(f.read(), path=prefix)
+        except (OSError, ValueError):
+            continue  # not ours, or not whole: never adopted
+        if manifest.extra.get(MANAGED_KEY):
+            names.append(entry[: -len(".index")])
+    return names
 
 
 def view_for(directory: str, *, fsync: bool) -> DirectoryView:

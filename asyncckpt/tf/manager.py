@@ -224,7 +224,8 @@ class CheckpointManager(ClosingContext):
         ticket = view.record_save(view.rel(prefix), self._policy)
         try:
             handle = self._ckpt._stage(
-                prefix, wopts, number, functools.partial(view.committed, ticket), None,
+                prefix, wopts, number, functools.partial(view.committed, ticket),
+                {_dirview.MANAGED_KEY: True},
                 on_published=(None if self._tiers.remote is None
                               else functools.partial(_hand_to_tiers, self._tiers)),
             )
