@@ -85,6 +85,30 @@ def start_python(
     )
 
 
+def run_workers(script: Path, per_process: list[list[str]], *,
+                env: dict[str, str] | None = None, timeout: float = 240) -> list[dict]:
+    """Runs one worker per argument list at once; returns each one's ``RESULT`` JSON line.
+
+    Every worker must exit 0; otherwise the failure shows every worker's output
+    (in a multi-process run the first to fail is often not the one at fault).
+    """
+    procs = [start_python(script, *args, env=env) for args in per_process]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=timeout))
+        finally:
+            proc.kill()
+    report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{out}\n{err[-4000:]}"
+                       for i, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)))
+    assert all(p.returncode == 0 for p in procs), report
+    results = []
+    for out, _ in outputs:
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
+
+
 class LineWatcher:
     """Reads a child's output stream on a thread, so a test can wait for a line.
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
-from tests.helpers import start_python, subprocess_env, write_script  # noqa: E402
+from tests.helpers import run_workers, subprocess_env, write_script  # noqa: E402
 
 WORKER = r"""
 import json, os, sys
@@ -137,16 +137,7 @@ def test_two_processes_save_and_restore(tmp_path):
     script = write_script(tmp_path, "worker.py", WORKER)
     port = str(_free_port())
     env = subprocess_env(JAX_PLATFORMS="cpu")
-    procs = [start_python(script, str(i), port, str(directory), env=env) for i in range(2)]
-    results = []
-    for i, proc in enumerate(procs):
-        try:
-            stdout, stderr = proc.communicate(timeout=240)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, f"process {i} failed:\n{stdout}\n{stderr[-4000:]}"
-        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT "):]))
+    results = run_workers(script, [[str(i), port, str(directory)] for i in range(2)], env=env)
     p0, p1 = results
     assert p0["steps"] == p1["steps"] == [2, 3]
     assert p0["restored_ok"] and p1["restored_ok"]

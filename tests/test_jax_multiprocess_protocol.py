@@ -14,7 +14,6 @@ the save fails loudly on both, naming the missing files.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 
@@ -22,7 +21,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from tests.helpers import start_python, subprocess_env, write_script
+from tests.helpers import run_workers, subprocess_env, write_script
 
 COMMON = r"""
 import concurrent.futures, json, os, sys
@@ -220,17 +219,7 @@ def _run_two(tmp_path, code: str) -> list[dict]:
     script = write_script(tmp_path, "worker.py", code)
     port = str(_free_port())
     env = subprocess_env(JAX_PLATFORMS="cpu")
-    procs = [start_python(script, str(i), port, str(tmp_path), env=env) for i in range(2)]
-    results = []
-    for i, proc in enumerate(procs):
-        try:
-            stdout, stderr = proc.communicate(timeout=240)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, f"process {i} failed:\n{stdout}\n{stderr[-6000:]}"
-        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT "):]))
-    return results
+    return run_workers(script, [[str(i), port, str(tmp_path)] for i in range(2)], env=env)
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def s3_server(tmp_path_factory):
     """A running SeaweedFS S3 server (bucket ``asyncckpt-test``); AWS_* variables set."""
     server, saved = _start(SeaweedS3, tmp_path_factory, "seaweed")
     yield server
-    server.stop()
+    server.kill()  # throwaway data: a graceful stop takes SeaweedFS ~10 s
     _restore_env(saved)
 
 
@@ -53,7 +53,7 @@ def gcs_server(tmp_path_factory):
     """A running fake-gcs-server (bucket ``asyncckpt-test``); STORAGE_EMULATOR_HOST set."""
     server, saved = _start(FakeGCS, tmp_path_factory, "fakegcs")
     yield server
-    server.stop()
+    server.kill()  # throwaway data: a graceful stop takes SeaweedFS ~10 s
     _restore_env(saved)
 
 
@@ -77,3 +77,24 @@ def remote_url(request):
     request.getfixturevalue(f"{request.param}_server")
     scheme = "s3" if request.param == "s3" else "gs"
     return f"{scheme}://{BUCKET}/{run}"
+
+
+def own_server(kind: str, directory: str, monkeypatch) -> SeaweedS3 | FakeGCS:
+    """A started server of one test alone (it may stop and restart it), with bucket ``outage``."""
+    try:
+        server = (SeaweedS3 if kind == "s3" else FakeGCS)(directory)
+    except ServerUnavailableError as e:
+        pytest.skip(str(e))
+    server.start()
+    server.make_bucket("outage")
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return server
+
+
+@pytest.fixture
+def own_s3(tmp_path, monkeypatch):
+    """A SeaweedFS server of this test alone (it gets stopped and restarted)."""
+    server = own_server("s3", str(tmp_path / "weed"), monkeypatch)
+    yield server
+    server.kill()

@@ -17,7 +17,6 @@ from asyncckpt import catalog
 from asyncckpt.errors import CheckpointNotFoundError
 from asyncckpt.storage import RetryPolicy, StorageError, open_store
 from asyncckpt.storage import protocol as proto
-from asyncckpt.storage.servers import SeaweedS3, ServerUnavailableError
 from tests.helpers import start_python, subprocess_env, write_script
 
 pytest.importorskip("jax")
@@ -88,21 +87,6 @@ def test_sigkill_while_uploading_never_lists_a_partial_step(remote_url, tmp_path
                 got = mgr.restore(target=_state(0))
             for k, v in _state(newest).items():
                 assert np.array_equal(np.asarray(got[k]), v)
-
-
-@pytest.fixture
-def own_s3(tmp_path, monkeypatch):
-    """A SeaweedFS server of this test alone (it gets stopped and restarted)."""
-    try:
-        server = SeaweedS3(str(tmp_path / "weed"))
-    except ServerUnavailableError as e:
-        pytest.skip(str(e))
-    server.start()
-    server.make_bucket("outage")
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    yield server
-    server.stop()
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt.storage import open_store  # noqa: E402
 from asyncckpt.storage.protocol import JAX_MARKER_NAME, list_committed  # noqa: E402
 from asyncckpt.storage.servers import free_port  # noqa: E402
-from tests.helpers import start_python, subprocess_env, write_script  # noqa: E402
+from tests.helpers import run_workers, subprocess_env, write_script  # noqa: E402
 from tests.storage.conftest import BUCKET  # noqa: E402
 
 WORKER = r"""
@@ -170,21 +170,8 @@ def test_two_processes_save_to_s3_with_separate_scratch_directories(s3_server, t
     shared = tmp_path / "shared"
     script = write_script(tmp_path, "worker.py", WORKER)
     port = str(free_port())
-    procs = [start_python(script, str(i), port, url, str(shared), url2,
-                          env=subprocess_env(JAX_PLATFORMS="cpu")) for i in range(2)]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=240))
-        finally:
-            proc.kill()
-    report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{out}\n{err[-4000:]}"
-                       for i, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)))
-    assert all(p.returncode == 0 for p in procs), report
-    results = []
-    for stdout, _ in outputs:
-        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT "):]))
+    results = run_workers(script, [[str(i), port, url, str(shared), url2] for i in range(2)],
+                          env=subprocess_env(JAX_PLATFORMS="cpu"))
     p0, p1 = results
 
     # Separate scratch directories, which keep no step once it is committed: each

@@ -23,7 +23,6 @@ import asyncckpt.jax as aj
 from asyncckpt.preemption import GraceOptions, PreemptionCheckpointHandler, TerminationConfig
 from asyncckpt.storage import RetryPolicy, StorageError, open_store
 from asyncckpt.storage.protocol import list_committed
-from asyncckpt.storage.servers import SeaweedS3, ServerUnavailableError
 from asyncckpt.storage.tier import RemoteOptions
 
 N = 64 * 1024
@@ -138,21 +137,6 @@ def test_final_save_commits_locally_when_the_upload_does_not_fit(s3_server, tmp_
         got = mgr.restore(final.run, target=_state(0))
         np.testing.assert_array_equal(got["w"], state["w"])
     assert "final save planned for the local tier" in caplog.text
-
-
-@pytest.fixture
-def own_s3(tmp_path, monkeypatch):
-    """A SeaweedFS server of this test alone (it gets stopped)."""
-    try:
-        server = SeaweedS3(str(tmp_path / "weed"))
-    except ServerUnavailableError as e:
-        pytest.skip(str(e))
-    server.start()
-    server.make_bucket("outage")
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    yield server
-    server.stop()
 
 
 def test_final_save_commits_locally_when_the_remote_tier_is_unreachable(own_s3, tmp_path,

@@ -19,8 +19,8 @@ from asyncckpt.storage import (  # noqa: E402
     open_store,
 )
 from asyncckpt.storage.protocol import list_committed  # noqa: E402
-from asyncckpt.storage.servers import FakeGCS, SeaweedS3, ServerUnavailableError  # noqa: E402
 from asyncckpt.storage.tier import RemoteOptions  # noqa: E402
+from tests.storage import conftest as storage_conftest  # noqa: E402
 
 
 def _ckpt(seed: int, **kwargs):
@@ -120,14 +120,7 @@ def test_missing_and_unsupported(remote_url, tmp_path, monkeypatch):
 @pytest.fixture(params=["s3", "gcs"])
 def own_server(request, tmp_path, monkeypatch):
     """A server of this test alone (it gets stopped and restarted), and its bucket URL."""
-    try:
-        server = (SeaweedS3 if request.param == "s3" else FakeGCS)(str(tmp_path / "srv"))
-    except ServerUnavailableError as e:
-        pytest.skip(str(e))
-    server.start()
-    server.make_bucket("outage")
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
+    server = storage_conftest.own_server(request.param, str(tmp_path / "srv"), monkeypatch)
     yield server, ("s3" if request.param == "s3" else "gs") + "://outage/run"
     server.kill()
 
