@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
+from asyncckpt.storage.servers import free_port  # noqa: E402
 from tests.helpers import run_workers, subprocess_env, write_script  # noqa: E402
 
 WORKER = r"""
@@ -125,17 +125,11 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_save_and_restore(tmp_path):
     directory = tmp_path / "ckpts"
     script = write_script(tmp_path, "worker.py", WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     env = subprocess_env(JAX_PLATFORMS="cpu")
     results = run_workers(script, [[str(i), port, str(directory)] for i in range(2)], env=env)
     p0, p1 = results

@@ -15,12 +15,12 @@ the save fails loudly on both, naming the missing files.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
 pytest.importorskip("jax")
 
+from asyncckpt.storage.servers import free_port
 from tests.helpers import run_workers, subprocess_env, write_script
 
 COMMON = r"""
@@ -209,15 +209,9 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two(tmp_path, code: str) -> list[dict]:
     script = write_script(tmp_path, "worker.py", code)
-    port = str(_free_port())
+    port = str(free_port())
     env = subprocess_env(JAX_PLATFORMS="cpu")
     return run_workers(script, [[str(i), port, str(tmp_path)] for i in range(2)], env=env)
 
