@@ -16,10 +16,11 @@ every step boundary ``t`` the handler starts the final round if
   writer runs at a lower priority), the final save does not; so once
   ``min_samples`` finals exist they bound it, in log space (``log_bound``):
   ``exp(mean(log finals) + max(t * s, k * min_spread) * sqrt(1 + 1/n))``
-  and at least their maximum, with ``s`` the robust (Qn) standard deviation
-  of the logs pooled over both populations and ``t`` the Student quantile
-  with the tail of ``spread_k`` normal sigmas for the degrees of freedom
-  that spread is worth (``_stats``). Before that, the bound of the saves
+  and at least their maximum, with ``s`` the standard deviation of the logs
+  pooled over both populations (each around its own mean; stalls beyond 5
+  robust sigmas left out) and ``t`` the Student quantile with the tail of
+  ``spread_k`` normal sigmas for its degrees of freedom (``_stats``); with
+  fewer than 4 of them, ``cold_factor`` times the slowest save. Before that, the bound of the saves
   made while training (``bound``: their maximum, or ``median + k sigma``,
   whichever is larger).
 * The engine's first save is cold when it costs more than ``cold_factor``
