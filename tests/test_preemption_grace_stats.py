@@ -129,6 +129,43 @@ def test_log_bound_misses_about_its_nominal_tail_in_simulation():
     assert missed <= 0.005 and width < 1.76
 
 
+# Saves made while training, recorded by the deadline benchmark (JAX, 2 s
+# grace, 0.25 s write, no added noise): 8 made while the chunk's other
+# processes started (imports, compilation), then 6 on the quiet machine.
+WARMUP = [0.3494, 0.4488, 0.3963, 0.4491, 0.525, 0.4649, 0.4006, 0.4483]
+QUIET = [0.2754, 0.2663, 0.2684, 0.2578, 0.2584, 0.2573]
+
+
+def test_a_level_that_dropped_is_left_out_a_stall_or_a_rise_is_not():
+    assert _stats.stale_prefix(WARMUP + QUIET, min_newer=4, floor=0.05) == 8
+    # Too few newer samples to call it a level yet.
+    assert _stats.stale_prefix(WARMUP + QUIET[:3], min_newer=4, floor=0.05) == 0
+    # No shift: a normal sample in a scrambled order.
+    scrambled = [math.exp(0.15 * z) for z in Z16[1::2] + Z16[::2]]
+    assert _stats.stale_prefix(scrambled, min_newer=4, floor=0.05) == 0
+    # One stall among the older saves is not a level (medians).
+    stalled = [0.26, 2.6, 0.27, 0.26, *QUIET]
+    assert _stats.stale_prefix(stalled, min_newer=4, floor=0.05) == 0
+    # A machine that became slower keeps its older, faster saves.
+    assert _stats.stale_prefix(QUIET + WARMUP, min_newer=4, floor=0.05) == 0
+
+
+def test_the_clock_bounds_with_the_current_level_and_stores_only_it():
+    with AsyncEngine(name="t") as engine:
+        clock = grace_lib.GraceClock(engine)
+        clock.seed({"save_s": WARMUP + QUIET, "save_bytes": [1000.0] * 14})
+        assert clock.estimates()["save_s"] == QUIET  # what the next checkpoint carries
+        finals = [0.27, 0.26, 0.265, 0.262]
+        clock.seed_finals([[0.45, 1000.0]] * 4 + [[t, 1000.0] for t in finals])
+        assert clock.save_seconds() == pytest.approx(_stats.log_bound(
+            finals, k=3.0, min_spread=0.05, spread_from=QUIET, cap=1.5 * max(finals + QUIET)))
+        assert clock.save_seconds() < 0.33
+        # Without the cut: the warm-up saves held the bound up (0.47 s).
+        held = _stats.log_bound([0.45] * 4 + finals, k=3.0, min_spread=0.05,
+                                spread_from=WARMUP + QUIET, cap=1.5 * 0.525)
+        assert held > 0.45
+
+
 class _SlowJob:
     """A save job whose write takes ``seconds`` (a slow disk)."""
 

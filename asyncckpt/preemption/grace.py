@@ -28,6 +28,9 @@ every step boundary ``t`` the handler starts the final round if
   it is kept out of the window (it would hold the bound up for
   ``WRITE_WINDOW`` saves and across restarts) and apart, and bounds a final
   save that would be the engine's first.
+* A level that dropped: when the older saves of either window are slower
+  than the newer ones by more than 4 standard errors (``stale_prefix``: a
+  machine loaded while the job's processes started), they are left out.
 * ``Q``: what the saves in flight still need (the engine writes in order, so
   the final save waits for them), bounded like saves made while training:
   the bound per queued save and, for the one being written, the bound minus
@@ -86,7 +89,7 @@ from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine
 
 # The statistics live in ``_stats``; re-exported for the tests and benchmarks.
-from asyncckpt.preemption._stats import bound, log_bound, t_quantile  # noqa: F401
+from asyncckpt.preemption._stats import bound, log_bound, stale_prefix, t_quantile  # noqa: F401
 
 # Samples kept per quantity, in memory and in each checkpoint.
 WRITE_WINDOW = 16
@@ -286,6 +289,7 @@ class GraceClock:
         self.adoptable = False
         self.deadline_fn: Callable[[], float | None] | None = None
         self._lock = threading.Lock()  # the watcher thread reads the margin too
+        self._stale_cache: dict[tuple[float, ...], int] = {}
 
     # -- samples ----------------------------------------------------------------
 
@@ -307,7 +311,8 @@ class GraceClock:
         The engine's own saves come after the seeded ones (from the restored
         checkpoint) and push them out of the window. The engine's first save
         is left out if it was cold (``_is_cold``); it is kept apart and stored
-        beside the final saves.
+        beside the final saves. Older saves of a level that has since dropped
+        are left out (``_stale``).
         """
         history = self.engine.history
         seconds = list(self._seeded.get("save_s", []))
@@ -333,7 +338,20 @@ class GraceClock:
             seconds += [self.save_cost(s) for s in mine]
             sizes += [float(s.nbytes) for s in mine]
         n = self.options.window
-        return seconds[-n:], sizes[-n:]
+        seconds, sizes = seconds[-n:], sizes[-n:]
+        cut = self._stale(seconds)
+        return seconds[cut:], sizes[cut:]
+
+    def _stale(self, seconds: list[float]) -> int:
+        """``stale_prefix`` of a window (oldest first), cached: it changes once per save."""
+        key = tuple(seconds)
+        cached = self._stale_cache.get(key)
+        if cached is None:
+            if len(self._stale_cache) > 8:
+                self._stale_cache.clear()
+            cached = self._stale_cache[key] = stale_prefix(
+                seconds, min_newer=self.options.min_samples, floor=self.options.min_spread)
+        return cached
 
     def is_cold(self, stats: SaveStats) -> bool:
         """Whether ``stats`` is the engine's first save and was cold (see ``_is_cold``)."""
@@ -361,8 +379,9 @@ class GraceClock:
         nbytes = float(last.nbytes) if last is not None else (sizes[-1] if sizes else 0.0)
         during = self._scaled(zip(seconds, sizes, strict=True), nbytes)
         with self._lock:
-            finals = self._scaled(list(self._finals), nbytes)
+            finals = list(self._finals)
             cold = self._scaled(list(self._cold), nbytes)
+        finals = self._scaled(finals[self._stale([t for t, _ in finals]):], nbytes)
         during_hi = self._bound(during)
         if len(finals) >= o.min_samples:
             # At most cold_factor times the slowest save of either kind.
