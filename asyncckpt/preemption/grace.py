@@ -28,9 +28,8 @@ every step boundary ``t`` the handler starts the final round if
   it is kept out of the window (it would hold the bound up for
   ``WRITE_WINDOW`` saves and across restarts) and apart, and bounds a final
   save that would be the engine's first.
-* A level that dropped: when the older saves of either window are slower
-  than the newer ones by more than 4 standard errors (``stale_prefix``: a
-  machine loaded while the job's processes started), they are left out.
+* Older saves of either window slower than the newer ones by 4 standard
+  errors (``stale_prefix``: a machine loaded while processes started) are left out.
 * ``Q``: what the saves in flight still need (the engine writes in order, so
   the final save waits for them), bounded like saves made while training:
   the bound per queued save and, for the one being written, the bound minus
@@ -49,14 +48,13 @@ every step boundary ``t`` the handler starts the final round if
   upload fits in the time left), the bound of the measured uploads, plus
   what is left of an upload in progress.
 
-The risk accepted: a final save slower than ``T_hi`` plus what the step and
-slack terms leave over. For log-normal save times whose spread the saves made
-while training share, about 1 in 740 (3 sigma, one-sided), the estimation of
-mean and spread from few samples paid for by ``t`` and ``sqrt(1 + 1/n)``.
-Not covered: a final save slower than its population (a stall that starts
-during it), finals spread wider than the saves made while training, and
-finals measured on a machine that has since become slower
-(``docs/preemption.md``).
+The risk accepted: a final save slower than ``T_hi`` (at least ``stall_s``
+above the center) plus what the step and slack terms leave over: for
+log-normal save times whose spread the saves made while training share,
+1 in 740 (3 sigma, one-sided; ``t`` and ``sqrt(1 + 1/n)`` pay for few samples).
+Not covered: a final save slower than its population by more (a stall longer
+than ``stall_s``), finals spread wider than the saves made while training,
+and a machine that became slower since (``docs/preemption.md``).
 
 The samples are stored in every checkpoint (and the final, cold and upload
 times in a file beside them) and seed the next run, so a restarted job
@@ -65,9 +63,8 @@ each publishes its margin at the notice and the final round starts at the
 boundary where the *largest* margin of any worker crosses the deadline (see
 ``agreement``).
 
-TensorFlow's handler uses ``G - 6 * mean step time``: it ignores the write,
-so a final save that takes longer than six steps misses the deadline, and it
-starts from zero after a restart. If ``G <= margin`` the save starts at once.
+(TensorFlow's handler starts at ``G - 6 * mean step``, ignoring the write.)
+If ``G <= margin`` the save starts at once.
 A save is also made at the notice itself when ``G >= 4 * margin`` (a guard for
 long grace periods; in a short one it would only delay the final save).
 Without any measured write (a first run that never saved), the final round
@@ -134,6 +131,9 @@ class GraceOptions:
             cold when it costs more than this times the warm saves' bound.
         slack_s: Fixed seconds for coordination round trips and wake-ups
             (None: 0.01 s for one worker, 0.05 s for several).
+        stall_s: Least seconds the final save's bound reaches above the center
+            of its population: an fsync stalled behind another writer (+0.07-0.10 s
+            here, on saves that varied by 1-4%) is rare and additive.
         unknown_write_fraction: Share of the grace period to train for when no
             write time has ever been measured.
         save_at_notice_ratio: Save at the notice as well only if the grace
@@ -152,6 +152,7 @@ class GraceOptions:
     min_samples: int = 4
     cold_factor: float = 1.5
     slack_s: float | None = None
+    stall_s: float = 0.15
     unknown_write_fraction: float = 0.5
     save_at_notice_ratio: float = 4.0
     tier_fn: Callable[[SaveStats], str] = field(default=local_tier, compare=False)
@@ -159,8 +160,8 @@ class GraceOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.window <= WRITE_WINDOW:
             raise ValueError(f"window must be within [1, {WRITE_WINDOW}], got {self.window!r}")
-        if self.spread_k < 0 or (self.slack_s or 0.0) < 0 or self.min_spread < 0:
-            raise ValueError("spread_k, min_spread and slack_s must be >= 0")
+        if min(self.spread_k, self.slack_s or 0.0, self.min_spread, self.stall_s) < 0:
+            raise ValueError("spread_k, min_spread, slack_s and stall_s must be >= 0")
         if self.min_samples < 1 or self.cold_factor < 1:
             raise ValueError("min_samples and cold_factor must be >= 1")
         if not 0 <= self.unknown_write_fraction <= 1:
@@ -388,10 +389,15 @@ class GraceClock:
             final_hi = log_bound(finals, k=o.spread_k, min_spread=o.min_spread,
                                  spread_from=during,
                                  cap=o.cold_factor * max(finals + during))
+            center = math.exp(statistics.fmean(math.log(t) for t in finals if t > 0))
         elif during_hi is not None:
             final_hi = max([during_hi, *finals])
+            center = statistics.median(during)
         else:
             final_hi = self._bound(finals)
+            center = statistics.median(finals) if finals else 0.0
+        if final_hi is not None:
+            final_hi = max(final_hi, center + o.stall_s)
         if final_hi is not None and cold and not self.engine.history:
             # The final save would be the engine's first: it may pay the cold
             # cost (imports, tracing, first allocations) of earlier runs.
