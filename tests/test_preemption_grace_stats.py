@@ -168,7 +168,7 @@ def test_the_clock_bounds_with_the_current_level_and_stores_only_it():
 
 def test_the_final_bound_reaches_a_stall_above_the_center_of_its_population():
     """Final saves that varied by 1-2%: the 3-sigma floor reaches 16% above them, a stall of
-    the fsync behind another writer 0.07-0.10 s; the bound reaches ``stall_s`` above."""
+    the fsync behind another writer 0.07-0.22 s; the bound reaches ``stall_s`` above."""
     finals = [0.2606, 0.2573, 0.2576, 0.2555]  # recorded: the next one took 0.359 s
     during = [0.2636, 0.2596, 0.2635, 0.2634, 0.2565, 0.262, 0.2604, 0.268]
     with AsyncEngine(name="t") as engine:
@@ -178,11 +178,11 @@ def test_the_final_bound_reaches_a_stall_above_the_center_of_its_population():
             c.seed({"save_s": during, "save_bytes": [1000.0] * 8})
         assert statistical.save_seconds() < 0.31  # the recorded final save missed it
         # With fewer than 4 finals: the center is the median of the other saves.
-        assert clock.save_seconds() == pytest.approx(statistics.median(during) + 0.15)
+        assert clock.save_seconds() == pytest.approx(statistics.median(during) + 0.25)
         for c in (statistical, clock):
             c.seed_finals([[t, 1000.0] for t in finals])
         center = math.exp(statistics.fmean(math.log(t) for t in finals))
-        assert clock.save_seconds() == pytest.approx(center + 0.15) and center + 0.15 > 0.359
+        assert clock.save_seconds() == pytest.approx(center + 0.25) and center + 0.25 > 0.359
     # Where the statistics reach farther (a noisy disk), the allowance adds nothing.
     noisy = [0.2 * math.exp(0.3 * z) for z in Z16]
     with AsyncEngine(name="t2") as engine:
@@ -191,7 +191,7 @@ def test_the_final_bound_reaches_a_stall_above_the_center_of_its_population():
         for c in (statistical, clock):
             c.seed({"save_s": noisy, "save_bytes": [1000.0] * 16})
             c.seed_finals([[t, 1000.0] for t in noisy[::2]])
-        assert statistical.save_seconds() > 0.2 + 0.15
+        assert statistical.save_seconds() > 0.2 + 0.25
         assert clock.save_seconds() == pytest.approx(statistical.save_seconds())
 
 

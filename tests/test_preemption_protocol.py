@@ -292,7 +292,7 @@ def _save(engine, seconds, nbytes=1000, label="job", wait=True):
     return handle
 
 
-# The statistics alone: the stall allowance (``stall_s``, 0.15 s, far above
+# The statistics alone: the stall allowance (``stall_s``, 0.25 s, far above
 # these millisecond saves) has its own test in test_preemption_grace_stats.py.
 NO_STALL = grace_lib.GraceOptions(stall_s=0.0)
 

@@ -132,7 +132,7 @@ class GraceOptions:
         slack_s: Fixed seconds for coordination round trips and wake-ups
             (None: 0.01 s for one worker, 0.05 s for several).
         stall_s: Least seconds the final save's bound reaches above the center
-            of its population: an fsync stalled behind another writer (+0.07-0.10 s
+            of its population: an fsync stalled behind another writer (+0.07-0.22 s
             here, on saves that varied by 1-4%) is rare and additive.
         unknown_write_fraction: Share of the grace period to train for when no
             write time has ever been measured.
@@ -152,7 +152,7 @@ class GraceOptions:
     min_samples: int = 4
     cold_factor: float = 1.5
     slack_s: float | None = None
-    stall_s: float = 0.15
+    stall_s: float = 0.25
     unknown_write_fraction: float = 0.5
     save_at_notice_ratio: float = 4.0
     tier_fn: Callable[[SaveStats], str] = field(default=local_tier, compare=False)
