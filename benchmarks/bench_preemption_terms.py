@@ -6,7 +6,8 @@ Runs ``bench_preemption_deadline.py`` unchanged (same options, same output),
 with an observer on ``GraceClock.margin_parts`` and on the final save's
 ``log_bound``: each trial's record (``--json``) gains ``margin_terms``, the
 terms of the last margin computed before the final save started: ``margin``,
-``queued`` (Q), ``S_hi``, ``slack``, ``T_hi``, the finals and the saves made
+``queued`` (Q), ``S_hi``, ``slack``, ``T_hi`` (the final save's bound, stall
+allowance included) and ``T_stat`` (its statistical part), the finals and the saves made
 while training it was computed from (``finals``, ``during``, after the cuts
 of ``stale_prefix``), their pooled ``spread`` of logs, its degrees of
 freedom ``df``, ``t``, the ``reach`` in logs, the finals' ``final_center``
@@ -61,10 +62,12 @@ def main() -> None:
             ld = [math.log(x) for x in during if x > 0]
             s, df = _stats.pooled_spread([lf, ld], floor=floor)
             t = _stats.t_quantile(k, max(_stats.MIN_DF, df)) if df else k
-            d.update(T_hi=out, finals=[round(x, 4) for x in finals],
+            d.update(T_stat=out, finals=[round(x, 4) for x in finals],
                      during=[round(x, 4) for x in during], cap=cap, spread=s, df=df, t=t,
                      reach=max(t * s, k * floor) * math.sqrt(1 + 1 / len(lf)),
                      final_center=math.exp(statistics.fmean(lf)))
+        if "margin" in d:  # one worker: margin = T_hi + Q + S_hi + slack
+            d["T_hi"] = d["margin"] - d["queued"] - d["S_hi"] - d["slack"]
         return d
 
     run_trial = bench.run_trial
