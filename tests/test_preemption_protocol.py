@@ -292,8 +292,13 @@ def _save(engine, seconds, nbytes=1000, label="job", wait=True):
     return handle
 
 
+# The statistics alone: the stall allowance (``stall_s``, 0.25 s, far above
+# these millisecond saves) has its own test in test_preemption_grace_stats.py.
+NO_STALL = grace_lib.GraceOptions(stall_s=0.0)
+
+
 def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
-    opts = grace_lib.GraceOptions()
+    opts = NO_STALL
     with AsyncEngine(name="t") as engine:
         clock = grace_lib.GraceClock(engine, opts)
         assert clock.margin() is None  # nothing measured
@@ -339,7 +344,7 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
 
 def test_final_saves_bound_the_final_save_with_the_spread_of_all_saves():
     with AsyncEngine(name="t") as engine:
-        clock = grace_lib.GraceClock(engine)
+        clock = grace_lib.GraceClock(engine, NO_STALL)
         for seconds in (0.05, 0.06, 0.05, 0.07, 0.05):
             _save(engine, seconds)  # saves during training, slowed by it
         during_training = clock.save_seconds()
@@ -424,7 +429,7 @@ def test_write_bound_scales_with_state_bytes_and_is_per_tier():
         return grace_lib.bound(costs, k=3.0, min_samples=4, cold_factor=1.5, min_spread=0.05)
 
     with AsyncEngine(name="t") as engine:
-        clock = grace_lib.GraceClock(engine)
+        clock = grace_lib.GraceClock(engine, NO_STALL)
         for _ in range(4):
             _save(engine, 0.02, nbytes=1000)
         _save(engine, 0.02, nbytes=4000)  # the state grew four times

@@ -16,10 +16,11 @@ every step boundary ``t`` the handler starts the final round if
   writer runs at a lower priority), the final save does not; so once
   ``min_samples`` finals exist they bound it, in log space (``log_bound``):
   ``exp(mean(log finals) + max(t * s, k * min_spread) * sqrt(1 + 1/n))``
-  and at least their maximum, with ``s`` the robust (Qn) standard deviation
-  of the logs pooled over both populations and ``t`` the Student quantile
-  with the tail of ``spread_k`` normal sigmas for the degrees of freedom
-  that spread is worth (``_stats``). Before that, the bound of the saves
+  and at least their maximum, with ``s`` the standard deviation of the logs
+  pooled over both populations (each around its own mean; stalls beyond 5
+  robust sigmas left out) and ``t`` the Student quantile with the tail of
+  ``spread_k`` normal sigmas for its degrees of freedom (``_stats``); with
+  fewer than 4 of them, ``cold_factor`` times the slowest save. Before that, the bound of the saves
   made while training (``bound``: their maximum, or ``median + k sigma``,
   whichever is larger).
 * The engine's first save is cold when it costs more than ``cold_factor``
@@ -27,6 +28,8 @@ every step boundary ``t`` the handler starts the final round if
   it is kept out of the window (it would hold the bound up for
   ``WRITE_WINDOW`` saves and across restarts) and apart, and bounds a final
   save that would be the engine's first.
+* Older saves of either window slower than the newer ones by 4 standard
+  errors (``stale_prefix``: a machine loaded while processes started) are left out.
 * ``Q``: what the saves in flight still need (the engine writes in order, so
   the final save waits for them), bounded like saves made while training:
   the bound per queued save and, for the one being written, the bound minus
@@ -45,14 +48,13 @@ every step boundary ``t`` the handler starts the final round if
   upload fits in the time left), the bound of the measured uploads, plus
   what is left of an upload in progress.
 
-The risk accepted: a final save slower than ``T_hi`` plus what the step and
-slack terms leave over. For log-normal save times whose spread the saves made
-while training share, about 1 in 740 (3 sigma, one-sided), the estimation of
-mean and spread from few samples paid for by ``t`` and ``sqrt(1 + 1/n)``.
-Not covered: a final save slower than its population (a stall that starts
-during it), finals spread wider than the saves made while training, and
-finals measured on a machine that has since become slower
-(``docs/preemption.md``).
+The risk accepted: a final save slower than ``T_hi`` (at least ``stall_s``
+above the center) plus what the step and slack terms leave over: for
+log-normal save times whose spread the saves made while training share,
+1 in 740 (3 sigma, one-sided; ``t`` and ``sqrt(1 + 1/n)`` pay for few samples).
+Not covered: a final save slower than its population by more (a stall longer
+than ``stall_s``), finals spread wider than the saves made while training,
+and a machine that became slower since (``docs/preemption.md``).
 
 The samples are stored in every checkpoint (and the final, cold and upload
 times in a file beside them) and seed the next run, so a restarted job
@@ -61,9 +63,8 @@ each publishes its margin at the notice and the final round starts at the
 boundary where the *largest* margin of any worker crosses the deadline (see
 ``agreement``).
 
-TensorFlow's handler uses ``G - 6 * mean step time``: it ignores the write,
-so a final save that takes longer than six steps misses the deadline, and it
-starts from zero after a restart. If ``G <= margin`` the save starts at once.
+(TensorFlow's handler starts at ``G - 6 * mean step``, ignoring the write.)
+If ``G <= margin`` the save starts at once.
 A save is also made at the notice itself when ``G >= 4 * margin`` (a guard for
 long grace periods; in a short one it would only delay the final save).
 Without any measured write (a first run that never saved), the final round
@@ -85,7 +86,7 @@ from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine
 
 # The statistics live in ``_stats``; re-exported for the tests and benchmarks.
-from asyncckpt.preemption._stats import bound, log_bound, t_quantile  # noqa: F401
+from asyncckpt.preemption._stats import bound, log_bound, stale_prefix, t_quantile  # noqa: F401
 
 # Samples kept per quantity, in memory and in each checkpoint.
 WRITE_WINDOW = 16
@@ -130,6 +131,9 @@ class GraceOptions:
             cold when it costs more than this times the warm saves' bound.
         slack_s: Fixed seconds for coordination round trips and wake-ups
             (None: 0.01 s for one worker, 0.05 s for several).
+        stall_s: Least seconds the final save's bound reaches above the center
+            of its population: an fsync stalled behind another writer (+0.07-0.22 s
+            here, on saves that varied by 1-4%) is rare and additive.
         unknown_write_fraction: Share of the grace period to train for when no
             write time has ever been measured.
         save_at_notice_ratio: Save at the notice as well only if the grace
@@ -148,6 +152,7 @@ class GraceOptions:
     min_samples: int = 4
     cold_factor: float = 1.5
     slack_s: float | None = None
+    stall_s: float = 0.25
     unknown_write_fraction: float = 0.5
     save_at_notice_ratio: float = 4.0
     tier_fn: Callable[[SaveStats], str] = field(default=local_tier, compare=False)
@@ -155,8 +160,8 @@ class GraceOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.window <= WRITE_WINDOW:
             raise ValueError(f"window must be within [1, {WRITE_WINDOW}], got {self.window!r}")
-        if self.spread_k < 0 or (self.slack_s or 0.0) < 0 or self.min_spread < 0:
-            raise ValueError("spread_k, min_spread and slack_s must be >= 0")
+        if min(self.spread_k, self.slack_s or 0.0, self.min_spread, self.stall_s) < 0:
+            raise ValueError("spread_k, min_spread, slack_s and stall_s must be >= 0")
         if self.min_samples < 1 or self.cold_factor < 1:
             raise ValueError("min_samples and cold_factor must be >= 1")
         if not 0 <= self.unknown_write_fraction <= 1:
@@ -285,6 +290,7 @@ class GraceClock:
         self.adoptable = False
         self.deadline_fn: Callable[[], float | None] | None = None
         self._lock = threading.Lock()  # the watcher thread reads the margin too
+        self._stale_cache: dict[tuple[float, ...], int] = {}
 
     # -- samples ----------------------------------------------------------------
 
@@ -306,7 +312,8 @@ class GraceClock:
         The engine's own saves come after the seeded ones (from the restored
         checkpoint) and push them out of the window. The engine's first save
         is left out if it was cold (``_is_cold``); it is kept apart and stored
-        beside the final saves.
+        beside the final saves. Older saves of a level that has since dropped
+        are left out (``_stale``).
         """
         history = self.engine.history
         seconds = list(self._seeded.get("save_s", []))
@@ -332,7 +339,20 @@ class GraceClock:
             seconds += [self.save_cost(s) for s in mine]
             sizes += [float(s.nbytes) for s in mine]
         n = self.options.window
-        return seconds[-n:], sizes[-n:]
+        seconds, sizes = seconds[-n:], sizes[-n:]
+        cut = self._stale(seconds)
+        return seconds[cut:], sizes[cut:]
+
+    def _stale(self, seconds: list[float]) -> int:
+        """``stale_prefix`` of a window (oldest first), cached: it changes once per save."""
+        key = tuple(seconds)
+        cached = self._stale_cache.get(key)
+        if cached is None:
+            if len(self._stale_cache) > 8:
+                self._stale_cache.clear()
+            cached = self._stale_cache[key] = stale_prefix(
+                seconds, min_newer=self.options.min_samples, floor=self.options.min_spread)
+        return cached
 
     def is_cold(self, stats: SaveStats) -> bool:
         """Whether ``stats`` is the engine's first save and was cold (see ``_is_cold``)."""
@@ -360,18 +380,24 @@ class GraceClock:
         nbytes = float(last.nbytes) if last is not None else (sizes[-1] if sizes else 0.0)
         during = self._scaled(zip(seconds, sizes, strict=True), nbytes)
         with self._lock:
-            finals = self._scaled(list(self._finals), nbytes)
+            finals = list(self._finals)
             cold = self._scaled(list(self._cold), nbytes)
+        finals = self._scaled(finals[self._stale([t for t, _ in finals]):], nbytes)
         during_hi = self._bound(during)
         if len(finals) >= o.min_samples:
             # At most cold_factor times the slowest save of either kind.
             final_hi = log_bound(finals, k=o.spread_k, min_spread=o.min_spread,
                                  spread_from=during,
                                  cap=o.cold_factor * max(finals + during))
+            center = math.exp(statistics.fmean(math.log(t) for t in finals if t > 0))
         elif during_hi is not None:
             final_hi = max([during_hi, *finals])
+            center = statistics.median(during)
         else:
             final_hi = self._bound(finals)
+            center = statistics.median(finals) if finals else 0.0
+        if final_hi is not None:
+            final_hi = max(final_hi, center + o.stall_s)
         if final_hi is not None and cold and not self.engine.history:
             # The final save would be the engine's first: it may pay the cold
             # cost (imports, tracing, first allocations) of earlier runs.
