@@ -291,15 +291,25 @@ class StagingPool:
     busy starts building one more (same layout, pre-faulted) on a background
     thread and takes whichever comes first, a released slot or the finished
     spare; so the pool grows to the deepest burst of saves, up to
-    ``max_slots``, and keeps the spares until ``close``.
+    ``max_slots``, and keeps the spares until ``close``. With
+    ``early_spare`` the first spare is started as soon as the pool learns
+    its first layout (the first save), so the first burst finds it built.
 
     Args:
         num_slots: Number of slots to start with.
         max_slots: Most slots the pool grows to (None: ``num_slots``, fixed).
         prepare_nice: Niceness added to the preparer and spare-building threads.
+        early_spare: Start building one spare at the first ``learn``.
     """
 
-    def __init__(self, num_slots: int, *, max_slots: int | None = None, prepare_nice: int = 0):
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        max_slots: int | None = None,
+        prepare_nice: int = 0,
+        early_spare: bool = False,
+    ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self._max_slots = num_slots if max_slots is None else max_slots
@@ -316,6 +326,7 @@ class StagingPool:
         self._spare_bytes = 0  # allocated so far by that build
         self._spare_failed = False
         self._spare_refused = False
+        self._early_spare = early_spare  # cleared once the first layout is learnt
         self._closed = False
 
     @property
@@ -432,6 +443,12 @@ class StagingPool:
             return
         slot._changed = False
         self.prepare(slot.layout(), _ready=slot, background=False)
+        if self._early_spare:
+            # The first layout: one spare now, on its own thread, so that
+            # the first burst of saves does not wait for it (see _grow).
+            with self._cond:
+                self._early_spare = False
+                self._grow()
 
     def prepare(
         self,
@@ -501,9 +518,11 @@ class StagingPool:
             del bufs, work, slot
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
-        """Waits until the preparer has nothing left to do; False on timeout."""
+        """Waits until the preparer and any spare build are done; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._preparer is None, timeout=timeout)
+            return self._cond.wait_for(
+                lambda: self._preparer is None and self._spare is None, timeout=timeout
+            )
 
     def _next_work(self) -> tuple[Slot, list[tuple[str, int]]] | None:
         """The next buffers to build: a free slot and what it misses of the layout.

@@ -181,6 +181,7 @@ class AsyncEngine(ClosingContext):
             self.options.num_slots,
             max_slots=self.options.slot_cap,
             prepare_nice=self.options.writer_nice,
+            early_spare=self.options.early_spare,
         )
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
