@@ -45,6 +45,7 @@ def _first_save(pool: StagingPool, layout: dict[str, int]):
         slot.buffer(key, (nbytes,), np.uint8)
     slot.trim()
     pool.learn(slot)
+    pool.start_early_spare()  # as the engine does once the save is queued
     return slot
 
 
@@ -233,6 +234,7 @@ def test_early_spare_is_built_after_the_first_save_and_only_handed_out_complete(
     for slot in (a, b, spare):
         pool.release(slot)
     pool.learn(a)  # the same layout again: no second early spare, no growth
+    pool.start_early_spare()
     assert pool._spare is None and pool.num_slots == 3
     pool.close()
     assert pool.nbytes == 0

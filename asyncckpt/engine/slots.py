@@ -292,14 +292,15 @@ class StagingPool:
     thread and takes whichever comes first, a released slot or the finished
     spare; so the pool grows to the deepest burst of saves, up to
     ``max_slots``, and keeps the spares until ``close``. With
-    ``early_spare`` the first spare is started as soon as the pool learns
-    its first layout (the first save), so the first burst finds it built.
+    ``early_spare`` the first spare is started as soon as the pool has
+    learnt its first layout (``start_early_spare``, after the first save),
+    so the first burst finds it built.
 
     Args:
         num_slots: Number of slots to start with.
         max_slots: Most slots the pool grows to (None: ``num_slots``, fixed).
         prepare_nice: Niceness added to the preparer and spare-building threads.
-        early_spare: Start building one spare at the first ``learn``.
+        early_spare: Build one spare once the first layout is learnt.
     """
 
     def __init__(
@@ -327,6 +328,7 @@ class StagingPool:
         self._spare_failed = False
         self._spare_refused = False
         self._early_spare = early_spare  # cleared once the first layout is learnt
+        self._early_due = False  # a layout is learnt: start_early_spare() builds one
         self._closed = False
 
     @property
@@ -444,11 +446,20 @@ class StagingPool:
         slot._changed = False
         self.prepare(slot.layout(), _ready=slot, background=False)
         if self._early_spare:
-            # The first layout: one spare now, on its own thread, so that
-            # the first burst of saves does not wait for it (see _grow).
-            with self._cond:
-                self._early_spare = False
-                self._grow()
+            self._early_due, self._early_spare = True, False
+
+    def start_early_spare(self) -> None:
+        """Starts the early spare once the first layout is known (see ``early_spare``).
+
+        Called by the writer thread as it takes a save (starting a thread
+        waits until it runs: not on the saving thread); costs one attribute
+        read for every other save.
+        """
+        if not self._early_due:
+            return
+        with self._cond:
+            self._early_due = False
+            self._grow()
 
     def prepare(
         self,

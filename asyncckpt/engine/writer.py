@@ -134,6 +134,9 @@ def _writer_loop(work_queue: queue.SimpleQueue, nice: int) -> None:
         if work is None:
             return
         engine = work.engine
+        # After the first save, here rather than on the saving thread (starting
+        # a thread waits for it to run): one spare slot, see AsyncOptions.early_spare.
+        engine._pool.start_early_spare()
         error = engine._process(work)
         if error is not None:
             # The traceback's frames (finished now) would keep the job, its
