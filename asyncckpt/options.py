@@ -31,6 +31,16 @@ class AsyncOptions:
             A spare is built only while it needs at most half of the host's
             ``MemAvailable``. Memory use is at most ``max_slots`` times the
             state size; set ``max_slots=num_slots`` for fixed slots.
+        early_spare: Build the first spare slot (when ``max_slots`` allows
+            one) on a background thread right after the first save, instead
+            of when a save first finds every slot busy, so the first burst of
+            saves does not wait for it either. It costs one more state of
+            host memory from the first save on, whether or not the run ever
+            saves in bursts (``num_slots + 1`` states with the defaults), and
+            obeys the same memory rule (not built while it needs more than
+            half of ``MemAvailable``; it is then built, memory permitting, at
+            the first save that waits). False builds spares only for saves
+            that waited.
         fsync: Flush file data and directory entries to stable storage before a
             checkpoint is made visible. Turning it off trades durability after
             a power loss for speed; a crashed *process* still never leaves a
@@ -66,6 +76,7 @@ class AsyncOptions:
 
     num_slots: int = 2
     max_slots: int | None = None
+    early_spare: bool = True
     fsync: bool = True
     checksums: bool = True
     exit_timeout_s: float = 600.0

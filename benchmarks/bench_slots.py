@@ -12,6 +12,7 @@ bound) and the staging itself.
     python benchmarks/bench_slots.py --profile jax   # cProfile of 200 16 MiB saves
     python benchmarks/bench_slots.py --steady 60 --sizes 16,64   # steady saves vs memcpy
     python benchmarks/bench_slots.py --bursts 8 --sizes 16,64    # back-to-back saves vs memcpy
+    python benchmarks/bench_slots.py --bursts 4 --early-spare both --repeat 3  # A/B, paired
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def _host_arrays(fw: str, state) -> list[np.ndarray]:
     return [np.asarray(v).copy() for v in state.tree.values()]
 
 
-def _checkpointer(fw: str, state, workdir: str):
-    """Returns (save(step), sync(), engine, close())."""
+def _checkpointer(fw: str, state, workdir: str, options=None):
+    """Returns (save(step), sync(), engine, close()); ``options``: AsyncOptions or None."""
     if fw == "tf":
         import asyncckpt.tf as at
 
-        ckpt = at.Checkpoint(**state.variables)
+        ckpt = at.Checkpoint(**state.variables, async_options=options)
 
         def save(step: int) -> None:
             ckpt.write(os.path.join(workdir, f"ckpt-{step}"))
@@ -54,7 +55,7 @@ def _checkpointer(fw: str, state, workdir: str):
         return save, ckpt.sync, lambda: ckpt.engine, ckpt.sync
     import asyncckpt.jax as aj
 
-    manager = aj.CheckpointManager(workdir)
+    manager = aj.CheckpointManager(workdir, async_options=options)
 
     def save(step: int) -> None:
         manager.save(step, state.tree, force=True)
@@ -149,7 +150,7 @@ def steady(fw: str, mib: int, n: int) -> None:
           f"saving thread CPU {statistics.median(cpu) * 1e3:.2f} ms per save")
 
 
-def bursts(fw: str, mib: int, n: int, size: int = 3) -> None:
+def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None) -> None:
     """Bursts of back-to-back saves against a memcpy of the state (issue 13.3).
 
     As the bench's back-to-back case: ``size`` saves with one training step
@@ -159,13 +160,16 @@ def bursts(fw: str, mib: int, n: int, size: int = 3) -> None:
     of the first burst, then the medians over the later bursts of every save
     position after the first, as a ratio to the memcpy median, with the wait
     for a free slot, and the pool's slots and staging memory at the end.
+    ``early`` sets ``AsyncOptions.early_spare`` (None: the default).
     """
+    from asyncckpt import AsyncOptions
     from asyncckpt.bench import engines as eng
 
     nbytes, tensors, state = _bench_state(fw, mib)
     with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
         floors = eng.Floors(nbytes, 1, os.path.join(workdir, "floors"))
-        save, sync, engine, close = _checkpointer(fw, state, workdir)
+        opts = None if early is None else AsyncOptions(early_spare=early)
+        save, sync, engine, close = _checkpointer(fw, state, workdir, opts)
         save(0)  # the first save of all (allocation, tracing), not timed
         sync()
         blocking: list[list[float]] = []
@@ -191,9 +195,12 @@ def bursts(fw: str, mib: int, n: int, size: int = 3) -> None:
         close()
     m = statistics.median(memcpy)
     first = ",".join(f"{t * 1e3:.1f}" for t in blocking[0])
-    print(f"{fw} {mib} MiB in {tensors} arrays, {n} bursts of {size}: memcpy median "
-          f"{m * 1e3:.2f} ms; first burst ms {first}; slots {slots}, "
-          f"staging {staging / 2**20:.0f} MiB")
+    ratios = ",".join(f"{t / m:.2f}" for t in blocking[0])
+    tag = "" if early is None else f" (early_spare={early})"
+    print(f"{fw} {mib} MiB in {tensors} arrays, {n} bursts of {size}{tag}: memcpy median "
+          f"{m * 1e3:.2f} ms; first burst ms {first} = x memcpy {ratios}, slot wait ms "
+          + ",".join(f"{w * 1e3:.1f}" for w in waits[:size])
+          + f"; slots {slots}, staging {staging / 2**20:.0f} MiB")
     for pos in range(1, size):
         later = [b[pos] for b in blocking[1:]]
         wait = [waits[k * size + pos] for k in range(1, n) if k * size + pos < len(waits)]
@@ -233,14 +240,21 @@ def main() -> int:
                    help="instead: N steady-state saves per framework and size (issue 13.4)")
     p.add_argument("--bursts", type=int, default=0, metavar="N",
                    help="instead: N bursts of 3 back-to-back saves (issue 13.3)")
+    p.add_argument("--early-spare", choices=["default", "on", "off", "both"], default="default",
+                   help="--bursts: AsyncOptions.early_spare; both: off and on alternately, "
+                        "--repeat times per framework and size")
+    p.add_argument("--repeat", type=int, default=1)
     args = p.parse_args()
     if args.profile:
         _profile(args.profile)
         return 0
     if args.bursts:
+        modes = {"default": [None], "on": [True], "off": [False], "both": [False, True]}
         for fw in args.frameworks.split(","):
             for mib in (int(x) for x in args.sizes.split(",")):
-                bursts(fw, mib, args.bursts)
+                for _ in range(args.repeat):
+                    for early in modes[args.early_spare]:
+                        bursts(fw, mib, args.bursts, early=early)
         return 0
     if args.steady:
         for fw in args.frameworks.split(","):

@@ -45,6 +45,7 @@ def _first_save(pool: StagingPool, layout: dict[str, int]):
         slot.buffer(key, (nbytes,), np.uint8)
     slot.trim()
     pool.learn(slot)
+    pool.start_early_spare()  # as the engine does once the save is queued
     return slot
 
 
@@ -129,7 +130,9 @@ def test_engine_pool_grows_to_the_burst_depth_and_stops_at_the_cap(tmp_path):
         for v in state.values():  # the training step between saves
             v += 1
 
-    with AsyncEngine(options=AsyncOptions(num_slots=2, max_slots=4), name="spares") as engine:
+    # Spares built on waits only (an early spare is tested below).
+    opts = AsyncOptions(num_slots=2, max_slots=4, early_spare=False)
+    with AsyncEngine(options=opts, name="spares") as engine:
         pool = engine._pool
         try:
             for _ in range(3):  # a burst of 3: the third save can only get a spare
@@ -207,4 +210,83 @@ def test_no_spare_is_built_beyond_the_memory_budget(monkeypatch):
     assert _spare_done(pool) and pool.num_slots == 2
     slot, _ = pool.acquire(timeout=60)
     assert slot.index == 1 and slot.layout() == _POOL_LAYOUT
+    pool.close()
+
+
+def test_early_spare_is_built_after_the_first_save_and_only_handed_out_complete():
+    pool = _GatedPool(2, max_slots=3, early_spare=True)
+    a = _first_save(pool, _POOL_LAYOUT)
+    assert pool.entered.wait(30)  # no save waited: the first layout started the spare
+    assert pool._spare is not None and pool.num_slots == 2
+    b, _ = pool.acquire(timeout=60)  # the second save: the other slot, complete
+    assert b is not a and b.index < 2 and b._ready == pool._version
+    t, got = _acquire_in_thread(pool)  # the third: only the spare is left
+    t.join(0.2)
+    assert t.is_alive() and not got  # held at the gate, unfinished: not handed out
+    pool.gate.set()
+    t.join(60)
+    spare = got[0]
+    assert spare.index == 2 and spare.layout() == _POOL_LAYOUT
+    assert spare._ready == pool._version and spare.prepared == len(_POOL_LAYOUT)
+    for key, nbytes in _POOL_LAYOUT.items():
+        spare.buffer(key, (nbytes,), np.uint8)
+    assert spare.allocations == 0
+    for slot in (a, b, spare):
+        pool.release(slot)
+    pool.learn(a)  # the same layout again: no second early spare, no growth
+    pool.start_early_spare()
+    assert pool._spare is None and pool.num_slots == 3
+    pool.close()
+    assert pool.nbytes == 0
+
+
+def test_close_during_an_early_spare_build_neither_hangs_nor_leaks():
+    pool = _GatedPool(1, max_slots=2, early_spare=True)
+    held = _first_save(pool, _POOL_LAYOUT)
+    assert pool.entered.wait(30)
+    spare_thread = pool._spare
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    pool.gate.set()
+    closer.join(60)
+    assert not closer.is_alive() and not spare_thread.is_alive()
+    assert pool.num_slots == 1 and pool.nbytes == 0 and held.layout() == {}
+    gc.collect()
+    assert pool.pieces and all(ref() is None for ref in pool.pieces)
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_engine_early_spare_option(tmp_path, early):
+    gate = threading.Event()
+    gate.set()  # writes go through
+    rec = _Recorder(str(tmp_path), gate)
+    state = _state(5, _LAYOUT)
+    nbytes = sum(v.nbytes for v in state.values())
+    opts = AsyncOptions(early_spare=early)
+    assert AsyncOptions().early_spare  # on by default
+    with AsyncEngine(options=opts, name="early") as engine:
+        engine.save(rec.stage("a", state), label="a")
+        engine.sync()
+        pool = engine._pool
+        assert pool.wait_prepared(60)
+        # Early: one spare beside the two slots, with no save having waited.
+        assert pool.num_slots == (3 if early else 2)
+        assert engine.staging_bytes == pool.num_slots * nbytes
+        engine.save(rec.stage("b", state), label="b")
+        engine.sync()
+        assert pool.wait_prepared(60) and pool.num_slots == (3 if early else 2)
+    assert rec.read("b") == _bytes_of(state)
+
+
+def test_no_early_spare_beyond_the_memory_budget(monkeypatch):
+    from asyncckpt.engine import _spares
+
+    monkeypatch.setattr(_spares, "MEM_FRACTION", 0.0)
+    pool = StagingPool(1, max_slots=2, early_spare=True)
+    _first_save(pool, _POOL_LAYOUT)
+    assert pool._spare is None and pool.num_slots == 1
+    monkeypatch.setattr(_spares, "MEM_FRACTION", 0.5)
+    with pytest.raises(TimeoutError):
+        pool.acquire(timeout=0.0)  # memory again: a save that waits still starts one
+    assert _spare_done(pool) and pool.num_slots == 2
     pool.close()

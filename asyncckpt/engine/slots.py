@@ -291,15 +291,26 @@ class StagingPool:
     busy starts building one more (same layout, pre-faulted) on a background
     thread and takes whichever comes first, a released slot or the finished
     spare; so the pool grows to the deepest burst of saves, up to
-    ``max_slots``, and keeps the spares until ``close``.
+    ``max_slots``, and keeps the spares until ``close``. With
+    ``early_spare`` the first spare is started as soon as the pool has
+    learnt its first layout (``start_early_spare``, after the first save),
+    so the first burst finds it built.
 
     Args:
         num_slots: Number of slots to start with.
         max_slots: Most slots the pool grows to (None: ``num_slots``, fixed).
         prepare_nice: Niceness added to the preparer and spare-building threads.
+        early_spare: Build one spare once the first layout is learnt.
     """
 
-    def __init__(self, num_slots: int, *, max_slots: int | None = None, prepare_nice: int = 0):
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        max_slots: int | None = None,
+        prepare_nice: int = 0,
+        early_spare: bool = False,
+    ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self._max_slots = num_slots if max_slots is None else max_slots
@@ -316,6 +327,8 @@ class StagingPool:
         self._spare_bytes = 0  # allocated so far by that build
         self._spare_failed = False
         self._spare_refused = False
+        self._early_spare = early_spare  # cleared once the first layout is learnt
+        self._early_due = False  # a layout is learnt: start_early_spare() builds one
         self._closed = False
 
     @property
@@ -432,6 +445,21 @@ class StagingPool:
             return
         slot._changed = False
         self.prepare(slot.layout(), _ready=slot, background=False)
+        if self._early_spare:
+            self._early_due, self._early_spare = True, False
+
+    def start_early_spare(self) -> None:
+        """Starts the early spare once the first layout is known (see ``early_spare``).
+
+        Called by the writer thread as it takes a save (starting a thread
+        waits until it runs: not on the saving thread); costs one attribute
+        read for every other save.
+        """
+        if not self._early_due:
+            return
+        with self._cond:
+            self._early_due = False
+            self._grow()
 
     def prepare(
         self,
@@ -501,9 +529,11 @@ class StagingPool:
             del bufs, work, slot
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
-        """Waits until the preparer has nothing left to do; False on timeout."""
+        """Waits until the preparer and any spare build are done; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._preparer is None, timeout=timeout)
+            return self._cond.wait_for(
+                lambda: self._preparer is None and self._spare is None, timeout=timeout
+            )
 
     def _next_work(self) -> tuple[Slot, list[tuple[str, int]]] | None:
         """The next buffers to build: a free slot and what it misses of the layout.

@@ -134,6 +134,9 @@ def _writer_loop(work_queue: queue.SimpleQueue, nice: int) -> None:
         if work is None:
             return
         engine = work.engine
+        # After the first save, here rather than on the saving thread (starting
+        # a thread waits for it to run): one spare slot, see AsyncOptions.early_spare.
+        engine._pool.start_early_spare()
         error = engine._process(work)
         if error is not None:
             # The traceback's frames (finished now) would keep the job, its
@@ -181,6 +184,7 @@ class AsyncEngine(ClosingContext):
             self.options.num_slots,
             max_slots=self.options.slot_cap,
             prepare_nice=self.options.writer_nice,
+            early_spare=self.options.early_spare,
         )
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._cond = threading.Condition()

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncckpt.jax as aj
+from asyncckpt.demo import MemcpyFloor, print_saves
 
 
 def _median(xs: list[float]) -> float:
@@ -130,19 +131,17 @@ def run_jax_demo(workdir: str, *, steps: int = 30, every: int = 5, width: int = 
 
     directory = os.path.join(workdir, "jax")
     handles = []
+    floor = MemcpyFloor(sum(a.nbytes for a in jax.tree.leaves(state)))
     with aj.CheckpointManager(directory, max_to_keep=3, save_interval_steps=every) as mgr:
         step = int(state["step"])  # 1: the compiling step above counted
         while step < steps:
             state, loss = step_fn(state, x, y)  # the old state is donated
             step = int(state["step"])
+            floor.measure()
             if mgr.save(step, state, metrics={"loss": float(loss)}):
                 handles.append((step, mgr.last_save))
         mgr.wait_until_finished()
-        print(f"{'step':>5} {'blocked ms':>11} {'background ms':>14} {'speed-up vs sync':>17}")
-        for step, handle in handles:
-            s = handle.result()
-            print(f"{step:>5} {s.blocking_s * 1e3:>11.1f} {s.background_s * 1e3:>14.0f} "
-                  f"{sync_s / s.blocking_s:>16.1f}x")
+        print_saves(handles, floor, sync_s)
         blocked = _median([h.result().blocking_s for _, h in handles])
         latest = mgr.latest_step()
         print(f"median: training blocked {blocked * 1e3:.1f} ms per save instead of "
