@@ -35,8 +35,8 @@ back to its host, which must fault it in again), into huge-page memory
 defeat the kernel's readahead), from 1 thread in 64 MiB pieces 1.0x;
 ``O_DIRECT`` reads of 8 MiB pieces from 4 threads into huge pages 0.95x and
 from 8 threads 0.89x, and into 4 KiB pages 2.2x. Files mostly in the page
-cache already (``mincore``) are read buffered: a copy from the cache beats
-the device.
+cache already (``resident_fraction``: ``cachestat``, else ``mincore``) are
+read buffered: a copy from the cache beats the device.
 """
 
 from __future__ import annotations
