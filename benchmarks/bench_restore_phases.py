@@ -104,6 +104,14 @@ def _jax_case(nbytes: int, work: str):
     return os.path.join(work, "jax"), lambda: jax.block_until_ready(ours.restore(1, target=target))
 
 
+def _mincore(run) -> None:
+    saved, reads._syscall = reads._syscall, False
+    try:
+        run()
+    finally:
+        reads._syscall = saved
+
+
 def main() -> None:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -112,6 +120,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--frameworks", default="tf,jax")
     p.add_argument("--dir", default=None)
+    p.add_argument("--mincore", action="store_true",
+                   help="also each restore with mincore as the page-cache probe (A/B)")
     args = p.parse_args()
     nbytes = args.mib << 20
     _timed(reads, "read_all", "read_all")
@@ -121,6 +131,9 @@ def main() -> None:
             cases["tf"] = _tf_case(nbytes, work)
         if "jax" in args.frameworks:
             cases["jax"] = _jax_case(nbytes, work)
+        if args.mincore:  # the same restores with the old residency probe (before cachestat)
+            for n in list(cases):
+                cases[n + " mincore"] = (cases[n][0], functools.partial(_mincore, cases[n][1]))
         floors = eng.Floors(nbytes, 1, os.path.join(work, "floors"))
         floors.raw_write()
         del floors.src, floors.parts
