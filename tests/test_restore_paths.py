@@ -68,6 +68,46 @@ def test_huge_buffers_take_the_file_offsets_alignment_for_direct_reads():
     assert reads.aligned_empty(reads.HUGE, file_offset=13).ctypes.data % reads.ALIGN == 0
 
 
+@pytest.mark.parametrize("probe", ["cachestat", "mincore"])
+def test_page_cache_residency_decides_direct_or_buffered_reads(tmp_path, monkeypatch, probe):
+    """Both probes see the same residency; cold files go by O_DIRECT, cached ones buffered."""
+    if probe == "mincore":
+        monkeypatch.setattr(reads, "_syscall", False)  # as on a kernel without cachestat
+    path = tmp_path / "data.bin"
+    payload = os.urandom(4 * reads.HUGE)
+    path.write_bytes(payload)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = len(payload) // 4096
+        assert reads.resident_pages(fd, len(payload)) == (pages, pages)
+        assert reads.resident_fraction(fd, len(payload)) == 1.0
+        evict(path)
+        assert reads.resident_fraction(fd, len(payload)) == 0.0
+        os.pread(fd, reads.HUGE, 0)  # a quarter (and maybe some readahead) cached again
+        stat = reads.cached_pages(fd, len(payload))
+        if probe == "cachestat" and stat is not None:  # None: this kernel lacks cachestat
+            assert stat == reads.resident_pages(fd, len(payload))
+        assert 0.25 <= reads.resident_fraction(fd, len(payload)) < 1.0
+    finally:
+        os.close(fd)
+    probe_fd = reads._open_direct(str(path))
+    if probe_fd < 0:
+        pytest.skip("this file system refuses O_DIRECT")
+    os.close(probe_fd)
+    opens = _DirectOpens(monkeypatch)
+    for cold in (True, False):
+        if cold:
+            evict(path)
+        else:
+            path.read_bytes()  # all of it in the page cache
+        buf = reads.aligned_empty(len(payload))
+        read = reads.FileRead(str(path), len(payload), [(0, buf)], checksum=True,
+                              algorithm=reads.CRC32C)
+        reads.read_all([read])
+        assert buf.tobytes() == payload and read.crc == fastcrc.crc32c_extend(0, payload)
+        assert opens.count == 1  # the cold read went by O_DIRECT, the cached one not
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "buffered"])
 def test_direct_and_buffered_reads_fill_the_same_bytes_and_crcs(tmp_path, monkeypatch, direct):
     """Aligned middles by O_DIRECT, unaligned heads and tails buffered: same bytes, same CRCs."""

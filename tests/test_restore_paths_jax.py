@@ -98,3 +98,34 @@ def test_cold_chunks_read_directly_into_huge_pages_are_checked_and_restored_exac
         got = mgr.restore(1, target=target)
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
     assert opened.count(str(chunk)) == 2
+
+
+def test_the_restored_arrays_other_files_are_checked_in_the_same_reads(ckpt_dir, monkeypatch):
+    """Metadata files are checksummed alongside the chunks (one ``read_all``), still caught."""
+    state = {"w": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones(8)}
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+    calls: list[list[str]] = []
+    real = reads.read_all
+
+    def counted(file_reads, **kw):
+        calls.append([os.path.relpath(r.path, ckpt_dir / "1") for r in file_reads])
+        return real(file_reads, **kw)
+
+    monkeypatch.setattr(reads, "read_all", counted)
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        got = mgr.restore(1, target=jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state))
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
+    assert len(calls) == 1  # chunks and the other files in one batch of reads
+    assert {"default/w/0", "default/w/.zarray", "default/_METADATA",
+            "_CHECKPOINT_METADATA"} <= set(calls[0])
+    # A changed digit keeps the JSON valid: only the checksum can tell.
+    meta = ckpt_dir / "1" / "_CHECKPOINT_METADATA"
+    text = meta.read_text()
+    at = text.index("commit_timestamp_nsecs") + len('commit_timestamp_nsecs": ') + 5
+    meta.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:])
+    evict(meta)
+    with aj.CheckpointManager(ckpt_dir) as mgr, pytest.raises(CorruptCheckpointError) as err:
+        mgr.restore(1, target=state)
+    assert os.path.basename(err.value.file) == "_CHECKPOINT_METADATA"
