@@ -1,7 +1,7 @@
 """Blocking time of one JAX save against memcpy floors, paired in one process.
 
 Usage: python benchmarks/bench_jax_blocking.py [--mib 16,64] [--tensors 4,100] [--reps 40]
-       [--step] [--profile] [--page-sizes]
+       [--step] [--profile] [--page-sizes] [--phases]
 
 Per state size and tensor count, every repetition runs each case once, in
 rotating order, after the previous save's write has finished (untimed):
@@ -28,7 +28,9 @@ how much of the gap to the bench floor is the source memory's page size.
 With ``--step`` a training step (the bench's donating matmul) runs before
 every case, untimed, so each case starts from the cache state a training
 loop leaves. ``--profile`` prints where one save's time goes (cProfile over
-the asyncckpt saves). Reported: medians and ratios to each floor.
+the asyncckpt saves). ``--phases`` also times the copy into the slot inside
+each save (``copy_arrays``, wrapped for timing only) and reports the rest of
+the save (Python bookkeeping) apart. Reported: medians and ratios to each floor.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--page-sizes", action="store_true",
                         help="also copy from 4 KiB-page and huge-page copies of the arrays")
+    parser.add_argument("--phases", action="store_true",
+                        help="time the copy into the slot apart from the rest of each save")
     args = parser.parse_args()
 
     import jax
@@ -62,6 +66,18 @@ def main() -> None:
     from asyncckpt.bench import engines as eng
     from asyncckpt.engine.slots import aligned_empty
 
+    copy_ns: list[int] = []
+    if args.phases:
+        from asyncckpt.jax import _snapshot
+
+        copy_arrays = _snapshot.copy_arrays
+
+        def timed_copy(pairs, copy_arrays=copy_arrays):
+            t = time.perf_counter_ns()
+            copy_arrays(pairs)
+            copy_ns.append(time.perf_counter_ns() - t)
+
+        _snapshot.copy_arrays = timed_copy
     print(f"jax {jax.__version__}, devices {jax.devices()}, load {os.getloadavg()}")
     for mib in (int(m) for m in args.mib.split(",")):
         for tensors in (int(t) for t in args.tensors.split(",")):
@@ -127,6 +143,8 @@ def main() -> None:
                         prof.disable()
                     if rep >= 3:
                         times[name].append(dt)
+                    elif name == "asyncckpt jax":
+                        copy_ns.clear()  # warm-up saves
             mgr.close()
             med = {k: statistics.median(v) for k, v in times.items()}
             print(f"\n{mib} MiB in {tensors} tensors ({state.nbytes / 2**20:.1f} MiB), "
@@ -139,6 +157,15 @@ def main() -> None:
             # Per-repetition ratios (paired), median of those.
             paired = [a / b for a, b in zip(times[names[0]], times[names[1]], strict=True)]
             print(f"  median of paired ratios vs bench floor: {statistics.median(paired):.2f}x")
+            if args.phases:
+                copies = [c / 1e9 for c in copy_ns]
+                rest = [t - c for t, c in zip(times[names[0]], copies, strict=True)]
+                floor = med[names[1]]
+                print(f"  phases: copy into the slot {statistics.median(copies) * 1e3:.3f} ms "
+                      f"({statistics.median(copies) / floor:.2f}x bench floor), rest of the "
+                      f"save {statistics.median(rest) * 1e3:.3f} ms "
+                      f"({statistics.median(rest) / floor:.2f}x)")
+                copy_ns.clear()
             if prof is not None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 

@@ -60,6 +60,8 @@ class DirectoryView:
         self.preserved: set[int] = set()
         self.last_preserved_ts = 0.0
         self.prepared = False
+        # (config, its RetentionPolicy): managers sharing the view may differ.
+        self._policy: tuple[ManagerConfig, retention.RetentionPolicy] | None = None
         self.users = 0  # open managers; the lock is released when the last closes
         self.dir_lock = DirectoryLock(directory)
         # Released once no manager and no save in flight refers to this view.
@@ -166,14 +168,7 @@ class DirectoryView:
                 candidates.append(retention.Candidate(str(s), s, rec.timestamp,
                                                       metric(rec.metrics)))
             n = config.max_to_keep
-            policy = retention.RetentionPolicy(
-                max_to_keep=max(n, 1),
-                keep_every_n_hours=(None if config.keep_time_interval_s is None
-                                    else config.keep_time_interval_s / 3600.0),
-                keep_period=config.keep_period,
-                best_mode=config.best_mode if config.best_fn is not None else None,
-                keep_checkpoints_without_metrics=config.keep_checkpoints_without_metrics,
-            )
+            policy = self._policy_for(config)
             decision = retention.apply(candidates, policy,
                                        last_preserved_timestamp=self.last_preserved_ts)
             delete = [int(c.key) for c in decision.delete]
@@ -194,6 +189,22 @@ class DirectoryView:
             for s in delete:
                 self.doomed[s] = new_step
             return delete
+
+    def _policy_for(self, config: ManagerConfig) -> retention.RetentionPolicy:
+        """``config``'s retention policy, built once per config (not on every save)."""
+        cached = self._policy
+        if cached is not None and cached[0] is config:
+            return cached[1]
+        policy = retention.RetentionPolicy(
+            max_to_keep=max(config.max_to_keep or 0, 1),
+            keep_every_n_hours=(None if config.keep_time_interval_s is None
+                                else config.keep_time_interval_s / 3600.0),
+            keep_period=config.keep_period,
+            best_mode=config.best_mode if config.best_fn is not None else None,
+            keep_checkpoints_without_metrics=config.keep_checkpoints_without_metrics,
+        )
+        self._policy = (config, policy)
+        return policy
 
     def settle(self, step: int, *, committed: bool, deleter: Callable[[int], None] | None) -> None:
         """A save ended: drop it from the in-flight set; on success delete what it condemned.
