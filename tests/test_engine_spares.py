@@ -93,12 +93,8 @@ def test_a_waiting_save_takes_a_released_slot_or_the_finished_spare_never_a_half
     assert pool.nbytes == 0
 
 
-def test_close_during_a_spare_build_neither_hangs_nor_leaks():
-    pool = _GatedPool(1, max_slots=2)
-    held = _first_save(pool, _POOL_LAYOUT)
-    with pytest.raises(TimeoutError):
-        pool.acquire(timeout=0.01)  # no free slot: starts a spare, then gives up waiting
-    assert pool.entered.wait(30)
+def _close_while_building(pool, held) -> None:
+    """Closes ``pool`` while its spare build waits at the gate; nothing hangs or stays."""
     spare_thread = pool._spare
     assert spare_thread is not None
     closer = threading.Thread(target=pool.close)
@@ -109,6 +105,15 @@ def test_close_during_a_spare_build_neither_hangs_nor_leaks():
     assert pool.num_slots == 1 and pool.nbytes == 0 and held.layout() == {}
     gc.collect()
     assert pool.pieces and all(ref() is None for ref in pool.pieces)  # the spare's memory is gone
+
+
+def test_close_during_a_spare_build_neither_hangs_nor_leaks():
+    pool = _GatedPool(1, max_slots=2)
+    held = _first_save(pool, _POOL_LAYOUT)
+    with pytest.raises(TimeoutError):
+        pool.acquire(timeout=0.01)  # no free slot: starts a spare, then gives up waiting
+    assert pool.entered.wait(30)
+    _close_while_building(pool, held)
     with pytest.raises(TimeoutError):
         pool.acquire(timeout=0.01)  # closed: no spare is started any more
     assert pool._spare is None and pool.num_slots == 1
@@ -244,15 +249,7 @@ def test_close_during_an_early_spare_build_neither_hangs_nor_leaks():
     pool = _GatedPool(1, max_slots=2, early_spare=True)
     held = _first_save(pool, _POOL_LAYOUT)
     assert pool.entered.wait(30)
-    spare_thread = pool._spare
-    closer = threading.Thread(target=pool.close)
-    closer.start()
-    pool.gate.set()
-    closer.join(60)
-    assert not closer.is_alive() and not spare_thread.is_alive()
-    assert pool.num_slots == 1 and pool.nbytes == 0 and held.layout() == {}
-    gc.collect()
-    assert pool.pieces and all(ref() is None for ref in pool.pieces)
+    _close_while_building(pool, held)
 
 
 @pytest.mark.parametrize("early", [True, False])
