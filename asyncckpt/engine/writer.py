@@ -153,7 +153,7 @@ class AsyncEngine(ClosingContext):
             max_slots=self.options.slot_cap,
             prepare_nice=self.options.writer_nice,
             early_spare=self.options.early_spare,
-            pause=self._gate.wait,
+            pause=self._gate.wait if self._gate.enabled else None,
         )
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -369,7 +369,7 @@ class AsyncEngine(ClosingContext):
             with self._cond:
                 self._busy_since = t1
             set_pause = getattr(job, "set_pause", None)
-            if set_pause is not None:
+            if set_pause is not None and self._gate.enabled:  # else: written as before
                 set_pause(self._gate.wait)
             self._gate.wait()  # a save copying now: its Python needs the GIL too
             job.write()
