@@ -1,8 +1,9 @@
 """The JAX demo's per-save blocking (x memcpy), with and without ``yield_to_saves``.
 
 Runs ``asyncckpt.jax.demo.run_jax_demo`` alternately with
-``AsyncOptions(yield_to_saves=False)`` and ``True`` in one process, so both
-settings meet the same load, and reads each run's per-save table (the demo
+``AsyncOptions(yield_to_saves=False)`` and ``True`` in one process (off
+first in even rounds, on first in odd ones), so both settings meet the same
+load, and reads each run's per-save table (the demo
 prints each save's blocking over a memcpy of the state timed in the same
 loop). Reports, per setting, the median and the worst of the saves after
 the first, over all rounds, and each round's worst.
@@ -41,7 +42,7 @@ def main() -> int:
     later: dict[bool, list[float]] = {False: [], True: []}
     worst: dict[bool, list[float]] = {False: [], True: []}
     for r in range(args.rounds):
-        for on in (False, True):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):  # order alternates
             with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as d:
                 out = io.StringIO()
                 with contextlib.redirect_stdout(out):
