@@ -74,12 +74,14 @@ class AsyncOptions:
             the Keras callbacks' own staging ignore it.
         yield_to_saves: While a save copies the state into its slot, the
             engine's background work (the writer between write pieces of
-            4 MiB and between files, a spare slot's build between 8 MiB
-            pieces) pauses, and resumes when the copy is done, so the copy
-            that training waits for has the cores and the memory bandwidth
-            to itself. A save waiting for a free slot does not pause the
-            writer. Uploads to object storage do not pause. False lets
-            background work run on during copies (at ``writer_nice``).
+            1 MiB, files and fsyncs, TensorFlow's bundle writer between
+            16 MiB ranges, a spare slot's build between 8 MiB pieces)
+            pauses, and resumes when the copy is done, so the copy that
+            training waits for has the cores, the memory bandwidth and the
+            GIL to itself. A save waiting for a free slot does not pause
+            the writer (it must free the slot). Uploads to object storage
+            do not pause. False lets background work run on during copies
+            (at ``writer_nice``) and writes in 64 MiB pieces.
         yield_max_wait_s: The longest background work pauses for one
             stretch of staging (one save, or overlapping saves of several
             threads): a staging that takes longer (a slow device-to-host

@@ -214,6 +214,36 @@ def test_writer_pauses_while_a_save_stages_and_close_waits_for_both(tmp_path):
     _check_file(tmp_path, "second", 2)
 
 
+def test_two_threads_staging_keep_the_writer_paused_until_both_are_done(tmp_path):
+    options = AsyncOptions(num_slots=3, max_slots=3, yield_max_wait_s=60)
+    with AsyncEngine(options=options) as engine:
+        first = _StreamJob(str(tmp_path), "first", 12, hold_after=2)
+        h1 = engine.save(lambda slot: first, label="first")
+        assert first.holding.wait(60)
+        stagers = []
+        for name in ("a", "b"):
+            release, staging = threading.Event(), threading.Event()
+            t, result = _stage_in_thread(engine, _StreamJob(str(tmp_path), name, 1),
+                                         release, staging, name)
+            assert staging.wait(60)
+            stagers.append((release, t, result))
+        first.go.set()
+        gate = engine._gate
+        _until(lambda: gate.waiting == 1, "the writer paused")
+        written = first.written
+        stagers[0][0].set()  # one save staged, the other still copying
+        stagers[0][1].join(60)
+        assert "handle" in stagers[0][2] and gate.is_closed
+        time.sleep(0.1)
+        assert gate.waiting == 1 and first.written == written and not h1.done()
+        stagers[1][0].set()
+        stagers[1][1].join(60)
+        h1.result(60)
+        for _, _, result in stagers:
+            result["handle"].result(60)
+    _check_file(tmp_path, "first", 12)
+
+
 def test_a_stage_longer_than_the_bound_does_not_stop_the_writer(tmp_path):
     with AsyncEngine(options=AsyncOptions(yield_max_wait_s=0.1)) as engine:
         first = _StreamJob(str(tmp_path), "first", 8, hold_after=2)
