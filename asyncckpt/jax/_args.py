@@ -26,6 +26,8 @@ _PYTREE_RESTORE = ("StandardRestore", "StandardRestoreArgs", "PyTreeRestore",
                    "PyTreeRestoreArgs")
 _JSON_RESTORE = ("JsonRestore", "JsonRestoreArgs")
 _COMPOSITE = ("Composite", "CompositeArgs")
+# Containers that are never orbax arguments: the usual state skips the type check.
+_PLAIN_TREES = frozenset((dict, list, tuple))
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def save_items(state: Any, args: Any) -> tuple[list[SaveItem], bool]:
     if state is None and args is None:
         raise TypeError("save() needs the state: save(step, state) or save(step, args=...)")
     if args is None:
-        if not is_orbax_args(state):
+        if type(state) in _PLAIN_TREES or not is_orbax_args(state):
             return [SaveItem(fmt.ITEM, "pytree", state)], False
         args = state  # save(step, ocp.args.StandardSave(x)): the keyword was forgotten
     if is_composite(args):

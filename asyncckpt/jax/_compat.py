@@ -49,13 +49,20 @@ def handler_item_names(item_handlers: Any) -> tuple[str, ...] | None:
     return tuple(item_handlers)
 
 
-def preemption_reached(step: int) -> bool:
-    """JAX's preemption sync point (``multihost_utils.reached_preemption_sync_point``)."""
+@functools.cache
+def _distributed_state() -> Any:
+    # Imported once: a ``from`` import of a package runs Python code on every call.
     from jax._src import distributed
 
-    if distributed.global_state.client is None:
+    return distributed.global_state
+
+
+def preemption_reached(step: int) -> bool:
+    """JAX's preemption sync point (``multihost_utils.reached_preemption_sync_point``)."""
+    state = _distributed_state()
+    if state.client is None:
         return False
-    if distributed.global_state.preemption_sync_manager is None:
+    if state.preemption_sync_manager is None:
         return False  # the preemption service is off: no notice can arrive
     from jax.experimental import multihost_utils
 

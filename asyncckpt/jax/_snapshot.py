@@ -384,8 +384,11 @@ class Snapshotter:
         self._cache_size = cache_size
         # Plain tree definition -> whether the tree has empty subtrees (see _flatten).
         self._has_empty: OrderedDict[Any, bool] = OrderedDict()
+        # The plan used last, with its plain tree definition and leaf signatures,
+        # for a tree without empty subtrees (see ``plan``).
+        self._last: tuple[Any, tuple, Plan] | None = None
 
-    def _flatten(self, tree: Any) -> tuple[list[Any], Any]:
+    def _flatten(self, tree: Any) -> tuple[list[Any], Any, bool]:
         """``_tree.flatten(tree)``, without its per-node Python callback where possible.
 
         ``_tree.flatten`` makes empty subtrees (None, ``{}``, ``[]``, ``()``)
@@ -395,7 +398,7 @@ class Snapshotter:
         by its plain tree definition (which records None and empty containers
         as nodes): that is learnt once per definition, by comparing the leaf
         counts of the two flattens (each empty subtree is one leaf more in the
-        second).
+        second). Also returns whether the tree has an empty subtree.
         """
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         has_empty = self._has_empty.get(treedef)
@@ -405,15 +408,31 @@ class Snapshotter:
             self._has_empty[treedef] = has_empty
             while len(self._has_empty) > self._cache_size:
                 self._has_empty.popitem(last=False)
-            return full, full_def
+            return full, full_def, has_empty
         if has_empty:
-            return _tree.flatten(tree)
-        return leaves, treedef
+            return *_tree.flatten(tree), True
+        return leaves, treedef, False
 
     def plan(self, tree: Any) -> tuple[Plan, list[Any]]:
-        """The plan for ``tree`` (cached) and its flattened leaves."""
-        leaves, treedef = self._flatten(tree)
-        key = (treedef, tuple(map(_signature, leaves)))
+        """The plan for ``tree`` (cached) and its flattened leaves.
+
+        A training loop saves the same tree shape every time: that plan is
+        checked first, by comparing (not hashing) the tree definition and the
+        leaf signatures, whose parts are mostly the very same objects from save
+        to save (a ``jit``'s outputs share their aval and sharding objects),
+        so the comparison rarely gets past an identity check. A tree with empty
+        subtrees takes the general path (its full definition differs).
+        """
+        last = self._last
+        if last is not None:
+            leaves, treedef = jax.tree_util.tree_flatten(tree)
+            if treedef == last[0]:
+                sigs = tuple(map(_signature, leaves))
+                if sigs == last[1]:
+                    return last[2], leaves
+        leaves, treedef, has_empty = self._flatten(tree)
+        sigs = tuple(map(_signature, leaves))
+        key = (treedef, sigs)
         plan = self._cache.get(key)
         if plan is None:
             plan = build_plan(tree, leaves, primary=self._primary)
@@ -424,6 +443,7 @@ class Snapshotter:
                          len(leaves), plan.chunk_count)
         else:
             self._cache.move_to_end(key)
+        self._last = None if has_empty else (treedef, sigs, plan)
         return plan, leaves
 
     def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM) -> StagedTree:

@@ -235,11 +235,15 @@ class CheckpointManager(ClosingContext):
         ``save_on_steps`` or ``should_save_fn``) and, without
         ``should_save_fn``, for the first save of an empty directory.
         """
-        step = operator.index(step)
+        return self._should_save(operator.index(step), None)
+
+    def _should_save(self, step: int, on_disk: frozenset[int] | None) -> bool:
+        """``should_save``, from ``on_disk`` (one listing for all of a ``save``) if given."""
         if self._config.read_only:
             logger.warning("%s is read only: save of step %d skipped", self._directory, step)
             return False
-        latest = self.latest_step()
+        steps = self._tiers.steps(self._view.steps(on_disk))
+        latest = steps[-1] if steps else None
         if latest is not None and latest >= step:
             return False
         if self.reached_preemption(step):
@@ -361,11 +365,16 @@ class CheckpointManager(ClosingContext):
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        # One process: one look at the directory serves the whole save.
+        on_disk = None if multi else self._view.disk_steps()
         # should_save says (and logs) that a read-only manager never saves.
-        started = (force and not self._config.read_only) or self.should_save(step)
-        if started:
+        started = (force and not self._config.read_only) or self._should_save(step, on_disk)
+        if started and multi:
             with self._saves.attempt(step) as (seq, save_key):  # every process numbers it
-                self._start_save(step, items, metrics, custom_metadata, seq, save_key)
+                self._start_save(step, items, metrics, custom_metadata, seq, save_key, None)
+        elif started:
+            self._start_save(step, items, metrics, custom_metadata, self._saves.next_seq(),
+                             None, on_disk)
         if multi:
             self._raise_pending()
         if started and not self._config.enable_async:
@@ -388,25 +397,29 @@ class CheckpointManager(ClosingContext):
                              f"{list(self._item_names)}")
 
     def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
-                    custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
+                    custom_metadata: Any, seq: int, save_key: str | None,
+                    on_disk: frozenset[int] | None) -> SaveHandle:
         """Reserves the step, stages the state and queues the write; raises before staging."""
         if self.reached_preemption(step):
             logger.info("saving step %d at the preemption sync point", step)
         metrics = _compat.json_checked(metrics, "metrics")
         custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
         self._metric(metrics)
-        self._view.reserve(step, metrics, _compat.step_already_exists_error())
+        self._view.reserve(step, metrics, _compat.step_already_exists_error(), on_disk)
         try:
-            return self._stage(step, items, metrics, custom_metadata, seq, save_key)
+            return self._stage(step, items, metrics, custom_metadata, seq, save_key, on_disk)
         except BaseException:
             self._view.settle(step, committed=False, deleter=None)
             raise
 
-    def _stage(self, step: int, items: list[_args.SaveItem], metrics: Any,
-               custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
+    def _stage(self, step: int, items: list[_args.SaveItem], metrics: Any, custom_metadata: Any,
+               seq: int, save_key: str | None, on_disk: frozenset[int] | None) -> SaveHandle:
         view = self._view
+        if not view.prepared:
+            on_disk = None  # the first save cleans the directory up: list it afresh
         token = self._saves.token()
-        if condemned := view.condemn(step, self._config, self._metric, self._read_record):
+        if condemned := view.condemn(step, self._config, self._metric, self._read_record,
+                                     on_disk):
             logger.debug("step %d condemns %s (deleted once it is durable)", step, condemned)
         handlers = {i.name: fmt.STANDARD_HANDLER if i.kind == "pytree" else fmt.JSON_HANDLER
                     for i in items}
