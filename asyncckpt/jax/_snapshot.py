@@ -47,8 +47,9 @@ _SCALAR_DTYPES: dict[type, np.dtype] = {
 
 # How a chunk is staged (Plan.steps): a jax.Array shard copied from host memory
 # (a view, or the result of its transfer), one already moved to pinned host
-# memory (written from there), a NumPy array copied, a scalar set.
-_JAX, _PINNED, _NUMPY, _SCALAR = range(4)
+# memory (written from there), a NumPy array copied, a scalar set, a jax.Array
+# on one CPU device copied from the view of the whole array.
+_JAX, _PINNED, _NUMPY, _SCALAR, _WHOLE = range(5)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class LeafPlan:
     (CPU devices): ``np.asarray`` of a shard is a view of its buffer, so no
     device-to-host transfer is started for it (``copy_to_host_async`` costs
     ~10 us per shard for nothing there).
+
+    ``whole`` marks a host-view leaf on one device: its one chunk is the view
+    of the whole array (``np.asarray(leaf)``), taken without building the
+    shard's single-device array (``_arrays``) first.
     """
 
     kind: str
@@ -85,6 +90,7 @@ class LeafPlan:
     chunks: tuple[ChunkPlan, ...]
     pinned: Any = None  # the leaf's sharding in pinned host memory, when used
     host_view: bool = False
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ class Plan:
             for i in self.chunked:
                 lp = self.leaves[i]
                 if lp.kind == "jax":
-                    kind = _PINNED if lp.pinned is not None else _JAX
+                    kind = _PINNED if lp.pinned is not None else _WHOLE if lp.whole else _JAX
                 else:
                     kind = _NUMPY if lp.kind == "numpy" else _SCALAR
                 for k, (c, name) in enumerate(zip(lp.chunks, names[i], strict=True)):
@@ -312,8 +318,10 @@ def _plan_jax_leaf(
     pinned = _pinned_sharding(leaf) if chunks else None
     if any(c.region is not None for c in chunks):
         pinned = None  # edge chunks need padding: copy into a slot buffer
-    host_view = all(d.platform == "cpu" for d in leaf.sharding.device_set)
-    return LeafPlan("jax", display, dtype, tuple(chunks), pinned, host_view), entry
+    devices = leaf.sharding.device_set
+    host_view = all(d.platform == "cpu" for d in devices)
+    whole = host_view and len(devices) == 1 and len(chunks) == 1 and chunks[0].region is None
+    return LeafPlan("jax", display, dtype, tuple(chunks), pinned, host_view, whole), entry
 
 
 def _plan_host_leaf(
@@ -489,7 +497,9 @@ class Snapshotter:
                 continue
             buf = buffer(name, shape, dtype)
             chunks.append((name, buf))
-            if kind == _JAX:
+            if kind == _WHOLE:
+                pairs.append((buf, np.asarray(leaves[i])))
+            elif kind == _JAX:
                 if i != last:  # a new leaf: its transfers (by chunk) or its shards
                     last = i
                     sources = transferring.get(i)

@@ -154,6 +154,10 @@ class CheckpointManager(ClosingContext):
         self._engine = AsyncEngine(options=self._options, name=name)
         self._snapshotter = Snapshotter(primary=self._primary)
         self._saves = Saves(self._coord, self._view.prepare)
+        # Fixed for the manager's life; made once rather than on every save.
+        self._on_published = self._tiers.on_published()
+        self._has_remote = self._tiers.has_remote
+        self._delete = self._deleter() if self._primary else None
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
@@ -382,8 +386,11 @@ class CheckpointManager(ClosingContext):
         return started
 
     def _raise_pending(self) -> None:  # a failed background upload surfaces here too
-        self._engine.raise_pending_error()
-        self._tiers.raise_pending_error()
+        # Asked only when a failure is stored (the engine's own test in its save()).
+        if self._engine._errors:
+            self._engine.raise_pending_error()
+        if self._has_remote:
+            self._tiers.raise_pending_error()
 
     def _check_items(self, items: list[_args.SaveItem], named: bool) -> None:
         if self._item_names is None:
@@ -450,7 +457,7 @@ class CheckpointManager(ClosingContext):
                 custom_metadata=custom_metadata,
                 on_committed=None,
                 # Upload as part of the commit (a URL directory: before it is durable).
-                on_published=self._tiers.on_published(),
+                on_published=self._on_published,
                 dir_name=view.names.name(step),
                 item_handlers=handlers,
                 shards=self._shards,
@@ -460,7 +467,7 @@ class CheckpointManager(ClosingContext):
                                    raise_pending=self._coord is None)
         with view.lock:
             view.in_flight[step] = handle
-        deleter = self._deleter() if self._primary else None
+        deleter = self._delete
         handle.committed.add_done_callback(
             lambda f: view.settle(step, committed=f.exception() is None, deleter=deleter)
         )
