@@ -134,6 +134,20 @@ def save_items(state: Any, args: Any) -> tuple[list[SaveItem], bool]:
     return [_one_save(fmt.ITEM, args)], False
 
 
+def check_items(items: list[SaveItem], named: bool, item_names: tuple[str, ...]) -> None:
+    """Checks a save's items against a manager's ``item_names``.
+
+    Raises:
+        ValueError: the save is not a ``Composite``, or names an unknown item.
+    """
+    if not named:
+        raise ValueError(f"this manager has item_names {list(item_names)}: save "
+                         "with args=ocp.args.Composite(name=...)")
+    unknown = [i.name for i in items if i.name not in item_names]
+    if unknown:
+        raise ValueError(f"items {unknown} are not among item_names {list(item_names)}")
+
+
 def _one_restore(name: str, arg: Any) -> RestoreItem:
     if arg is None:
         return RestoreItem(name, "auto")

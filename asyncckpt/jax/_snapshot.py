@@ -23,6 +23,7 @@ new buffers that no later device computation touches.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class Plan:
         pinned: Indices of the leaves moved to pinned host memory.
         transfers: Indices of the leaves copied to host by an explicit
             device-to-host transfer (neither host memory already nor pinned).
+        nbytes: Bytes of a save staged with this plan (chunks and metadata files).
     """
 
     leaves: tuple[LeafPlan, ...]
@@ -118,6 +120,7 @@ class Plan:
     live: tuple[int, ...] = field(init=False, compare=False, repr=False)
     pinned: tuple[int, ...] = field(init=False, compare=False, repr=False)
     transfers: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    nbytes: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         chunked = tuple(i for i, lp in enumerate(self.leaves) if lp.chunks)
@@ -125,8 +128,11 @@ class Plan:
         pinned = tuple(i for i in live if self.leaves[i].pinned is not None)
         transfers = tuple(i for i in live
                           if self.leaves[i].pinned is None and not self.leaves[i].host_view)
+        nbytes = sum(math.prod(c.shape) * lp.dtype.itemsize  # type: ignore[union-attr]
+                     for lp in self.leaves for c in lp.chunks)
+        nbytes += sum(len(data) for _, data in self.metadata_files)
         for name, value in (("chunked", chunked), ("live", live), ("pinned", pinned),
-                            ("transfers", transfers)):
+                            ("transfers", transfers), ("nbytes", nbytes)):
             object.__setattr__(self, name, value)
 
     @property
@@ -184,14 +190,18 @@ class StagedTree:
         chunks: ``(file, host array)``: slot buffers, or views of ``keepalive``.
         metadata_files: ``(file, bytes)`` written by the primary.
         keepalive: Host-memory arrays the views in ``chunks`` belong to.
+        size: The bytes of both when known in advance (a plan's); -1 to count them.
     """
 
     chunks: tuple[tuple[str, np.ndarray], ...]
     metadata_files: tuple[tuple[str, bytes], ...]
     keepalive: tuple[Any, ...] = ()
+    size: int = field(default=-1, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
+        if self.size >= 0:
+            return self.size
         return sum(b.nbytes for _, b in self.chunks) + sum(len(b) for _, b in self.metadata_files)
 
     @staticmethod
@@ -513,7 +523,8 @@ class Snapshotter:
             else:
                 _set_scalar(buf, leaves[i], plan_leaves[i])
         copy_arrays(pairs)
-        return StagedTree(tuple(chunks), plan.metadata_for(item), tuple(pinned.values()))
+        return StagedTree(tuple(chunks), plan.metadata_for(item), tuple(pinned.values()),
+                          plan.nbytes)
 
 
 def _shard_arrays(leaf: jax.Array) -> Sequence[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import operator
 import os
@@ -21,7 +22,7 @@ from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
-from asyncckpt.jax._restore import restore_newest, restore_step, shared_verdicts
+from asyncckpt.jax._restore import restore_listed, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.jax._tiers import StepTiers
 from asyncckpt.options import AsyncOptions, RestoreOptions
@@ -157,7 +158,11 @@ class CheckpointManager(ClosingContext):
         # Fixed for the manager's life; made once rather than on every save.
         self._on_published = self._tiers.on_published()
         self._has_remote = self._tiers.has_remote
-        self._delete = self._deleter() if self._primary else None
+        # Deletes what a save condemned; holds the view, not the manager, so a
+        # dropped manager's saves still finish. Only the primary deletes.
+        self._delete = functools.partial(
+            _view.delete_step_dir, self._view, todelete_subdir=self._config.todelete_subdir
+        ) if self._primary else None
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
@@ -365,7 +370,8 @@ class CheckpointManager(ClosingContext):
         if not multi:
             self._raise_pending()
         items, named = _args.save_items(state, args)
-        self._check_items(items, named)
+        if self._item_names is not None:
+            _args.check_items(items, named, self._item_names)
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -391,17 +397,6 @@ class CheckpointManager(ClosingContext):
             self._engine.raise_pending_error()
         if self._has_remote:
             self._tiers.raise_pending_error()
-
-    def _check_items(self, items: list[_args.SaveItem], named: bool) -> None:
-        if self._item_names is None:
-            return
-        if not named:
-            raise ValueError(f"this manager has item_names {list(self._item_names)}: save "
-                             "with args=ocp.args.Composite(name=...)")
-        unknown = [i.name for i in items if i.name not in self._item_names]
-        if unknown:
-            raise ValueError(f"items {unknown} are not among item_names "
-                             f"{list(self._item_names)}")
 
     def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
                     custom_metadata: Any, seq: int, save_key: str | None,
@@ -467,17 +462,12 @@ class CheckpointManager(ClosingContext):
                                    raise_pending=self._coord is None)
         with view.lock:
             view.in_flight[step] = handle
-        deleter = self._delete
+        deleter = self._delete  # not self: a dropped manager's saves still finish
         handle.committed.add_done_callback(
             lambda f: view.settle(step, committed=f.exception() is None, deleter=deleter)
         )
         self._last_save = handle
         return handle
-
-    def _deleter(self) -> Callable[[int], None]:
-        # Holds the view, not the manager: a dropped manager's saves still finish.
-        view, subdir = self._view, self._config.todelete_subdir
-        return lambda step: _view.delete_step_dir(view, step, subdir)
 
     def delete(self, step: int) -> None:
         """Deletes a step (waiting first if it is still being saved).
@@ -588,34 +578,17 @@ class CheckpointManager(ClosingContext):
 
     def _restore(self, step: int | None, requests: Any, named: bool,
                  directory: str | os.PathLike | None) -> Any:
+        names, checksums = self._config.names, self._restore_options.verify_checksums
+        step = None if step is None else operator.index(step)
         if directory is None:
-            self._wait_for(None if step is None else [operator.index(step)])
+            self._wait_for(None if step is None else [step])
             root, steps = self._directory, self._tiers.steps(self._view.steps(), fresh=True)
-        else:
-            root = os.path.abspath(os.fspath(directory))
-            names = self._config.names
-            steps = sorted(s for s in (names.parse(n) for n in os.listdir(root))
-                           if s is not None and os.path.isdir(os.path.join(root, names.name(s))))
-
-        checksums = self._restore_options.verify_checksums
-
-        def step_dir(s: int) -> str:
-            return os.path.join(root, self._config.names.name(s))
-
-        if step is not None:
-            step = operator.index(step)
-            if step not in steps:
-                shown = ", ".join(map(str, steps[-20:])) or "none"
-                raise CheckpointNotFoundError(
-                    f"no checkpoint for step {step} in {root!r} (steps there: {shown})")
-            return self._restore_one(step, step_dir, requests, named, checksums,
-                                     from_tiers=directory is None)
-        return restore_newest(steps, root, lambda s: self._restore_one(
-            s, step_dir, requests, named, checksums, from_tiers=directory is None))
-
-    def _restore_one(self, step: int, step_dir: Callable[[int], str], requests: Any,
-                     named: bool, checksums: bool, *, from_tiers: bool) -> Any:
-        # [storage] A remote-only step is fetched file by file, as read, into a private cache.
-        remote = self._tiers.open_remote(step, checksums=checksums) if from_tiers else None
-        where = step_dir(step) if remote is None else remote.path
-        return restore_step(where, requests, named, checksums=checksums, remote=remote)
+            # [storage] A remote-only step is fetched file by file, as read, into a private cache.
+            open_remote = functools.partial(self._tiers.open_remote, checksums=checksums)
+            return restore_listed(root, steps, step, requests, named, names=names,
+                                  checksums=checksums, open_remote=open_remote)
+        root = os.path.abspath(os.fspath(directory))
+        steps = sorted(s for s in (names.parse(n) for n in os.listdir(root))
+                       if s is not None and os.path.isdir(os.path.join(root, names.name(s))))
+        return restore_listed(root, steps, step, requests, named, names=names,
+                              checksums=checksums, open_remote=None)
