@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -170,6 +171,23 @@ class Plan:
             steps = self._named[key] = tuple(out)
         return steps
 
+    def columns(self, item: str) -> tuple[tuple, ...] | None:
+        """``steps(item)`` as ``(files, shapes, dtypes, leaf indices)`` when every
+        chunk is a whole one-device array (``_WHOLE``), else None; built once.
+
+        Such a save is staged by C-level ``map``s over these columns, with no
+        Python loop per chunk (a tree of many small leaves on one CPU device).
+        """
+        key = ("columns", item)
+        if key not in self._named:
+            steps = self.steps(item)
+            columns = None
+            if steps and all(st[7] == _WHOLE for st in steps):
+                columns = (tuple(st[3] for st in steps), tuple(st[4] for st in steps),
+                           tuple(st[5] for st in steps), tuple(st[0] for st in steps))
+            self._named[key] = columns
+        return self._named[key]
+
     def metadata_for(self, item: str) -> tuple[tuple[str, bytes], ...]:
         """``metadata_files`` named under ``item``, built once per item."""
         key = ("metadata", item)
@@ -234,6 +252,12 @@ try:  # the concrete jax.Array class: checked first, by identity (the common lea
     from jax._src.array import ArrayImpl as _ArrayImpl
 except ImportError:  # pragma: no cover - a JAX version that moved it: the generic path
     _ArrayImpl = None
+
+
+# A jax.Array's signature without its type, read in C: ``sharding`` is a Python
+# property returning ``_sharding`` (when a JAX version lacks it: no fast path).
+_aval_sharding = (operator.attrgetter("aval", "_sharding")
+                  if _ArrayImpl is not None and hasattr(_ArrayImpl, "_sharding") else None)
 
 
 def _signature(leaf: Any) -> tuple:
@@ -402,9 +426,10 @@ class Snapshotter:
         self._cache_size = cache_size
         # Plain tree definition -> whether the tree has empty subtrees (see _flatten).
         self._has_empty: OrderedDict[Any, bool] = OrderedDict()
-        # The plan used last, with its plain tree definition and leaf signatures,
-        # for a tree without empty subtrees (see ``plan``).
-        self._last: tuple[Any, tuple, Plan] | None = None
+        # The plan used last, for a tree without empty subtrees (see ``plan``):
+        # (plain tree definition, leaf signatures, plan, and when every leaf is
+        # a jax.Array: (leaf types, each leaf's (aval, sharding))).
+        self._last: tuple[Any, tuple, Plan, tuple | None] | None = None
 
     def _flatten(self, tree: Any) -> tuple[list[Any], Any, bool]:
         """``_tree.flatten(tree)``, without its per-node Python callback where possible.
@@ -445,8 +470,12 @@ class Snapshotter:
         if last is not None:
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             if treedef == last[0]:
-                sigs = tuple(map(_signature, leaves))
-                if sigs == last[1]:
+                arrays = last[3]
+                if arrays is not None:  # jax.Arrays only: their signatures, compared in C
+                    if (tuple(map(type, leaves)) == arrays[0]
+                            and tuple(map(_aval_sharding, leaves)) == arrays[1]):
+                        return last[2], leaves
+                elif tuple(map(_signature, leaves)) == last[1]:
                     return last[2], leaves
         leaves, treedef, has_empty = self._flatten(tree)
         sigs = tuple(map(_signature, leaves))
@@ -461,7 +490,10 @@ class Snapshotter:
                          len(leaves), plan.chunk_count)
         else:
             self._cache.move_to_end(key)
-        self._last = None if has_empty else (treedef, sigs, plan)
+        arrays = None
+        if _aval_sharding is not None and all(s[0] is _ArrayImpl for s in sigs):
+            arrays = (tuple(map(type, leaves)), tuple(s[1:] for s in sigs))
+        self._last = None if has_empty else (treedef, sigs, plan, arrays)
         return plan, leaves
 
     def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM) -> StagedTree:
@@ -477,10 +509,19 @@ class Snapshotter:
         """
         plan, leaves = self.plan(tree)
         plan_leaves = plan.leaves
-        for i in plan.live:
-            if leaves[i].is_deleted():
-                raise UnsupportedObjectError(
-                    f"leaf {plan_leaves[i].display} is a deleted (donated) jax.Array")
+        live = plan.live
+        if live and any(map(_is_deleted, map(leaves.__getitem__, live))):
+            i = next(i for i in live if leaves[i].is_deleted())
+            raise UnsupportedObjectError(
+                f"leaf {plan_leaves[i].display} is a deleted (donated) jax.Array")
+        columns = plan.columns(item)
+        if columns is not None:  # whole arrays on one CPU device: views of them, copied
+            files, shapes, dtypes, index = columns
+            buffers = list(map(slot.buffer, files, shapes, dtypes))
+            sources = map(np.asarray, map(leaves.__getitem__, index))
+            copy_arrays(list(zip(buffers, sources, strict=True)))
+            return StagedTree(tuple(zip(files, buffers, strict=True)), plan.metadata_for(item), (),
+                              plan.nbytes)
         # 1. Start every device-to-host transfer before waiting on any.
         pinned: dict[int, Any] = {}
         if plan.pinned:
@@ -525,6 +566,9 @@ class Snapshotter:
         copy_arrays(pairs)
         return StagedTree(tuple(chunks), plan.metadata_for(item), tuple(pinned.values()),
                           plan.nbytes)
+
+
+_is_deleted = operator.methodcaller("is_deleted")
 
 
 def _shard_arrays(leaf: jax.Array) -> Sequence[Any]:
