@@ -160,9 +160,9 @@ class CheckpointManager(ClosingContext):
         self._has_remote = self._tiers.has_remote
         # Deletes what a save condemned; holds the view, not the manager, so a
         # dropped manager's saves still finish. Only the primary deletes.
-        self._delete = functools.partial(
-            _view.delete_step_dir, self._view, todelete_subdir=self._config.todelete_subdir
-        ) if self._primary else None
+        view, subdir = self._view, self._config.todelete_subdir
+        self._delete = (lambda step: _view.delete_step_dir(view, step, subdir)
+                        ) if self._primary else None
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
