@@ -172,19 +172,23 @@ class Plan:
         return steps
 
     def columns(self, item: str) -> tuple[tuple, ...] | None:
-        """``steps(item)`` as ``(files, shapes, dtypes, leaf indices)`` when every
-        chunk is a whole one-device array (``_WHOLE``), else None; built once.
-
-        Such a save is staged by C-level ``map``s over these columns, with no
-        Python loop per chunk (a tree of many small leaves on one CPU device).
+        """``steps(item)`` by column when every chunk is a view of a jax.Array in
+        host memory filling its chunk (CPU devices), else None; built once:
+        ``(files, shapes, dtypes, leaf indices, shard indices, whole leaves,
+        sharded leaves)``, staged by C-level ``map``s with no Python loop per
+        chunk. A whole leaf (``_WHOLE``, shard index 0) is viewed whole.
         """
         key = ("columns", item)
         if key not in self._named:
-            steps = self.steps(item)
-            columns = None
-            if steps and all(st[7] == _WHOLE for st in steps):
-                columns = (tuple(st[3] for st in steps), tuple(st[4] for st in steps),
-                           tuple(st[5] for st in steps), tuple(st[0] for st in steps))
+            steps, columns = self.steps(item), None
+            if steps and all(st[7] in (_WHOLE, _JAX) and st[6] is None
+                             and self.leaves[st[0]].host_view for st in steps):
+                cols = tuple(zip(*steps, strict=True))  # (leaf, k, shard, file, shape, ...)
+                whole = [st[7] == _WHOLE for st in steps]
+                columns = (cols[3], cols[4], cols[5], cols[0],
+                           tuple(0 if w else sh for w, sh in zip(whole, cols[2], strict=True)),
+                           tuple(sorted({i for i, w in zip(cols[0], whole, strict=True) if w})),
+                           tuple(sorted({i for i, w in zip(cols[0], whole, strict=True) if not w})))
             self._named[key] = columns
         return self._named[key]
 
@@ -254,8 +258,7 @@ except ImportError:  # pragma: no cover - a JAX version that moved it: the gener
     _ArrayImpl = None
 
 
-# A jax.Array's signature without its type, read in C: ``sharding`` is a Python
-# property returning ``_sharding`` (when a JAX version lacks it: no fast path).
+# (aval, sharding) read in C (``sharding`` is a property returning ``_sharding``).
 _aval_sharding = (operator.attrgetter("aval", "_sharding")
                   if _ArrayImpl is not None and hasattr(_ArrayImpl, "_sharding") else None)
 
@@ -459,12 +462,10 @@ class Snapshotter:
     def plan(self, tree: Any) -> tuple[Plan, list[Any]]:
         """The plan for ``tree`` (cached) and its flattened leaves.
 
-        A training loop saves the same tree shape every time: that plan is
-        checked first, by comparing (not hashing) the tree definition and the
-        leaf signatures, whose parts are mostly the very same objects from save
-        to save (a ``jit``'s outputs share their aval and sharding objects),
-        so the comparison rarely gets past an identity check. A tree with empty
-        subtrees takes the general path (its full definition differs).
+        The plan used last is checked first, comparing (not hashing) the tree
+        definition and leaf signatures, mostly the same objects from save to
+        save (a ``jit``'s outputs share aval and sharding objects). A tree with
+        empty subtrees takes the general path (its full definition differs).
         """
         last = self._last
         if last is not None:
@@ -515,10 +516,16 @@ class Snapshotter:
             raise UnsupportedObjectError(
                 f"leaf {plan_leaves[i].display} is a deleted (donated) jax.Array")
         columns = plan.columns(item)
-        if columns is not None:  # whole arrays on one CPU device: views of them, copied
-            files, shapes, dtypes, index = columns
+        if columns is not None:  # jax.Arrays on CPU devices: views of them, copied
+            files, shapes, dtypes, index, shards, whole, sharded = columns
             buffers = list(map(slot.buffer, files, shapes, dtypes))
-            sources = map(np.asarray, map(leaves.__getitem__, index))
+            if sharded:  # each leaf: its shards' arrays, or itself whole
+                held = {i: (leaves[i],) for i in whole}
+                held.update({i: _shard_arrays(leaves[i]) for i in sharded})
+                arrays = map(operator.getitem, map(held.__getitem__, index), shards)
+            else:
+                arrays = map(leaves.__getitem__, index)
+            sources = map(np.asarray, arrays)
             copy_arrays(list(zip(buffers, sources, strict=True)))
             return StagedTree(tuple(zip(files, buffers, strict=True)), plan.metadata_for(item), (),
                               plan.nbytes)
@@ -574,9 +581,8 @@ _is_deleted = operator.methodcaller("is_deleted")
 def _shard_arrays(leaf: jax.Array) -> Sequence[Any]:
     """The leaf's addressable shards' arrays, in ``addressable_shards`` order.
 
-    ``jax.Array._arrays`` is that list without building a ``Shard`` object
-    per shard (a tenth of a millisecond per save for a few dozen shards);
-    where a JAX version lacks it, the public ``addressable_shards`` is used.
+    ``jax.Array._arrays``, without a ``Shard`` object per shard (0.1 ms a save
+    for a few dozen); where a JAX version lacks it, ``addressable_shards``.
     """
     arrays = getattr(leaf, "_arrays", None)
     if arrays is None:
