@@ -9,6 +9,8 @@ alike, repetition after repetition (order rotated):
   the bundle written by ``asyncckpt.tf._bundlewrite``;
 * ``asyncckpt tf (page cache)``: the same with every range written through
   the page cache (no ``O_DIRECT``), its writeback started early;
+* ``asyncckpt tf (O_DIRECT)``: the same with every aligned range written
+  ``O_DIRECT``, whatever the file's size;
 * ``asyncckpt tf (no early writeback)``: through the page cache, without
   ``sync_file_range`` (the kernel starts writeback on its own, or the fsync
   does);
@@ -51,10 +53,12 @@ def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:
     engines = {
         "asyncckpt tf": eng.AsyncckptTF(state, os.path.join(work, "own")),
         "asyncckpt tf (page cache)": eng.AsyncckptTF(state, os.path.join(work, "cached")),
+        "asyncckpt tf (O_DIRECT)": eng.AsyncckptTF(state, os.path.join(work, "direct")),
         "asyncckpt tf (no early writeback)": eng.AsyncckptTF(state, os.path.join(work, "nowb")),
         "asyncckpt tf (SaveV2)": eng.AsyncckptTF(state, os.path.join(work, "savev2")),
     }
     own_writeback = _bundlewrite._sync_file_range
+    direct_min = _bundlewrite._DIRECT_MIN
     parts: dict[str, list[tuple]] = {n: [] for n in engines}
 
     def run(name: str) -> float:
@@ -66,6 +70,8 @@ def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:
             _bundlewrite._DIRECT_WRITES = False
         if name.endswith("(page cache)"):
             _bundlewrite._DIRECT_WRITES = False
+        if name.endswith("(O_DIRECT)"):
+            _bundlewrite._DIRECT_MIN = 0
         try:
             t0 = time.perf_counter()
             e.save()
@@ -78,6 +84,7 @@ def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:
             _bundlewrite.write_bundle = own_writer
             _bundlewrite._sync_file_range = own_writeback
             _bundlewrite._DIRECT_WRITES = True
+            _bundlewrite._DIRECT_MIN = direct_min
             eng.clear_dir(e.workdir)  # untimed: old checkpoints off the disk
 
     def raw() -> float:

@@ -362,6 +362,62 @@ def test_leaf_shape_dtype_and_sharding_changes_between_saves_restore_exactly(ckp
             _assert_tree_equal(state, mgr.restore(step, target=_abstract(state)))
 
 
+def test_one_device_trees_reuse_their_plan_only_while_every_leaf_matches(ckpt_dir):
+    """Arrays each on one device take the fast paths (plan checked in C, no per-chunk
+    loop); any change of a leaf's type, shape, dtype or device gets a new plan."""
+    rng = np.random.default_rng(5)
+    d0, d1 = jax.devices()[:2]
+
+    def tree(dtype=np.float32, shape=(6, 4), device=d0, b=None):
+        a = jax.device_put(rng.standard_normal(shape).astype(dtype), device)
+        return {"a": a, "b": jnp.arange(5) if b is None else b}
+
+    variants = [tree(), tree(), tree(shape=(3, 4)), tree(dtype=jnp.bfloat16),
+                tree(device=d1), tree(b=np.arange(5)), tree(b=jnp.arange(5.0)), tree()]
+    with aj.CheckpointManager(ckpt_dir, max_to_keep=None) as mgr:
+        for step, state in enumerate(variants):
+            assert mgr.save(step, state)
+        mgr.wait_until_finished()
+        for step, state in enumerate(variants):
+            _assert_tree_equal(state, mgr.restore(step, target=_abstract(state)))
+
+
+def test_trees_of_jax_arrays_only_are_staged_by_column_with_every_shard(ckpt_dir):
+    """Sharded, replicated and one-device arrays together (staged without a loop
+    per chunk); a NumPy leaf among them sends the tree back to the loop."""
+    mesh = _mesh()
+    rng = np.random.default_rng(7)
+
+    def put(shape, spec):
+        return jax.device_put(rng.standard_normal(shape).astype(np.float32),
+                              NamedSharding(mesh, spec))
+
+    def state():
+        return {"w": put((16, 8), P("a", "b")), "r": put((5,), P()), "one": jnp.arange(3.0),
+                "b": put((8,), P("b"))}
+
+    variants = [state(), state(), {**state(), "n": np.arange(4)}, state()]
+    with aj.CheckpointManager(ckpt_dir, max_to_keep=None) as mgr:
+        for step, tree in enumerate(variants):
+            assert mgr.save(step, tree)
+        assert mgr._snapshotter.plan(variants[0])[0].columns("default") is not None
+        assert mgr._snapshotter.plan(variants[2])[0].columns("default") is None
+        mgr.wait_until_finished()
+        for step, tree in enumerate(variants):
+            _assert_tree_equal(tree, mgr.restore(step, target=_abstract(tree)))
+
+
+def test_a_file_named_as_the_step_blocks_its_save(ckpt_dir):
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"x": jnp.ones(3)})
+        mgr.wait_until_finished()
+        (ckpt_dir / "2").write_text("not a checkpoint")
+        with pytest.raises(aj.StepAlreadyExistsError):
+            mgr.save(2, {"x": jnp.ones(3)})
+        assert mgr.all_steps() == [1]
+        assert mgr.save(3, {"x": jnp.ones(3)})
+
+
 def test_should_save_interval_force_and_duplicate_steps(ckpt_dir):
     state = {"x": jnp.ones(3)}
     with aj.CheckpointManager(ckpt_dir, save_interval_steps=5) as mgr:

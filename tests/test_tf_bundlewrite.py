@@ -274,3 +274,55 @@ def test_a_refused_direct_write_goes_through_the_page_cache_and_a_full_disk_fail
     with pytest.raises(OSError, match="No space left"):
         _bundlewrite.write_bundle(str(tmp_path / "full"), state)
     assert not (tmp_path / "full.index").exists()
+
+
+def test_direct_write_buffers_fit_the_ranges_and_are_reused_from_save_to_save(
+        tmp_path, monkeypatch):
+    if not _direct_ok(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    chunk = 2 << 20
+    monkeypatch.setattr(_bundlewrite, "_CHUNK", chunk)
+    monkeypatch.setattr(_bundlewrite, "_BOUNCE", [])
+    monkeypatch.setattr(_bundlewrite, "_BOUNCE_SIZE", [0])
+    allocated = []
+    real_mmap = _bundlewrite.mmap.mmap
+
+    def counting_mmap(fileno, length, *args, **kwargs):
+        allocated.append(length)
+        return real_mmap(fileno, length, *args, **kwargs)
+
+    monkeypatch.setattr(_bundlewrite.mmap, "mmap", counting_mmap)
+    rng = np.random.default_rng(3)
+    # 5.5 MiB of data: two whole 2 MiB ranges and a shorter tail range.
+    state = StagedState((
+        StagedTensor("a", "", tf.float32, rng.random(3 << 18, np.float32)),
+        StagedTensor("b", "", tf.float32, rng.random(5 << 17, np.float32)),
+    ), b"object graph")
+    direct = _direct_jobs(monkeypatch)
+    sums = _bundlewrite.write_bundle(str(tmp_path / "ours"), state)
+    assert direct, "no range was written O_DIRECT"
+    # Buffers the size of a range, not of the default 16 MiB range.
+    assert allocated and set(allocated) == {chunk}
+    kept = list(_bundlewrite._BOUNCE)
+    assert kept and all(len(b) == chunk for b in kept)
+    _assert_same_as_savev2(tmp_path, state, sums)
+    # The next save of the same state allocates nothing.
+    allocated.clear()
+    _bundlewrite.write_bundle(str(tmp_path / "again"), state)
+    assert allocated == []
+
+
+def test_direct_write_buffers_are_sized_in_whole_mib_by_the_largest_range(monkeypatch):
+    monkeypatch.setattr(_bundlewrite, "_BOUNCE", [])
+    monkeypatch.setattr(_bundlewrite, "_BOUNCE_SIZE", [0])
+    mib = 1 << 20
+    small = _bundlewrite._take_bounce(3 * mib + 1)
+    assert len(small) == 4 * mib  # a 3 MiB state does not get a 16 MiB buffer
+    _bundlewrite._give_bounce(small)
+    assert _bundlewrite._take_bounce(mib) is small  # a shorter range reuses it
+    larger = _bundlewrite._take_bounce(5 * mib)
+    assert len(larger) == 5 * mib
+    _bundlewrite._give_bounce(small)  # now too small for the ranges seen: dropped
+    _bundlewrite._give_bounce(larger)
+    assert len(_bundlewrite._BOUNCE) == 1 and _bundlewrite._BOUNCE[0] is larger
+    assert _bundlewrite._take_bounce(2 * mib) is larger

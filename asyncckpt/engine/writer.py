@@ -279,7 +279,9 @@ class AsyncEngine(ClosingContext):
             self._owner = threading.get_ident()
             self._staging += 1
         try:
-            if raise_pending:
+            # _deliver only when there is something to raise: with no failure
+            # stored it changes nothing (it is a lock and a scan on a save's clock).
+            if raise_pending and self._errors:
                 self._deliver(None)
             t0 = time.perf_counter()
             started_at = time.time()
@@ -291,7 +293,7 @@ class AsyncEngine(ClosingContext):
                 with self._gate:
                     # With every slot busy, this call waited for the writer: a save
                     # that failed meanwhile has happened before this one starts.
-                    if raise_pending:
+                    if raise_pending and self._errors:
                         self._deliver(None)
                     job = stage(slot)
                     slot.trim()

@@ -26,6 +26,8 @@ _PYTREE_RESTORE = ("StandardRestore", "StandardRestoreArgs", "PyTreeRestore",
                    "PyTreeRestoreArgs")
 _JSON_RESTORE = ("JsonRestore", "JsonRestoreArgs")
 _COMPOSITE = ("Composite", "CompositeArgs")
+# Containers that are never orbax arguments: the usual state skips the type check.
+_PLAIN_TREES = frozenset((dict, list, tuple))
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def save_items(state: Any, args: Any) -> tuple[list[SaveItem], bool]:
     if state is None and args is None:
         raise TypeError("save() needs the state: save(step, state) or save(step, args=...)")
     if args is None:
-        if not is_orbax_args(state):
+        if type(state) in _PLAIN_TREES or not is_orbax_args(state):
             return [SaveItem(fmt.ITEM, "pytree", state)], False
         args = state  # save(step, ocp.args.StandardSave(x)): the keyword was forgotten
     if is_composite(args):
@@ -130,6 +132,20 @@ def save_items(state: Any, args: Any) -> tuple[list[SaveItem], bool]:
     if not is_orbax_args(args):
         raise _unsupported(args, "args= takes orbax.checkpoint.args objects")
     return [_one_save(fmt.ITEM, args)], False
+
+
+def check_items(items: list[SaveItem], named: bool, item_names: tuple[str, ...]) -> None:
+    """Checks a save's items against a manager's ``item_names``.
+
+    Raises:
+        ValueError: the save is not a ``Composite``, or names an unknown item.
+    """
+    if not named:
+        raise ValueError(f"this manager has item_names {list(item_names)}: save "
+                         "with args=ocp.args.Composite(name=...)")
+    unknown = [i.name for i in items if i.name not in item_names]
+    if unknown:
+        raise ValueError(f"items {unknown} are not among item_names {list(item_names)}")
 
 
 def _one_restore(name: str, arg: Any) -> RestoreItem:

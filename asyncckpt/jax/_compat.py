@@ -25,9 +25,19 @@ def step_already_exists_error() -> type[ValueError]:
     })
 
 
+# Values that a JSON round trip gives back unchanged (as the same type and value).
+_JSON_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
 def json_checked(value: Any, what: str) -> Any:
+    """``value`` as JSON gives it back (a copy); raises TypeError if it is not JSON."""
     if value is None:
         return None
+    # A flat dict of plain values (metrics, usually) comes back as a copy of
+    # itself: made directly, without the encoder and decoder on a save's clock.
+    if type(value) is dict and all(type(k) is str and type(v) in _JSON_SCALARS
+                                   for k, v in value.items()):
+        return dict(value)
     try:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError) as e:
@@ -49,13 +59,20 @@ def handler_item_names(item_handlers: Any) -> tuple[str, ...] | None:
     return tuple(item_handlers)
 
 
-def preemption_reached(step: int) -> bool:
-    """JAX's preemption sync point (``multihost_utils.reached_preemption_sync_point``)."""
+@functools.cache
+def _distributed_state() -> Any:
+    # Imported once: a ``from`` import of a package runs Python code on every call.
     from jax._src import distributed
 
-    if distributed.global_state.client is None:
+    return distributed.global_state
+
+
+def preemption_reached(step: int) -> bool:
+    """JAX's preemption sync point (``multihost_utils.reached_preemption_sync_point``)."""
+    state = _distributed_state()
+    if state.client is None:
         return False
-    if distributed.global_state.preemption_sync_manager is None:
+    if state.preemption_sync_manager is None:
         return False  # the preemption service is off: no notice can arrive
     from jax.experimental import multihost_utils
 

@@ -494,6 +494,11 @@ class Saves:
             self._token = prepare() if self.coord is None else self.coord.join(prepare)
         return self._token
 
+    def next_seq(self) -> int:
+        """One process: the next save's number (``attempt`` without its context)."""
+        self._seq += 1
+        return self._seq - 1
+
     @contextlib.contextmanager
     def attempt(self, step: int) -> Iterator[tuple[int, str | None]]:
         """One attempted save: ``(seq, save_key)`` (the key None for one process).
@@ -502,8 +507,7 @@ class Saves:
         fails this save on the other processes at once, instead of a timeout.
         """
         if self.coord is None:
-            self._seq += 1
-            yield self._seq - 1, None
+            yield self.next_seq(), None
             return
         seq, key = self.coord.next_save(step)
         try:

@@ -36,6 +36,7 @@ from asyncckpt.errors import (
 from asyncckpt.jax import _args, _metadata, _tree
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._chunks import ChunkStore
+from asyncckpt.jax._options import StepNames
 
 logger = logging.getLogger(__name__)
 
@@ -394,6 +395,32 @@ def restore_newest(steps: list[int], root: str, attempt: Callable[[int], Any]) -
         checkpoint=root,
         file=failures[0].file,
     )
+
+
+def restore_listed(root: str, steps: list[int], step: int | None,
+                   requests: list[_args.RestoreItem] | None, named: bool, *, names: StepNames,
+                   checksums: bool, open_remote: Callable[[int], Any] | None) -> Any:
+    """Restores ``step`` of the ``steps`` listed in ``root`` (None: the newest that verifies).
+
+    ``open_remote(step)`` gives a step only a remote tier holds (a ``LazyStep``,
+    read from as the restore reads), or None where the local copy is read.
+
+    Raises:
+        CheckpointNotFoundError: ``step`` is not listed, or nothing is.
+        CorruptCheckpointError: see ``restore_newest`` and ``restore_step``.
+    """
+    def one(s: int) -> Any:
+        remote = None if open_remote is None else open_remote(s)
+        where = os.path.join(root, names.name(s)) if remote is None else remote.path
+        return restore_step(where, requests, named, checksums=checksums, remote=remote)
+
+    if step is None:
+        return restore_newest(steps, root, one)
+    if step not in steps:
+        shown = ", ".join(map(str, steps[-20:])) or "none"
+        raise CheckpointNotFoundError(
+            f"no checkpoint for step {step} in {root!r} (steps there: {shown})")
+    return one(step)
 
 
 def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named: bool, *,

@@ -56,7 +56,8 @@ class DirectoryView:
         self.unsettled: set[int] = set()  # saves whose settle (deletions included) is pending
         self.doomed: dict[int, int | None] = {}  # step -> the step whose commit deletes it
         self.records: dict[int, StepRecord] = {}
-        self._listing: tuple[int, frozenset[int]] | None = None  # (mtime_ns, steps)
+        # (mtime_ns, steps, steps whose name is taken by any entry, directory or not)
+        self._listing: tuple[int, frozenset[int], frozenset[int]] | None = None
         self.preserved: set[int] = set()
         self.last_preserved_ts = 0.0
         self.prepared = False
@@ -82,6 +83,7 @@ class DirectoryView:
         try:
             mtime = os.stat(self.directory).st_mtime_ns
         except FileNotFoundError:
+            self._listing = None
             return frozenset()
         cached = self._listing
         if cached is not None and cached[0] == mtime:
@@ -89,25 +91,43 @@ class DirectoryView:
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
+            self._listing = None
             return frozenset()
-        steps = set()
+        steps, taken = set(), set()
         for name in names:
             step = self.names.parse(name)
-            if step is not None and os.path.isdir(os.path.join(self.directory, name)):
-                steps.add(step)
+            if step is not None:
+                taken.add(step)  # a name stands for one step, and a step has one name
+                if os.path.isdir(os.path.join(self.directory, name)):
+                    steps.add(step)
         found = frozenset(steps)
-        self._listing = (mtime, found)
+        self._listing = (mtime, found, frozenset(taken))
         return found
 
-    def reserve(self, step: int, metrics: Any, exists: type[Exception]) -> None:
+    def _name_taken(self, step: int, on_disk: frozenset[int]) -> bool:
+        """Whether ``step``'s name exists in the directory (as anything).
+
+        Read from the listing when ``on_disk`` is still it (this save read its
+        mtime a moment ago: no ``lstat`` on the save's clock), else from disk.
+        """
+        listing = self._listing
+        if listing is not None and listing[1] is on_disk:
+            return step in listing[2]
+        return os.path.lexists(self.step_dir(step))
+
+    def reserve(self, step: int, metrics: Any, exists: type[Exception],
+                on_disk: frozenset[int] | None = None) -> None:
         """Lists ``step`` as being saved from now on.
+
+        ``on_disk``: ``disk_steps()`` as just read by the caller (not read again).
 
         Raises:
             exists: the step is saved or being saved already.
         """
         with self.lock:
-            if (step in self.in_flight or step in self.disk_steps()
-                    or os.path.lexists(self.step_dir(step))):
+            if on_disk is None:
+                on_disk = self.disk_steps()
+            if step in self.in_flight or step in on_disk or self._name_taken(step, on_disk):
                 raise exists(
                     f"step {step} is already saved (or being saved) in {self.directory!r}")
             self.in_flight[step] = None  # reserved: listed from now on
@@ -118,9 +138,13 @@ class DirectoryView:
         """This process changed the directory: list it again next time."""
         self._listing = None
 
-    def steps(self) -> list[int]:
-        """Durable and in-flight steps, minus those retention has condemned."""
-        on_disk = self.disk_steps()
+    def steps(self, on_disk: frozenset[int] | None = None) -> list[int]:
+        """Durable and in-flight steps, minus those retention has condemned.
+
+        ``on_disk``: ``disk_steps()`` as just read by the caller (not read again).
+        """
+        if on_disk is None:
+            on_disk = self.disk_steps()
         with self.lock:
             for s, cause in list(self.doomed.items()):
                 if cause is None and s not in on_disk and s not in self.in_flight:
@@ -153,21 +177,34 @@ class DirectoryView:
         return rec
 
     def condemn(self, new_step: int, config: ManagerConfig, metric: Callable[[Any], float | None],
-                read: Callable[[int], StepRecord]) -> list[int]:
+                read: Callable[[int], StepRecord],
+                on_disk: frozenset[int] | None = None) -> list[int]:
         """Applies retention as if ``new_step`` were saved; returns the steps condemned.
 
         They are hidden at once and deleted when ``new_step`` is durable.
+        ``on_disk``: ``disk_steps()`` as just read by the caller (not read again).
         """
-        if config.max_to_keep is None:
+        n = config.max_to_keep
+        if n is None:
             return []
         with self.lock:
-            listed = [s for s in self.steps() if s not in self.preserved]
+            listed = [s for s in self.steps(on_disk) if s not in self.preserved]
+            if n and config.best_fn is None and config.keep_period is None and (
+                    config.keep_time_interval_s is None):
+                # Only the count: the oldest go, as retention.apply decides it
+                # (records are still read once per step, as that path reads them).
+                for s in listed:
+                    if s not in self.records:
+                        self.record(s, read)
+                delete = listed[:-n]
+                for s in delete:
+                    self.doomed[s] = new_step
+                return delete
             candidates = []
             for s in listed:
                 rec = self.record(s, read)
                 candidates.append(retention.Candidate(str(s), s, rec.timestamp,
                                                       metric(rec.metrics)))
-            n = config.max_to_keep
             policy = self._policy_for(config)
             decision = retention.apply(candidates, policy,
                                        last_preserved_timestamp=self.last_preserved_ts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import operator
 import os
@@ -21,7 +22,7 @@ from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
-from asyncckpt.jax._restore import restore_newest, restore_step, shared_verdicts
+from asyncckpt.jax._restore import restore_listed, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.jax._tiers import StepTiers
 from asyncckpt.options import AsyncOptions, RestoreOptions
@@ -154,6 +155,14 @@ class CheckpointManager(ClosingContext):
         self._engine = AsyncEngine(options=self._options, name=name)
         self._snapshotter = Snapshotter(primary=self._primary)
         self._saves = Saves(self._coord, self._view.prepare)
+        # Fixed for the manager's life; made once rather than on every save.
+        self._on_published = self._tiers.on_published()
+        self._has_remote = self._tiers.has_remote
+        # Deletes what a save condemned; holds the view, not the manager, so a
+        # dropped manager's saves still finish. Only the primary deletes.
+        view, subdir = self._view, self._config.todelete_subdir
+        self._delete = (lambda step: _view.delete_step_dir(view, step, subdir)
+                        ) if self._primary else None
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
@@ -235,11 +244,15 @@ class CheckpointManager(ClosingContext):
         ``save_on_steps`` or ``should_save_fn``) and, without
         ``should_save_fn``, for the first save of an empty directory.
         """
-        step = operator.index(step)
+        return self._should_save(operator.index(step), None)
+
+    def _should_save(self, step: int, on_disk: frozenset[int] | None) -> bool:
+        """``should_save``, from ``on_disk`` (one listing for all of a ``save``) if given."""
         if self._config.read_only:
             logger.warning("%s is read only: save of step %d skipped", self._directory, step)
             return False
-        latest = self.latest_step()
+        steps = self._tiers.steps(self._view.steps(on_disk))
+        latest = steps[-1] if steps else None
         if latest is not None and latest >= step:
             return False
         if self.reached_preemption(step):
@@ -357,15 +370,21 @@ class CheckpointManager(ClosingContext):
         if not multi:
             self._raise_pending()
         items, named = _args.save_items(state, args)
-        self._check_items(items, named)
+        if self._item_names is not None:
+            _args.check_items(items, named, self._item_names)
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        # One process: one look at the directory serves the whole save.
+        on_disk = None if multi else self._view.disk_steps()
         # should_save says (and logs) that a read-only manager never saves.
-        started = (force and not self._config.read_only) or self.should_save(step)
-        if started:
+        started = (force and not self._config.read_only) or self._should_save(step, on_disk)
+        if started and multi:
             with self._saves.attempt(step) as (seq, save_key):  # every process numbers it
-                self._start_save(step, items, metrics, custom_metadata, seq, save_key)
+                self._start_save(step, items, metrics, custom_metadata, seq, save_key, None)
+        elif started:
+            self._start_save(step, items, metrics, custom_metadata, self._saves.next_seq(),
+                             None, on_disk)
         if multi:
             self._raise_pending()
         if started and not self._config.enable_async:
@@ -373,40 +392,36 @@ class CheckpointManager(ClosingContext):
         return started
 
     def _raise_pending(self) -> None:  # a failed background upload surfaces here too
-        self._engine.raise_pending_error()
-        self._tiers.raise_pending_error()
-
-    def _check_items(self, items: list[_args.SaveItem], named: bool) -> None:
-        if self._item_names is None:
-            return
-        if not named:
-            raise ValueError(f"this manager has item_names {list(self._item_names)}: save "
-                             "with args=ocp.args.Composite(name=...)")
-        unknown = [i.name for i in items if i.name not in self._item_names]
-        if unknown:
-            raise ValueError(f"items {unknown} are not among item_names "
-                             f"{list(self._item_names)}")
+        # Asked only when a failure is stored (the engine's own test in its save()).
+        if self._engine._errors:
+            self._engine.raise_pending_error()
+        if self._has_remote:
+            self._tiers.raise_pending_error()
 
     def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
-                    custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
+                    custom_metadata: Any, seq: int, save_key: str | None,
+                    on_disk: frozenset[int] | None) -> SaveHandle:
         """Reserves the step, stages the state and queues the write; raises before staging."""
         if self.reached_preemption(step):
             logger.info("saving step %d at the preemption sync point", step)
         metrics = _compat.json_checked(metrics, "metrics")
         custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
         self._metric(metrics)
-        self._view.reserve(step, metrics, _compat.step_already_exists_error())
+        self._view.reserve(step, metrics, _compat.step_already_exists_error(), on_disk)
         try:
-            return self._stage(step, items, metrics, custom_metadata, seq, save_key)
+            return self._stage(step, items, metrics, custom_metadata, seq, save_key, on_disk)
         except BaseException:
             self._view.settle(step, committed=False, deleter=None)
             raise
 
-    def _stage(self, step: int, items: list[_args.SaveItem], metrics: Any,
-               custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
+    def _stage(self, step: int, items: list[_args.SaveItem], metrics: Any, custom_metadata: Any,
+               seq: int, save_key: str | None, on_disk: frozenset[int] | None) -> SaveHandle:
         view = self._view
+        if not view.prepared:
+            on_disk = None  # the first save cleans the directory up: list it afresh
         token = self._saves.token()
-        if condemned := view.condemn(step, self._config, self._metric, self._read_record):
+        if condemned := view.condemn(step, self._config, self._metric, self._read_record,
+                                     on_disk):
             logger.debug("step %d condemns %s (deleted once it is durable)", step, condemned)
         handlers = {i.name: fmt.STANDARD_HANDLER if i.kind == "pytree" else fmt.JSON_HANDLER
                     for i in items}
@@ -437,7 +452,7 @@ class CheckpointManager(ClosingContext):
                 custom_metadata=custom_metadata,
                 on_committed=None,
                 # Upload as part of the commit (a URL directory: before it is durable).
-                on_published=self._tiers.on_published(),
+                on_published=self._on_published,
                 dir_name=view.names.name(step),
                 item_handlers=handlers,
                 shards=self._shards,
@@ -447,17 +462,12 @@ class CheckpointManager(ClosingContext):
                                    raise_pending=self._coord is None)
         with view.lock:
             view.in_flight[step] = handle
-        deleter = self._deleter() if self._primary else None
+        deleter = self._delete  # not self: a dropped manager's saves still finish
         handle.committed.add_done_callback(
             lambda f: view.settle(step, committed=f.exception() is None, deleter=deleter)
         )
         self._last_save = handle
         return handle
-
-    def _deleter(self) -> Callable[[int], None]:
-        # Holds the view, not the manager: a dropped manager's saves still finish.
-        view, subdir = self._view, self._config.todelete_subdir
-        return lambda step: _view.delete_step_dir(view, step, subdir)
 
     def delete(self, step: int) -> None:
         """Deletes a step (waiting first if it is still being saved).
@@ -568,34 +578,17 @@ class CheckpointManager(ClosingContext):
 
     def _restore(self, step: int | None, requests: Any, named: bool,
                  directory: str | os.PathLike | None) -> Any:
+        names, checksums = self._config.names, self._restore_options.verify_checksums
+        step = None if step is None else operator.index(step)
         if directory is None:
-            self._wait_for(None if step is None else [operator.index(step)])
+            self._wait_for(None if step is None else [step])
             root, steps = self._directory, self._tiers.steps(self._view.steps(), fresh=True)
-        else:
-            root = os.path.abspath(os.fspath(directory))
-            names = self._config.names
-            steps = sorted(s for s in (names.parse(n) for n in os.listdir(root))
-                           if s is not None and os.path.isdir(os.path.join(root, names.name(s))))
-
-        checksums = self._restore_options.verify_checksums
-
-        def step_dir(s: int) -> str:
-            return os.path.join(root, self._config.names.name(s))
-
-        if step is not None:
-            step = operator.index(step)
-            if step not in steps:
-                shown = ", ".join(map(str, steps[-20:])) or "none"
-                raise CheckpointNotFoundError(
-                    f"no checkpoint for step {step} in {root!r} (steps there: {shown})")
-            return self._restore_one(step, step_dir, requests, named, checksums,
-                                     from_tiers=directory is None)
-        return restore_newest(steps, root, lambda s: self._restore_one(
-            s, step_dir, requests, named, checksums, from_tiers=directory is None))
-
-    def _restore_one(self, step: int, step_dir: Callable[[int], str], requests: Any,
-                     named: bool, checksums: bool, *, from_tiers: bool) -> Any:
-        # [storage] A remote-only step is fetched file by file, as read, into a private cache.
-        remote = self._tiers.open_remote(step, checksums=checksums) if from_tiers else None
-        where = step_dir(step) if remote is None else remote.path
-        return restore_step(where, requests, named, checksums=checksums, remote=remote)
+            # [storage] A remote-only step is fetched file by file, as read, into a private cache.
+            open_remote = functools.partial(self._tiers.open_remote, checksums=checksums)
+            return restore_listed(root, steps, step, requests, named, names=names,
+                                  checksums=checksums, open_remote=open_remote)
+        root = os.path.abspath(os.fspath(directory))
+        steps = sorted(s for s in (names.parse(n) for n in os.listdir(root))
+                       if s is not None and os.path.isdir(os.path.join(root, names.name(s))))
+        return restore_listed(root, steps, step, requests, named, names=names,
+                              checksums=checksums, open_remote=None)

@@ -16,7 +16,7 @@ import shutil
 from typing import Any
 
 from asyncckpt.engine.writer import AsyncEngine
-from asyncckpt.preemption.grace import decode_estimates, encode_estimates
+from asyncckpt.preemption._estimates import decode_estimates, encode_estimates
 
 logger = logging.getLogger(__name__)
 

@@ -84,26 +84,21 @@ from dataclasses import dataclass, field
 
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt.preemption._estimates import (  # noqa: F401  (re-exported)
+    COLD_WINDOW,
+    ESTIMATES_LENGTH,
+    ESTIMATES_VERSION,
+    FINAL_WINDOW,
+    STEP_WINDOW,
+    WRITE_WINDOW,
+    decode_estimates,
+    encode_estimates,
+    finite,
+    finite_list,
+)
 
 # The statistics live in ``_stats``; re-exported for the tests and benchmarks.
 from asyncckpt.preemption._stats import bound, log_bound, stale_prefix, t_quantile  # noqa: F401
-
-# Samples kept per quantity, in memory and in each checkpoint.
-WRITE_WINDOW = 16
-STEP_WINDOW = 32
-# Final saves kept (in a file beside the checkpoints: see ``_targets``).
-FINAL_WINDOW = 8
-# Cold first saves of recent runs kept (same file).
-COLD_WINDOW = 4
-# Layout of the estimates as a flat float vector (TensorFlow stores them in a
-# float64 variable of fixed shape): a version, then each window, NaN-padded.
-ESTIMATES_VERSION = 2.0
-_LAYOUT: tuple[tuple[str, int], ...] = (
-    ("save_s", WRITE_WINDOW),
-    ("save_bytes", WRITE_WINDOW),
-    ("step_s", STEP_WINDOW),
-)
-ESTIMATES_LENGTH = 1 + sum(n for _, n in _LAYOUT)
 
 
 def local_tier(stats: SaveStats) -> str:
@@ -221,42 +216,6 @@ class StepTimes:
     def mean(self) -> float | None:
         samples = self.samples
         return statistics.fmean(samples) if samples else None
-
-
-def _finite(value) -> float | None:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) and value >= 0 else None
-
-
-def _finite_list(values) -> list[float]:
-    if not isinstance(values, (list, tuple)):
-        values = [] if values is None else [values]
-    return [v for v in (_finite(x) for x in values) if v is not None]
-
-
-def encode_estimates(estimates: dict | None) -> list[float]:
-    """``estimates()`` as a fixed-length float vector (NaN-padded windows)."""
-    estimates = estimates or {}
-    out = [ESTIMATES_VERSION]
-    for key, n in _LAYOUT:
-        values = _finite_list(estimates.get(key))[-n:]
-        out += values + [float("nan")] * (n - len(values))
-    return out
-
-
-def decode_estimates(values: Sequence[float]) -> dict:
-    """The inverse of ``encode_estimates``; ``{}`` for an unknown layout."""
-    values = [float(v) for v in values]
-    if len(values) != ESTIMATES_LENGTH or values[0] != ESTIMATES_VERSION:
-        return {}
-    out, i = {}, 1
-    for key, n in _LAYOUT:
-        out[key] = [v for v in values[i:i + n] if not math.isnan(v)]
-        i += n
-    return out
 
 
 class GraceClock:
@@ -439,7 +398,7 @@ class GraceClock:
         for window, items in ((self._finals, samples), (self._cold, cold)):
             for item in items or ():
                 try:
-                    t, b = (_finite(x) for x in item)
+                    t, b = (finite(x) for x in item)
                 except (TypeError, ValueError):
                     continue
                 if t is not None:
@@ -591,11 +550,11 @@ class GraceClock:
         """Starts from the estimates stored in a restored checkpoint."""
         if not estimates:
             return
-        seconds = _finite_list(estimates.get("save_s"))
-        sizes = _finite_list(estimates.get("save_bytes"))
+        seconds = finite_list(estimates.get("save_s"))
+        sizes = finite_list(estimates.get("save_bytes"))
         if len(sizes) != len(seconds):
             sizes = [0.0] * len(seconds)
         self._seeded = {"save_s": seconds[-WRITE_WINDOW:], "save_bytes": sizes[-WRITE_WINDOW:]}
         if seconds:
             self.engine.estimator.seed(seconds[-1], int(sizes[-1]) if sizes else 0)
-        self.steps.seed(_finite_list(estimates.get("step_s"))[-STEP_WINDOW:])
+        self.steps.seed(finite_list(estimates.get("step_s"))[-STEP_WINDOW:])

@@ -7,21 +7,21 @@ was serialized for 1.5-1.7 s before the fsync started (issue 13). Here the
 same two files are produced by asyncckpt itself:
 
 * ``<prefix>.data-00000-of-00001``: the tensors' bytes concatenated in the
-  order given (no padding: ``SaveV2`` uses an alignment of 1), cut into
-  ranges of 16 MiB that two threads checksum and write at their offsets.
-  In a data file of 512 MiB or more, a whole, aligned range is gathered
-  into a page-aligned buffer and written with ``O_DIRECT``: the copy costs
-  memory bandwidth, but the write skips the page cache, whose filling and
-  writeback set the pace of a large write on this VM (1 GiB: 0.56 s to
-  durable with ``O_DIRECT``, 1.52 s through the page cache, raw
-  write+fsync 0.74 s, in one run). Smaller files, the unaligned tail
-  and every range where the file system refuses ``O_DIRECT`` are written
-  with ``pwritev`` from the staging buffers, their writeback started at once
+  order given (no padding: ``SaveV2`` uses an alignment of 1), cut into ranges
+  of 16 MiB that two threads checksum and write at their offsets. In a data
+  file of 4 MiB or more, a whole, aligned range is gathered into a
+  page-aligned buffer and written with ``O_DIRECT``: the copy costs memory
+  bandwidth, but the write skips the page cache, whose filling and writeback
+  set the pace of a large write on this VM (1 GiB: 0.56 s to durable with
+  ``O_DIRECT``, 1.52 s through the page cache, raw write+fsync 0.74 s, in one
+  run) and slow the training loop beside it (fresh pages for every new file:
+  3-5x the cost per save at 16-256 MiB). Smaller files, the unaligned tail and
+  every range where the file system refuses ``O_DIRECT`` are written with
+  ``pwritev`` from the staging buffers, their writeback started at once
   (``sync_file_range``). Each range is checksummed as it is written: CRC32C
-  per tensor (``engine.fastcrc``, GIL-free), combined in file order into
-  each tensor's CRC32C and the whole file's (the manifest's, also CRC32C),
-  so the engine need not read the file back and each byte is checksummed
-  once.
+  per tensor (``engine.fastcrc``, GIL-free), combined in file order into each
+  tensor's CRC32C and the whole file's (the manifest's, also CRC32C), so the
+  engine need not read the file back and each byte is checksummed once.
 * ``<prefix>.index``: the SSTable of ``asyncckpt.tf._sstable``, mapping
   ``""`` to the ``BundleHeaderProto`` and each key to its
   ``BundleEntryProto``.
@@ -68,10 +68,13 @@ _THREADS = min(2, os.cpu_count() or 1)  # measured: two beat one on the 2-core m
 _SYNC_FILE_RANGE_WRITE = 2
 _DIRECT_ALIGN = 4096  # offset, length and address alignment of an O_DIRECT write
 _DIRECT_WRITES = True  # aligned ranges bypass the page cache (tests turn it off to compare)
-# Data files from this size on are written O_DIRECT. Measured (bench_tf_write.py,
-# two runs, durable / raw write+fsync): 256 MiB through the page cache 1.30-1.33x,
-# O_DIRECT 0.87-1.14x; 1 GiB through the page cache 0.49-0.55x, O_DIRECT 1.07-1.32x.
-_DIRECT_MIN = 512 << 20
+# Data files from this size on are written O_DIRECT. Durable / raw write+fsync
+# (bench_tf_write.py): 1 GiB through the page cache 0.49-0.55x, O_DIRECT 1.07-1.32x;
+# 64-256 MiB O_DIRECT 0.97-1.00x, the page cache faster (1.2-1.5x) where it reuses
+# freed pages. What decided 4 MiB is training: filling fresh page cache costs the
+# training loop 3-5x more per save than O_DIRECT does (bench_tf_train_overhead.py,
+# 16-256 MiB), about as much as a raw write that fills fresh pages.
+_DIRECT_MIN = 4 << 20
 
 FileSums = dict[str, tuple[int, int, str]]  # file name -> (size, checksum, algorithm)
 _COMBINE_MIN = 1 << 20  # views this large join the file's CRC by combining, not a 2nd pass
@@ -386,9 +389,11 @@ class _DirectShort(OSError):
 
 
 # Aligned buffers for direct writes, one per writing thread, kept between saves
-# (allocating and faulting 16 MiB per range would cost more than the copy).
+# (allocating and faulting 16 MiB per range would cost more than the copy): at
+# most _THREADS x _CHUNK (32 MiB) of host memory, less for a state under 32 MiB.
 _BOUNCE: list[np.ndarray] = []
 _BOUNCE_LOCK = threading.Lock()
+_BOUNCE_SIZE = [0]  # bytes of the buffers allocated, see _take_bounce
 
 
 def _take_bounce(nbytes: int) -> np.ndarray:
@@ -397,8 +402,11 @@ def _take_bounce(nbytes: int) -> np.ndarray:
             buf = _BOUNCE.pop()
             if len(buf) >= nbytes:
                 return buf
+        # The largest range seen so far (at most _CHUNK), in whole MiB: a small
+        # state keeps small buffers, and a save's shorter tail range does not
+        # make the next save allocate (and fault in) a full-size buffer again.
+        _BOUNCE_SIZE[0] = size = max(_BOUNCE_SIZE[0], -(-nbytes // (1 << 20)) << 20)
     # mmap: page-aligned, as O_DIRECT needs (NumPy's allocator gives 64 bytes).
-    size = max(nbytes, _CHUNK)
     mem = mmap.mmap(-1, size)
     if size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
         mem.madvise(mmap.MADV_HUGEPAGE)
@@ -407,7 +415,7 @@ def _take_bounce(nbytes: int) -> np.ndarray:
 
 def _give_bounce(buf: np.ndarray) -> None:
     with _BOUNCE_LOCK:
-        if len(_BOUNCE) < _THREADS:
+        if len(_BOUNCE) < _THREADS and len(buf) >= _BOUNCE_SIZE[0]:
             _BOUNCE.append(buf)
 
 
