@@ -72,6 +72,20 @@ class AsyncOptions:
             it for variables whose memory something outside TensorFlow writes
             (DLPack), which copy-on-write cannot see. The JAX front end and
             the Keras callbacks' own staging ignore it.
+        yield_to_saves: While a save copies the state into its slot, the
+            engine's background work (the writer between write pieces of
+            1 MiB, files and fsyncs, TensorFlow's bundle writer between
+            16 MiB ranges, a spare slot's build between 8 MiB pieces)
+            pauses, and resumes when the copy is done, so the copy that
+            training waits for has the cores, the memory bandwidth and the
+            GIL to itself. A save waiting for a free slot does not pause
+            the writer (it must free the slot). Uploads to object storage
+            do not pause. False lets background work run on during copies
+            (at ``writer_nice``) and writes in 64 MiB pieces.
+        yield_max_wait_s: The longest background work pauses for one
+            stretch of staging (one save, or overlapping saves of several
+            threads): a staging that takes longer (a slow device-to-host
+            transfer, a stage that blocks) then no longer holds it up.
     """
 
     num_slots: int = 2
@@ -82,6 +96,8 @@ class AsyncOptions:
     exit_timeout_s: float = 600.0
     writer_nice: int = 10
     background_copy: bool = True
+    yield_to_saves: bool = True
+    yield_max_wait_s: float = 0.25
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_slots, int) or self.num_slots < 1:
@@ -98,6 +114,8 @@ class AsyncOptions:
         if (not isinstance(self.writer_nice, int) or isinstance(self.writer_nice, bool)
                 or not 0 <= self.writer_nice <= 19):
             raise ValueError(f"writer_nice must be an int from 0 to 19, got {self.writer_nice!r}")
+        if not self.yield_max_wait_s >= 0:
+            raise ValueError(f"yield_max_wait_s must be >= 0, got {self.yield_max_wait_s!r}")
 
     @property
     def slot_cap(self) -> int:

@@ -13,6 +13,7 @@ bound) and the staging itself.
     python benchmarks/bench_slots.py --steady 60 --sizes 16,64   # steady saves vs memcpy
     python benchmarks/bench_slots.py --bursts 8 --sizes 16,64    # back-to-back saves vs memcpy
     python benchmarks/bench_slots.py --bursts 4 --early-spare both --repeat 3  # A/B, paired
+    python benchmarks/bench_slots.py --bursts 8 --yield-to-saves both --repeat 3  # A/B, paired
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def steady(fw: str, mib: int, n: int) -> None:
           f"saving thread CPU {statistics.median(cpu) * 1e3:.2f} ms per save")
 
 
-def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None) -> None:
+def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None,
+           yield_: bool | None = None) -> None:
     """Bursts of back-to-back saves against a memcpy of the state (issue 13.3).
 
     As the bench's back-to-back case: ``size`` saves with one training step
@@ -160,7 +162,10 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None) 
     of the first burst, then the medians over the later bursts of every save
     position after the first, as a ratio to the memcpy median, with the wait
     for a free slot, and the pool's slots and staging memory at the end.
-    ``early`` sets ``AsyncOptions.early_spare`` (None: the default).
+    ``early`` sets ``AsyncOptions.early_spare``, ``yield_``
+    ``AsyncOptions.yield_to_saves`` (None: the default). Also reports the
+    median time from each burst's first save to all three durable, against
+    the same with the other setting when run as an A/B.
     """
     from asyncckpt import AsyncOptions
     from asyncckpt.bench import engines as eng
@@ -168,15 +173,20 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None) 
     nbytes, tensors, state = _bench_state(fw, mib)
     with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
         floors = eng.Floors(nbytes, 1, os.path.join(workdir, "floors"))
-        opts = None if early is None else AsyncOptions(early_spare=early)
+        kw = {} if early is None else {"early_spare": early}
+        if yield_ is not None:
+            kw["yield_to_saves"] = yield_
+        opts = AsyncOptions(**kw) if kw else None
         save, sync, engine, close = _checkpointer(fw, state, workdir, opts)
         save(0)  # the first save of all (allocation, tracing), not timed
         sync()
         blocking: list[list[float]] = []
         memcpy: list[float] = []
         i = 1
+        durable: list[float] = []
         for _ in range(n):
             times = []
+            start = time.perf_counter()
             for _ in range(size):
                 t0 = time.perf_counter()
                 save(i)
@@ -185,6 +195,7 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None) 
                 getattr(state, "block", lambda: None)()  # JAX: the step's compute, untimed
                 i += 1
             sync()
+            durable.append(time.perf_counter() - start)
             blocking.append(times)
             for _ in range(size):
                 t0 = time.perf_counter()
@@ -197,10 +208,12 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None) 
     first = ",".join(f"{t * 1e3:.1f}" for t in blocking[0])
     ratios = ",".join(f"{t / m:.2f}" for t in blocking[0])
     tag = "" if early is None else f" (early_spare={early})"
+    tag += "" if yield_ is None else f" (yield_to_saves={yield_})"
     print(f"{fw} {mib} MiB in {tensors} arrays, {n} bursts of {size}{tag}: memcpy median "
           f"{m * 1e3:.2f} ms; first burst ms {first} = x memcpy {ratios}, slot wait ms "
           + ",".join(f"{w * 1e3:.1f}" for w in waits[:size])
-          + f"; slots {slots}, staging {staging / 2**20:.0f} MiB")
+          + f"; slots {slots}, staging {staging / 2**20:.0f} MiB; burst to durable median "
+          f"{statistics.median(durable) * 1e3:.0f} ms")
     for pos in range(1, size):
         later = [b[pos] for b in blocking[1:]]
         wait = [waits[k * size + pos] for k in range(1, n) if k * size + pos < len(waits)]
@@ -243,6 +256,9 @@ def main() -> int:
     p.add_argument("--early-spare", choices=["default", "on", "off", "both"], default="default",
                    help="--bursts: AsyncOptions.early_spare; both: off and on alternately, "
                         "--repeat times per framework and size")
+    p.add_argument("--yield-to-saves", choices=["default", "on", "off", "both"],
+                   default="default",
+                   help="--bursts: AsyncOptions.yield_to_saves; both: off and on alternately")
     p.add_argument("--repeat", type=int, default=1)
     args = p.parse_args()
     if args.profile:
@@ -254,7 +270,8 @@ def main() -> int:
             for mib in (int(x) for x in args.sizes.split(",")):
                 for _ in range(args.repeat):
                     for early in modes[args.early_spare]:
-                        bursts(fw, mib, args.bursts, early=early)
+                        for y in modes[args.yield_to_saves]:
+                            bursts(fw, mib, args.bursts, early=early, yield_=y)
         return 0
     if args.steady:
         for fw in args.frameworks.split(","):

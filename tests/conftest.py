@@ -55,10 +55,10 @@ class WriteGate:
         self.open.set()
         self.entered = threading.Semaphore(0)
 
-    def __call__(self, prefix, state):
+    def __call__(self, prefix, state, **kw):
         self.entered.release()
         assert self.open.wait(60), "the test never opened the gate"
-        return self.real(prefix, state)
+        return self.real(prefix, state, **kw)
 
 
 @pytest.fixture

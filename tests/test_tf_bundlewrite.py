@@ -94,8 +94,8 @@ def _spy(monkeypatch) -> list:
     calls = []
     real = _bundlewrite.write_bundle
 
-    def spy(prefix, state):
-        calls.append(real(prefix, state))
+    def spy(prefix, state, **kw):
+        calls.append(real(prefix, state, **kw))
         return calls[-1]
 
     monkeypatch.setattr(_bundlewrite, "write_bundle", spy)

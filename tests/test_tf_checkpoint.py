@@ -41,10 +41,10 @@ class _GatedWriter:
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def __call__(self, prefix, state):
+    def __call__(self, prefix, state, **kw):
         self.entered.set()
         assert self.gate.wait(60), "test never opened the gate"
-        return self.real(prefix, state)
+        return self.real(prefix, state, **kw)
 
 
 @pytest.fixture
@@ -184,8 +184,8 @@ def test_failed_write_raises_on_next_call_and_keeps_previous_checkpoint(ckpt_dir
 
     real = _job.write_bundle
 
-    def disk_full(prefix, state):
-        real(prefix, state)  # the bytes land, then the disk "fills up"
+    def disk_full(prefix, state, **kw):
+        real(prefix, state, **kw)  # the bytes land, then the disk "fills up"
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_job, "write_bundle", disk_full)
@@ -212,7 +212,7 @@ def test_failed_write_raises_on_next_save_and_on_close(ckpt_dir, monkeypatch):
     v = tf.Variable([1.0])
     ckpt = at.Checkpoint(v=v)
 
-    def broken(prefix, state):
+    def broken(prefix, state, **kw):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(_job, "write_bundle", broken)
@@ -240,12 +240,12 @@ def test_subprocess_that_saves_and_exits_at_once_leaves_complete_checkpoint(tmp_
 
         real = _job.write_bundle
 
-        def held_write(prefix, state):
+        def held_write(prefix, state, **kw):
             # A disk that answers only when the test says so: the test lets the
             # write go on once the interpreter is exiting, so the save is in
             # flight at exit for sure.
             sys.stdin.readline()
-            real(prefix, state)
+            real(prefix, state, **kw)
 
         _job.write_bundle = held_write
         v = tf.Variable(np.arange(4 << 20, dtype=np.float32))  # 16 MiB

@@ -174,10 +174,10 @@ def test_manager_with_relative_directory(tmp_path, monkeypatch):
 def test_a_failed_background_save_gives_its_retention_decision_back(ckpt_dir, monkeypatch):
     real = _job.write_bundle
 
-    def fail_second(prefix, state):
+    def fail_second(prefix, state, **kw):
         if os.path.basename(prefix) == "ckpt-2":
             raise OSError(5, "Input/output error")
-        return real(prefix, state)
+        return real(prefix, state, **kw)
 
     monkeypatch.setattr(_job, "write_bundle", fail_second)
     mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), str(ckpt_dir), 1)
@@ -205,11 +205,11 @@ def test_saving_a_name_again_while_another_commits_keeps_the_state_file_valid(
     release = threading.Event()
     entered = threading.Event()
 
-    def hold_ckpt_2(prefix, state):
+    def hold_ckpt_2(prefix, state, **kw):
         if os.path.basename(prefix) == "ckpt-2":
             entered.set()
             assert release.wait(60)
-        return real(prefix, state)
+        return real(prefix, state, **kw)
 
     v = tf.Variable([1.0])
     first = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=3)

@@ -10,7 +10,8 @@ releases or the finished spare; a slot joins the pool only once every buffer
 of it is built, so no save ever copies into pages still being faulted.
 
 This module holds the parts without pool state: the memory check and the
-build itself, which stops between 8 MiB pieces once the pool is closed.
+build itself, which stops between 8 MiB pieces once the pool is closed and
+pauses there while a save copies.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def build_buffers(
     stopped: Callable[[], bool],
     fault: Callable[[np.ndarray], None],
     on_alloc: Callable[[int], None] | None = None,
+    *,
+    pause: Callable[[], None] | None = None,
 ) -> dict[str, np.ndarray] | None:
     """Allocates and pre-faults one buffer per ``layout`` entry (key to byte size).
 
@@ -67,6 +70,9 @@ def build_buffers(
         stopped: Checked before each 8 MiB piece; True abandons the build.
         fault: Touches the pages of one piece.
         on_alloc: Told the byte size of each buffer as it is allocated.
+        pause: Called before each piece: waits while a save copies (the
+            engine's ``SaveGate.wait``), so the build's page faults and
+            zeroing do not compete with the copy for cores and memory.
 
     Returns:
         The buffers, or None when ``stopped`` said so (they are then freed).
@@ -80,6 +86,8 @@ def build_buffers(
             on_alloc(nbytes)
         bufs[key] = buf
         for start in range(0, nbytes, _STEP):
+            if pause is not None:
+                pause()
             if stopped():
                 return None
             fault(buf[start : start + _STEP])

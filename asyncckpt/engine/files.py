@@ -13,7 +13,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from asyncckpt.engine import fastcrc
@@ -21,6 +21,9 @@ from asyncckpt.engine import fastcrc
 logger = logging.getLogger(__name__)
 
 _CHUNK = 64 << 20  # bytes per write() call; bounds the size of one memoryview slice.
+# Bytes per write() call of a writer with a ``pause``: it pauses between them, so
+# this bounds how long a write runs on after a save starts copying.
+_PAUSE_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,14 @@ class DurableWriter:
         fsync: Whether to fsync files and directories.
         checksums: Whether to compute checksums.
         algorithm: Their algorithm; default ``fastcrc.default_algorithm()``.
+        pause: Called before each file, each write of ``_PAUSE_CHUNK``
+            bytes and each fsync: the engine's ``SaveGate.wait``, which holds
+            the writer while a save copies (see ``engine._gate``). None
+            writes in ``_CHUNK`` pieces without pausing.
     """
 
     def __init__(self, root: str, *, fsync: bool, checksums: bool,
-                 algorithm: str | None = None):
+                 algorithm: str | None = None, pause: Callable[[], None] | None = None):
         self.root = root
         self._fsync = fsync
         self._checksums = checksums
@@ -120,7 +127,8 @@ class DurableWriter:
         self._update = fastcrc.updater(self.algorithm)
         self._records: list[FileRecord] = []
         self._dirs: set[str] = {root}
-        self._flusher = _Flusher() if fsync else None
+        self._flusher = _Flusher(pause) if fsync else None
+        self._pause = pause
 
     def _path(self, name: str) -> str:
         path = os.path.join(self.root, *name.split("/"))
@@ -138,6 +146,8 @@ class DurableWriter:
             chunks: Objects supporting the buffer protocol, or ``Checksummed``
                 ones carrying their checksum in this writer's algorithm.
         """
+        pause = self._pause
+        step = _CHUNK if pause is None else _PAUSE_CHUNK
         path = self._path(name)
         crc = 0
         size = 0
@@ -148,8 +158,10 @@ class DurableWriter:
                 view = memoryview(chunk.data if known else chunk).cast("B")
                 if known and self._checksums:
                     crc = fastcrc.crc_combine(crc, chunk.crc, len(view), self.algorithm)
-                for start in range(0, len(view), _CHUNK):
-                    part = view[start : start + _CHUNK]
+                for start in range(0, len(view), step):
+                    if pause is not None:
+                        pause()
+                    part = view[start : start + step]
                     if self._checksums and not known:
                         crc = self._update(part, crc)
                     while part:
@@ -225,7 +237,8 @@ class _Flusher:
     in-flight saves needs it.
     """
 
-    def __init__(self):
+    def __init__(self, pause: Callable[[], None] | None = None):
+        self._pause = pause  # called before each fsync (see DurableWriter)
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="asyncckpt-fsync", daemon=True)
@@ -235,6 +248,8 @@ class _Flusher:
         while (path := self._queue.get()) is not None:
             if self._error is None:
                 try:
+                    if self._pause is not None:
+                        self._pause()
                     fsync_path(path)
                 except BaseException as e:  # surfaced by join()
                     self._error = e

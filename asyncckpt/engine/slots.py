@@ -29,37 +29,20 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from asyncckpt.engine import _spares
+from asyncckpt.engine._gate import lower_thread_priority
 from asyncckpt.engine._pages import _prefault, aligned_empty
 
 __all__ = ["Slot", "StagingPool", "aligned_empty", "copy_arrays", "lower_thread_priority"]
 
 logger = logging.getLogger(__name__)
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raises the calling thread's niceness by ``nice`` (Linux only; best effort).
-
-    On Linux each thread has its own niceness and threads it starts inherit
-    it, so a background thread's helpers run at the same priority. Lowering
-    one's own priority needs no privilege; where it is refused or the
-    platform has no per-thread priority, the thread runs unchanged.
-    """
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError as e:
-        logger.debug("could not lower a background thread's priority: %s", e)
 
 
 def prefault_all(bufs: Sequence[np.ndarray]) -> None:
@@ -301,6 +284,8 @@ class StagingPool:
         max_slots: Most slots the pool grows to (None: ``num_slots``, fixed).
         prepare_nice: Niceness added to the preparer and spare-building threads.
         early_spare: Build one spare once the first layout is learnt.
+        pause: Called by a spare build between its 8 MiB pieces; the engine
+            passes its ``SaveGate.wait``, so a build yields to a save's copy.
     """
 
     def __init__(
@@ -310,6 +295,7 @@ class StagingPool:
         max_slots: int | None = None,
         prepare_nice: int = 0,
         early_spare: bool = False,
+        pause: Callable[[], None] | None = None,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -320,6 +306,7 @@ class StagingPool:
         self._free = list(self._slots)
         self._cond = threading.Condition()
         self._prepare_nice = prepare_nice
+        self._pause = pause
         self._layout: dict[str, int] = {}
         self._version = 0  # bumped whenever the layout changes
         self._preparer: threading.Thread | None = None
@@ -405,8 +392,8 @@ class StagingPool:
         try:
             lower_thread_priority(self._prepare_nice)
             bufs = _spares.build_buffers(
-                layout, lambda: self._closed, self._fault_piece, self._count_spare
-            )
+                layout, lambda: self._closed, self._fault_piece, self._count_spare,
+                pause=self._pause)
         except Exception:  # e.g. MemoryError: saves wait for a slot, as without spares
             logger.exception("building a spare staging slot failed; saves wait for a free one")
             self._spare_failed = True

@@ -3,9 +3,10 @@
 ``AsyncEngine.save`` runs on the caller's thread only for as long as it takes
 to copy the state into a free staging slot; a single background thread then
 writes, commits and releases each save in order. Framework adapters supply the
-format-specific parts as a ``SaveJob``; the engine owns threading, ordering,
-timings and error delivery. The flush at exit and ``fork()`` are handled in
-``engine/_process.py``.
+format-specific parts as a ``SaveJob`` (``engine/_jobs.py``); the engine owns
+threading, ordering, timings and error delivery. While a save copies, the
+writer and spare builds pause between pieces (``engine/_gate.py``). The flush
+at exit and ``fork()`` are handled in ``engine/_process.py``.
 
 Errors contract (see ``AsyncEngine``): a background failure is raised to every
 thread waiting in ``sync()``/``close()`` when it happens, and to every later
@@ -27,58 +28,21 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import _process
+from asyncckpt.engine._gate import SaveGate, lower_thread_priority
+from asyncckpt.engine._jobs import SaveJob, StageFn
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
-from asyncckpt.engine.slots import Slot, StagingPool, lower_thread_priority
+from asyncckpt.engine.slots import Slot, StagingPool
 from asyncckpt.errors import EngineClosedError
 from asyncckpt.options import AsyncOptions
 
 logger = logging.getLogger(__name__)
 
-
-class SaveJob(Protocol):
-    """The format-specific part of one save, produced by staging.
-
-    Call order, all on the background thread: ``write`` (files into a
-    temporary location, from the slot's buffers), then ``commit`` (make the
-    files durable and publish them; returning means published), or ``abort``
-    after a failure in either. Then, if the job has it, ``after_commit(stats)``
-    (state files, retention, callbacks): publishing is the line, so an error
-    raised there is logged and counted (``AsyncEngine.post_commit_errors``,
-    ``SaveStats.post_commit_error``) and never fails the save.
-    """
-
-    label: str
-    step: int | None
-    nbytes: int
-
-    def write(self) -> None:
-        """Writes the staged bytes; the slot is released when this returns."""
-
-    def commit(self, stats: SaveStats) -> None:
-        """Makes the checkpoint durable and visible (``commit_s`` is 0 here)."""
-
-    def abort(self) -> None:
-        """Removes whatever ``write``/``commit`` left behind; must not raise."""
-
-    # Optional: ``start_background()``, called on the saving thread once the
-    # job is queued, as the save call's last work: starts background work on
-    # the slot that ``write`` will wait for (a deferred copy), so that it does
-    # not compete for the cores with the rest of the call. ``write`` must not
-    # depend on it having been called.
-    # Optional: ``discard()``, called on the saving thread when staging
-    # returned the job but the save then failed before it was queued; it must
-    # stop any background work the job does on the slot (a deferred copy)
-    # before returning, since the slot is given back next. Must not raise.
-
-
-StageFn = Callable[[Slot], SaveJob]
+__all__ = ["AsyncEngine", "SaveHandle", "SaveJob", "StageFn", "lower_thread_priority"]
 
 
 class SaveHandle:
@@ -180,11 +144,16 @@ class AsyncEngine(ClosingContext):
     def __init__(self, *, options: AsyncOptions | None = None, name: str = "asyncckpt"):
         self.options = options or AsyncOptions()
         self.name = name
+        # Closed while a save copies into its slot; the writer and spare builds
+        # pause on it between pieces (AsyncOptions.yield_to_saves).
+        self._gate = SaveGate(max_wait_s=self.options.yield_max_wait_s,
+                              enabled=self.options.yield_to_saves)
         self._pool = StagingPool(
             self.options.num_slots,
             max_slots=self.options.slot_cap,
             prepare_nice=self.options.writer_nice,
             early_spare=self.options.early_spare,
+            pause=self._gate.wait if self._gate.enabled else None,
         )
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -319,15 +288,18 @@ class AsyncEngine(ClosingContext):
             slot, slot_wait_s = self._pool.acquire(timeout=slot_timeout)
             job = None
             try:
-                # With every slot busy, this call waited for the writer: a save
-                # that failed meanwhile has happened before this one starts.
-                if raise_pending and self._errors:
-                    self._deliver(None)
-                job = stage(slot)
-                slot.trim()
-                # The first save (or a new layout) teaches the pool the state's
-                # buffers; the other slots are then built in the background.
-                self._pool.learn(slot)
+                # Background work pauses while this save copies; not while it
+                # waited for a slot above, which the writer had to free.
+                with self._gate:
+                    # With every slot busy, this call waited for the writer: a save
+                    # that failed meanwhile has happened before this one starts.
+                    if raise_pending and self._errors:
+                        self._deliver(None)
+                    job = stage(slot)
+                    slot.trim()
+                    # The first save (or a new layout) teaches the pool the state's
+                    # buffers; the other slots are then built in the background.
+                    self._pool.learn(slot)
             except BaseException:
                 discard = getattr(job, "discard", None)
                 if discard is not None:
@@ -398,6 +370,10 @@ class AsyncEngine(ClosingContext):
             t1 = time.perf_counter()
             with self._cond:
                 self._busy_since = t1
+            set_pause = getattr(job, "set_pause", None)
+            if set_pause is not None and self._gate.enabled:  # else: written as before
+                set_pause(self._gate.wait)
+            self._gate.wait()  # a save copying now: its Python needs the GIL too
             job.write()
             write_s = time.perf_counter() - t1
             self._pool.release(w.slot)
@@ -413,6 +389,7 @@ class AsyncEngine(ClosingContext):
                 durable_s=time.perf_counter() - w.t0,
                 started_at=w.started_at,
             )
+            self._gate.wait()
             t2 = time.perf_counter()
             job.commit(stats)
         except BaseException as e:

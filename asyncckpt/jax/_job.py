@@ -110,6 +110,11 @@ class JaxSaveJob:
         self._published = False
         self._extra: dict = {}
         self._error: BaseException | None = None
+        self._pause: Callable[[], None] | None = None
+
+    def set_pause(self, pause: Callable[[], None]) -> None:
+        """The engine's gate: ``write`` pauses between write pieces while a save copies."""
+        self._pause = pause
 
     @property
     def final_dir(self) -> str:
@@ -143,7 +148,8 @@ class JaxSaveJob:
         try:
             self._tmp = commit_lib.make_temp_dir(self._directory, self.label, token=self._token)
             writer = DurableWriter(
-                self._tmp, fsync=self._options.fsync, checksums=self._options.checksums
+                self._tmp, fsync=self._options.fsync, checksums=self._options.checksums,
+                pause=self._pause,
             )
             self._writer = writer
             for name, buf in staged.chunks:  # names are relative to the step directory

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncckpt.jax as aj
+from asyncckpt import AsyncOptions
 from asyncckpt.demo import MemcpyFloor, print_saves
 
 
@@ -110,8 +111,12 @@ def _equal(a, b) -> bool:
     )
 
 
-def run_jax_demo(workdir: str, *, steps: int = 30, every: int = 5, width: int = 1536) -> bool:
-    """Trains, saves asynchronously, restores; returns whether every value matched."""
+def run_jax_demo(workdir: str, *, steps: int = 30, every: int = 5, width: int = 1536,
+                 async_options: AsyncOptions | None = None) -> bool:
+    """Trains, saves asynchronously, restores; returns whether every value matched.
+
+    ``async_options`` go to the manager that saves (benchmarks compare settings).
+    """
     os.makedirs(workdir, exist_ok=True)
     devices = np.array(jax.devices())
     mesh = Mesh(devices, ("d",))
@@ -132,7 +137,8 @@ def run_jax_demo(workdir: str, *, steps: int = 30, every: int = 5, width: int = 
     directory = os.path.join(workdir, "jax")
     handles = []
     floor = MemcpyFloor(sum(a.nbytes for a in jax.tree.leaves(state)))
-    with aj.CheckpointManager(directory, max_to_keep=3, save_interval_steps=every) as mgr:
+    with aj.CheckpointManager(directory, max_to_keep=3, save_interval_steps=every,
+                              async_options=async_options) as mgr:
         step = int(state["step"])  # 1: the compiling step above counted
         while step < steps:
             state, loss = step_fn(state, x, y)  # the old state is donated

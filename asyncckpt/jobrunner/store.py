@@ -121,11 +121,17 @@ class _ArraysJob:
         self._tmp: str | None = None
         self._writer: DurableWriter | None = None
         self._records = ()
+        self._pause: Callable[[], None] | None = None
+
+    def set_pause(self, pause: Callable[[], None]) -> None:
+        """The engine's gate: writes pause between pieces while a save copies."""
+        self._pause = pause
 
     def write(self) -> None:
         opts = self._store.options
         self._tmp = commit_lib.make_temp_dir(self._store.directory, self.label)
-        self._writer = DurableWriter(self._tmp, fsync=opts.fsync, checksums=opts.checksums)
+        self._writer = DurableWriter(self._tmp, fsync=opts.fsync, checksums=opts.checksums,
+                                     pause=self._pause)
         index = self._write_data()
         self._write_index(index)
         self._records = tuple(self._writer.finish())

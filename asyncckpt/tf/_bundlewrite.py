@@ -50,6 +50,7 @@ import os
 import re
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -445,8 +446,11 @@ _SFR: list = []
 
 
 def _run_jobs(fd: int, jobs: list[_Job], needs_crc: list[bool], writeback,
-              direct_fd: int = -1) -> list:
+              direct_fd: int = -1, pause: Callable[[], None] | None = None) -> list:
     """Runs the jobs on this thread and ``_THREADS - 1`` helpers; results in job order.
+
+    Each thread calls ``pause`` (the engine's ``SaveGate.wait``) before each
+    range, so the write yields to a save's copy between ranges.
 
     Plain threads rather than an executor: executors refuse new work once the
     interpreter has begun to shut down, which is when the exit flush of
@@ -464,6 +468,8 @@ def _run_jobs(fd: int, jobs: list[_Job], needs_crc: list[bool], writeback,
             if i is None:
                 return
             try:
+                if pause is not None:
+                    pause()
                 results[i] = _run_job(fd, jobs[i], needs_crc, writeback, direct_fd)
             except BaseException as e:  # re-raised below, on the writer thread
                 errors.append(e)
@@ -480,7 +486,8 @@ def _run_jobs(fd: int, jobs: list[_Job], needs_crc: list[bool], writeback,
     return results
 
 
-def _write_data(path: str, plan: _Plan) -> tuple[int, int, str]:
+def _write_data(path: str, plan: _Plan,
+                pause: Callable[[], None] | None = None) -> tuple[int, int, str]:
     """Writes the data file; fills each entry's CRC32C; returns ``(size, crc32c, "crc32c")``.
 
     The ranges are checksummed and written by ``_THREADS`` threads (the
@@ -495,7 +502,7 @@ def _write_data(path: str, plan: _Plan) -> tuple[int, int, str]:
     big = sum(j.nbytes for j in jobs) >= _DIRECT_MIN
     direct_fd = _open_direct_for_write(path) if big else -1
     try:
-        results = _run_jobs(fd, jobs, needs_crc, writeback, direct_fd)
+        results = _run_jobs(fd, jobs, needs_crc, writeback, direct_fd, pause)
     finally:
         if direct_fd >= 0:
             os.close(direct_fd)
@@ -522,11 +529,13 @@ def _header() -> bytes:
     return header.SerializeToString()
 
 
-def write_bundle(prefix: str, state) -> FileSums | None:
+def write_bundle(prefix: str, state, *,
+                 pause: Callable[[], None] | None = None) -> FileSums | None:
     """Writes ``state`` as ``prefix.index`` + ``prefix.data-00000-of-00001``.
 
     Returns each file's size and CRC32C (for the manifest), or None,
     having written nothing, when the state needs TensorFlow's ``SaveV2``.
+    ``pause`` is called before each range of the data file (see ``_run_jobs``).
     """
     if not fastcrc.available():
         logger.debug("no native CRC32C; the bundle is written by SaveV2")
@@ -536,7 +545,7 @@ def write_bundle(prefix: str, state) -> FileSums | None:
         logger.debug("bundle written by SaveV2: %s", plan)
         return None
     data_path = f"{prefix}.data-00000-of-00001"
-    sums: FileSums = {os.path.basename(data_path): _write_data(data_path, plan)}
+    sums: FileSums = {os.path.basename(data_path): _write_data(data_path, plan, pause)}
     items = [(b"", _header())]
     items += [(k, plan.entries[k].SerializeToString()) for k in sorted(plan.entries)]
     index = build_table(items)

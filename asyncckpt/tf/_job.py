@@ -86,13 +86,19 @@ class TFSaveJob:
         self._tmp: str | None = None
         self._writer: DurableWriter | None = None
         self._sums: dict[str, tuple[int, int, str]] = {}  # file -> (size, crc, algorithm)
+        self._pause: Callable[[], None] | None = None
+
+    def set_pause(self, pause: Callable[[], None]) -> None:
+        """The engine's gate: the bundle writer pauses between ranges while a save copies."""
+        self._pause = pause
 
     def write(self) -> None:
         try:
             if self._state.copy is not None:
                 self._state.copy.wait()  # the background copy into the slot
             self._tmp = commit_lib.make_temp_dir(self._dir, self.label)
-            self._sums = write_bundle(os.path.join(self._tmp, self.label), self._state) or {}
+            self._sums = write_bundle(os.path.join(self._tmp, self.label), self._state,
+                                      pause=self._pause) or {}
         finally:
             self._state = None  # the slot is reused once this returns
 

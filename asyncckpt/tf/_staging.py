@@ -397,7 +397,8 @@ def _as_tensor(t: StagedTensor) -> tf.Tensor:
     return tf.constant(host, dtype=t.dtype)  # copies; correct for any dtype
 
 
-def write_bundle(prefix: str, state: StagedState) -> dict[str, tuple[int, int, str]]:
+def write_bundle(prefix: str, state: StagedState, *,
+                 pause: Callable[[], None] | None = None) -> dict[str, tuple[int, int, str]]:
     """Writes ``state`` as a TensorFlow checkpoint at ``prefix``.
 
     Produces ``prefix.index`` and ``prefix.data-00000-of-00001``; the object
@@ -405,9 +406,10 @@ def write_bundle(prefix: str, state: StagedState) -> dict[str, tuple[int, int, s
     restores with plain TensorFlow. The files are written by ``_bundlewrite``
     straight from the staging buffers, or by TensorFlow's ``SaveV2`` for what
     that cannot write. Returns the ``(size, checksum, algorithm)`` of each file whose
-    checksum is already known (none after ``SaveV2``).
+    checksum is already known (none after ``SaveV2``). ``pause`` is called
+    between the data file's ranges (``SaveV2`` writes in one call: no pauses).
     """
-    sums = _bundlewrite.write_bundle(prefix, state)
+    sums = _bundlewrite.write_bundle(prefix, state, pause=pause)
     if sums is not None:
         return sums
     save_v2_bundle(prefix, state)
