@@ -29,8 +29,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_slots import _bench_state, _checkpointer
 
 
-def run(fw: str, mib: int, reps: int) -> None:
+def _on_and_off(fw: str, state, workdir: str, *, warm_saves: int) -> dict:
+    """A checkpointer with ``yield_to_saves`` off and one with it on, each warmed up."""
     from asyncckpt import AsyncOptions
+
+    ckpts = {}
+    for on in (False, True):
+        d = os.path.join(workdir, f"yield-{on}")
+        os.makedirs(d)
+        ckpts[on] = _checkpointer(fw, state, d, AsyncOptions(yield_to_saves=on))
+        for i in range(warm_saves):
+            ckpts[on][0](i)
+            ckpts[on][1]()
+    return ckpts
+
+
+def run(fw: str, mib: int, reps: int) -> None:
     from asyncckpt.bench import engines as eng
 
     nbytes, tensors, state = _bench_state(fw, mib)
@@ -38,13 +52,7 @@ def run(fw: str, mib: int, reps: int) -> None:
     raw: list[float] = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
         floors = eng.Floors(nbytes, 1, os.path.join(workdir, "floors"))
-        ckpts = {}
-        for on in (False, True):
-            d = os.path.join(workdir, f"yield-{on}")
-            os.makedirs(d)
-            ckpts[on] = _checkpointer(fw, state, d, AsyncOptions(yield_to_saves=on))
-            ckpts[on][0](0)  # warm-up: allocation, tracing
-            ckpts[on][1]()
+        ckpts = _on_and_off(fw, state, workdir, warm_saves=1)  # warm-up: allocation, tracing
         for i in range(1, reps + 1):
             for on in (False, True):
                 save, sync = ckpts[on][0], ckpts[on][1]
@@ -66,7 +74,6 @@ def run(fw: str, mib: int, reps: int) -> None:
 
 def steady(fw: str, mib: int, n: int) -> None:
     """Steady saves, off and on alternately (order swapped every save), against a memcpy."""
-    from asyncckpt import AsyncOptions
     from asyncckpt.bench import engines as eng
 
     nbytes, tensors, state = _bench_state(fw, mib)
@@ -74,14 +81,7 @@ def steady(fw: str, mib: int, n: int) -> None:
     memcpy: list[float] = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
         floors = eng.Floors(nbytes, 1, os.path.join(workdir, "floors"))
-        ckpts = {}
-        for on in (False, True):
-            d = os.path.join(workdir, f"yield-{on}")
-            os.makedirs(d)
-            ckpts[on] = _checkpointer(fw, state, d, AsyncOptions(yield_to_saves=on))
-            for i in range(3):
-                ckpts[on][0](i)
-                ckpts[on][1]()
+        ckpts = _on_and_off(fw, state, workdir, warm_saves=3)
         for i in range(3, n + 3):
             for on in ((False, True) if i % 2 else (True, False)):
                 save, sync = ckpts[on][0], ckpts[on][1]

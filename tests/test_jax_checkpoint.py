@@ -332,6 +332,15 @@ def test_every_staging_path_stages_each_shard_exactly(path):
         tree = {"x": x, "n": np.arange(3), "s": 2.0, "z": z}
 
 
+def _save_and_restore_each(mgr, variants) -> None:
+    """Saves each tree as its own step, then restores each and compares."""
+    for step, state in enumerate(variants):
+        assert mgr.save(step, state)
+    mgr.wait_until_finished()
+    for step, state in enumerate(variants):
+        _assert_tree_equal(state, mgr.restore(step, target=_abstract(state)))
+
+
 def test_leaf_shape_dtype_and_sharding_changes_between_saves_restore_exactly(ckpt_dir):
     """The cached plan and slot views never outlive the structure they were made for."""
     mesh = _mesh()
@@ -355,11 +364,7 @@ def test_leaf_shape_dtype_and_sharding_changes_between_saves_restore_exactly(ckp
         base,  # and back
     ]
     with aj.CheckpointManager(ckpt_dir, max_to_keep=None) as mgr:
-        for step, state in enumerate(variants):
-            assert mgr.save(step, state)
-        mgr.wait_until_finished()
-        for step, state in enumerate(variants):
-            _assert_tree_equal(state, mgr.restore(step, target=_abstract(state)))
+        _save_and_restore_each(mgr, variants)
 
 
 def test_one_device_trees_reuse_their_plan_only_while_every_leaf_matches(ckpt_dir):
@@ -375,11 +380,7 @@ def test_one_device_trees_reuse_their_plan_only_while_every_leaf_matches(ckpt_di
     variants = [tree(), tree(), tree(shape=(3, 4)), tree(dtype=jnp.bfloat16),
                 tree(device=d1), tree(b=np.arange(5)), tree(b=jnp.arange(5.0)), tree()]
     with aj.CheckpointManager(ckpt_dir, max_to_keep=None) as mgr:
-        for step, state in enumerate(variants):
-            assert mgr.save(step, state)
-        mgr.wait_until_finished()
-        for step, state in enumerate(variants):
-            _assert_tree_equal(state, mgr.restore(step, target=_abstract(state)))
+        _save_and_restore_each(mgr, variants)
 
 
 def test_trees_of_jax_arrays_only_are_staged_by_column_with_every_shard(ckpt_dir):
@@ -398,13 +399,9 @@ def test_trees_of_jax_arrays_only_are_staged_by_column_with_every_shard(ckpt_dir
 
     variants = [state(), state(), {**state(), "n": np.arange(4)}, state()]
     with aj.CheckpointManager(ckpt_dir, max_to_keep=None) as mgr:
-        for step, tree in enumerate(variants):
-            assert mgr.save(step, tree)
+        _save_and_restore_each(mgr, variants)
         assert mgr._snapshotter.plan(variants[0])[0].columns("default") is not None
         assert mgr._snapshotter.plan(variants[2])[0].columns("default") is None
-        mgr.wait_until_finished()
-        for step, tree in enumerate(variants):
-            _assert_tree_equal(tree, mgr.restore(step, target=_abstract(tree)))
 
 
 def test_a_file_named_as_the_step_blocks_its_save(ckpt_dir):
