@@ -88,6 +88,34 @@ def test_copy_arrays_copies_large_and_small_arrays():
         copy_arrays([(np.zeros(3, np.float32), np.zeros(3, np.float64))])
 
 
+def test_copy_arrays_shares_a_state_of_many_small_arrays_with_the_copy_threads(monkeypatch):
+    import threading
+
+    from asyncckpt.engine import slots
+
+    if slots._copy_threads() < 2:
+        pytest.skip("one copy thread on this machine")
+    threads = set()
+    real = slots._copy_all
+
+    def recording(pairs):
+        if pairs:
+            threads.add(threading.current_thread().name)
+        real(pairs)
+
+    monkeypatch.setattr(slots, "_copy_all", recording)
+    rng = np.random.default_rng(1)
+    # 64 arrays of 64 KiB, each far under a piece, and one non-contiguous view.
+    srcs = [rng.random(16 << 10).astype(np.float32) for _ in range(64)]
+    srcs.append(rng.random((64, 64)).astype(np.float32)[:, ::2])
+    dsts = [np.zeros_like(s) for s in srcs]
+    copy_arrays(list(zip(dsts, srcs, strict=True)))
+    for d, s in zip(dsts, srcs, strict=True):
+        np.testing.assert_array_equal(d, s)
+    assert threading.current_thread().name in threads
+    assert any(t.startswith("asyncckpt-copy") for t in threads), threads
+
+
 def test_staging_buffers_are_aligned_writable_and_on_huge_pages_where_little_is_wasted():
     from asyncckpt.engine import slots
 

@@ -74,7 +74,7 @@ def _prefault_run(pieces: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 _PIECE = 8 << 20  # bytes per parallel copy piece
-_INLINE = 2 << 20  # arrays smaller than this are copied on the calling thread
+_INLINE = 2 << 20  # states smaller than this are copied on the calling thread alone
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 _cpus: int | None = None
@@ -133,35 +133,39 @@ def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-    """Copies each source array into its destination, large ones in parallel.
+    """Copies each source array into its destination, on the idle cores too.
 
     The training thread waits for this copy anyway, so the cores it leaves
-    idle do the copy with it: large arrays are cut into 8 MiB pieces, split
-    into one run of about equal bytes per thread, and copied by a small
-    thread pool together with the calling thread (NumPy releases the GIL
-    while copying). One task per thread, not per piece, keeps the hand-off
-    cost constant however many arrays there are. Small arrays are copied by
-    the calling thread while the pool works. (At 16 MiB in all, copying on
-    the calling thread alone was no faster per JAX save on the 2-core VM,
-    paired: the pool is woken whatever the size.)
+    idle do the copy with it: arrays larger than 8 MiB are cut into 8 MiB
+    pieces, the pieces and the smaller arrays are split, in order, into one
+    run of about equal bytes per thread, and a small thread pool copies the
+    runs together with the calling thread (NumPy releases the GIL while
+    copying). One task per thread, not per array, keeps the hand-off cost
+    constant however many arrays there are; a state of many small arrays is
+    shared out like a large one (100 arrays of 16-64 MiB in all: 1.40x a
+    memcpy on the calling thread alone, 0.97-1.14x shared). Under ``_INLINE``
+    bytes in all, the calling thread copies alone.
 
     Args:
         pairs: ``(destination, source)`` arrays of equal shape and dtype.
     """
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
-    inline: list[tuple[np.ndarray, np.ndarray]] = []
+    total = 0
     for dst, src in pairs:
         _check_pair(dst, src)
-        if dst.nbytes < _INLINE or not (dst.flags.c_contiguous and src.flags.c_contiguous):
-            inline.append((dst, src))
+        total += dst.nbytes
+        if dst.nbytes <= _PIECE or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+            pieces.append((dst, src))
             continue
         d, s = _flat_bytes(dst), _flat_bytes(src)
         for start in range(0, d.nbytes, _PIECE):
             pieces.append((d[start : start + _PIECE], s[start : start + _PIECE]))
-    runs = _split_by_bytes(pieces, _copy_threads()) if len(pieces) > 1 else [pieces]
+    if total < _INLINE or len(pieces) < 2:
+        _copy_all(pieces)
+        return
+    runs = _split_by_bytes(pieces, _copy_threads())
     futures = [_pool().submit(_copy_all, run) for run in runs[1:]]
     try:
-        _copy_all(inline)
         _copy_all(runs[0])
     finally:
         for f in futures:
