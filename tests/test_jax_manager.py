@@ -146,3 +146,53 @@ def test_metadata_of_the_newest_step_and_json_checks(ckpt_dir):
         with pytest.raises(TypeError, match="custom_metadata must be JSON-serializable"):
             mgr.save(3, _state(3), custom_metadata={"x": object()})
         assert mgr.save(3, _state(3))  # the refused call did not use up the step
+
+
+def test_a_save_behind_a_write_in_flight_does_not_list_the_directory(ckpt_dir, monkeypatch):
+    """The writer lists the directory again once it made its temporary one.
+
+    Its ``mkdir`` changes the directory's mtime; a ``save()`` made while that
+    write runs (back to back) would otherwise list it on the training thread
+    (0.2-0.4 ms with 90 steps kept, measured).
+    """
+    import threading
+    import time
+
+    from asyncckpt.engine.files import DurableWriter
+    from asyncckpt.jax import _job
+
+    made, release = threading.Event(), threading.Event()
+
+    class HeldWriter(DurableWriter):  # holds the first file of a write until released
+        def write(self, name, chunks):
+            made.set()
+            release.wait(30)
+            return super().write(name, chunks)
+
+    listings: list[str] = []
+    real_scandir = os.scandir
+    main = threading.current_thread()
+
+    def counting_scandir(path="."):
+        if threading.current_thread() is main and os.fspath(path) == os.fspath(ckpt_dir):
+            listings.append(os.fspath(path))
+        return real_scandir(path)
+
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        _save_all(mgr, [0])
+        time.sleep(0.02)  # the temporary directory's mtime lands in a later clock tick
+        monkeypatch.setattr(_job, "DurableWriter", HeldWriter)
+        monkeypatch.setattr(os, "scandir", counting_scandir)
+        try:
+            assert mgr.save(1, _state(1), force=True)
+            assert made.wait(30)  # the write of step 1 made its directory and is held
+            assert mgr.save(2, _state(2), force=True)
+            assert listings == []
+            assert mgr.all_steps() == [0, 1, 2]
+        finally:
+            release.set()
+        mgr.wait_until_finished()
+        monkeypatch.undo()
+        assert mgr.all_steps() == [0, 1, 2]
+        restored = mgr.restore(2)
+        np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4, 4), 2.0))

@@ -66,6 +66,9 @@ class JaxSaveJob:
         shards: Several processes and a remote directory: each process has its
             own temporary directory and uploads its own files; the primary
             checks them all before the manifest (``asyncckpt.storage.shards``).
+        on_temp_made: Called on the writer thread once the temporary directory
+            exists (the manager lists the directory again there, so the next
+            ``save()`` does not).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class JaxSaveJob:
         dir_name: str | None = None,
         item_handlers: dict[str, str] | None = None,
         shards: ShardUploader | None = None,
+        on_temp_made: Callable[[], None] | None = None,
     ):
         self.label = dir_name or str(step)
         self.step = step
@@ -101,6 +105,7 @@ class JaxSaveJob:
         self._on_published = on_published
         self._item_handlers = item_handlers
         self._shards = shards
+        self._on_temp_made = on_temp_made
         self._primary = coordinator is None or coordinator.primary
         self._init_ns = time.time_ns()
         self._tmp: str | None = None
@@ -147,6 +152,8 @@ class JaxSaveJob:
         assert staged is not None
         try:
             self._tmp = commit_lib.make_temp_dir(self._directory, self.label, token=self._token)
+            if self._on_temp_made is not None:
+                self._on_temp_made()
             writer = DurableWriter(
                 self._tmp, fsync=self._options.fsync, checksums=self._options.checksums,
                 pause=self._pause,

@@ -88,18 +88,20 @@ class DirectoryView:
         cached = self._listing
         if cached is not None and cached[0] == mtime:
             return cached[1]
+        steps, taken = set(), set()
         try:
-            names = os.listdir(self.directory)
+            # scandir: the entry's type comes with the listing (no stat per step,
+            # which cost a save 0.4 ms with 90 steps kept, every time it ran).
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    step = self.names.parse(entry.name)
+                    if step is not None:
+                        taken.add(step)  # a name stands for one step, and a step has one name
+                        if entry.is_dir():  # follows a symlink, as os.path.isdir did
+                            steps.add(step)
         except FileNotFoundError:
             self._listing = None
             return frozenset()
-        steps, taken = set(), set()
-        for name in names:
-            step = self.names.parse(name)
-            if step is not None:
-                taken.add(step)  # a name stands for one step, and a step has one name
-                if os.path.isdir(os.path.join(self.directory, name)):
-                    steps.add(step)
         found = frozenset(steps)
         self._listing = (mtime, found, frozenset(taken))
         return found
@@ -137,6 +139,14 @@ class DirectoryView:
     def invalidate(self) -> None:
         """This process changed the directory: list it again next time."""
         self._listing = None
+
+    def refresh(self) -> None:
+        """This process changed the directory: list it now (on a background thread).
+
+        The next ``save()`` then finds the listing cached: it only ``stat``s.
+        """
+        self._listing = None
+        self.disk_steps()
 
     def steps(self, on_disk: frozenset[int] | None = None) -> list[int]:
         """Durable and in-flight steps, minus those retention has condemned.
@@ -255,8 +265,7 @@ class DirectoryView:
         try:
             self._settle(step, committed=committed, deleter=deleter)
         finally:
-            self.invalidate()
-            self.disk_steps()
+            self.refresh()
             with self.settled:
                 self.unsettled.discard(step)
                 self.settled.notify_all()

@@ -456,6 +456,7 @@ class CheckpointManager(ClosingContext):
                 dir_name=view.names.name(step),
                 item_handlers=handlers,
                 shards=self._shards,
+                on_temp_made=view.refresh,
             )
 
         handle = self._engine.save(stage, label=str(step), step=step,
