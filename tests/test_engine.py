@@ -88,32 +88,90 @@ def test_copy_arrays_copies_large_and_small_arrays():
         copy_arrays([(np.zeros(3, np.float32), np.zeros(3, np.float64))])
 
 
+def _tapped_copy(monkeypatch, before=None, after=None) -> dict[str, int]:
+    """Counts the pieces each thread copies (``before``/``after``: per-thread hooks)."""
+    import threading
+
+    from asyncckpt.engine import slots
+
+    copied: dict[str, int] = {}
+    real = slots._copy_all
+
+    def tapped(pairs):
+        name = threading.current_thread().name
+        if before is not None:
+            before(name)
+
+        def tap():
+            for pair in pairs:
+                copied[name] = copied.get(name, 0) + 1
+                yield pair
+
+        real(tap())
+        if after is not None:
+            after(name)
+
+    monkeypatch.setattr(slots, "_copy_all", tapped)
+    return copied
+
+
+def _pairs(srcs):
+    return [(np.zeros_like(s), s) for s in srcs]
+
+
+def _assert_copied(pairs):
+    for d, s in pairs:
+        np.testing.assert_array_equal(d, s)
+
+
 def test_copy_arrays_shares_a_state_of_many_small_arrays_with_the_copy_threads(monkeypatch):
+    import time
+
+    from asyncckpt.engine import slots
+
+    if slots._copy_threads() < 2:
+        pytest.skip("one copy thread on this machine")
+    # Each thread is slowed per piece, so a copy thread is awake before the
+    # calling thread could have taken every piece.
+    copied = _tapped_copy(monkeypatch, before=lambda name: time.sleep(0.002))
+    rng = np.random.default_rng(1)
+    # 64 arrays of 64 KiB, each far under a piece, and one non-contiguous view.
+    srcs = [rng.random(16 << 10).astype(np.float32) for _ in range(64)]
+    srcs.append(rng.random((64, 64)).astype(np.float32)[:, ::2])
+    pairs = _pairs(srcs)
+    copy_arrays(pairs)
+    _assert_copied(pairs)
+    assert sum(copied.values()) == len(srcs)
+    assert any(t.startswith("asyncckpt-copy") and n > 0 for t, n in copied.items()), copied
+
+
+def test_copy_arrays_does_not_wait_for_a_copy_thread_that_starts_late(monkeypatch):
+    """Pieces are taken from one queue: a late copy thread finds none left."""
     import threading
 
     from asyncckpt.engine import slots
 
     if slots._copy_threads() < 2:
         pytest.skip("one copy thread on this machine")
-    threads = set()
-    real = slots._copy_all
+    caller = threading.current_thread().name
+    caller_done = threading.Event()
 
-    def recording(pairs):
-        if pairs:
-            threads.add(threading.current_thread().name)
-        real(pairs)
+    def before(name):
+        if name != caller:
+            caller_done.wait(10)  # a copy thread held back until the caller is done
 
-    monkeypatch.setattr(slots, "_copy_all", recording)
-    rng = np.random.default_rng(1)
-    # 64 arrays of 64 KiB, each far under a piece, and one non-contiguous view.
-    srcs = [rng.random(16 << 10).astype(np.float32) for _ in range(64)]
-    srcs.append(rng.random((64, 64)).astype(np.float32)[:, ::2])
-    dsts = [np.zeros_like(s) for s in srcs]
-    copy_arrays(list(zip(dsts, srcs, strict=True)))
-    for d, s in zip(dsts, srcs, strict=True):
-        np.testing.assert_array_equal(d, s)
-    assert threading.current_thread().name in threads
-    assert any(t.startswith("asyncckpt-copy") for t in threads), threads
+    def after(name):
+        if name == caller:
+            caller_done.set()
+
+    copied = _tapped_copy(monkeypatch, before=before, after=after)
+    rng = np.random.default_rng(2)
+    srcs = [rng.random(3 << 20).astype(np.float32) for _ in range(3)]  # 36 MiB, cut in pieces
+    pairs = _pairs(srcs)
+    copy_arrays(pairs)
+    _assert_copied(pairs)
+    assert copied.get(caller, 0) > len(srcs), copied  # the caller took every piece
+    assert sum(copied.values()) == copied[caller], copied
 
 
 def test_staging_buffers_are_aligned_writable_and_on_huge_pages_where_little_is_wasted():

@@ -127,46 +127,64 @@ def _split_by_bytes(
     return out
 
 
-def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+def _copy_all(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
     for dst, src in pairs:
         np.copyto(dst, src, casting="no")
+
+
+def _piece_bytes(total: int, threads: int) -> int:
+    """Bytes per copy piece: about four pieces per thread, 1-8 MiB, page multiples.
+
+    Threads take pieces as they come (below), so a thread that starts late
+    or is preempted leaves its pieces to the others; more pieces than
+    threads is what lets the load even out.
+    """
+    return max(1 << 20, min(_PIECE, total // (4 * threads) // 4096 * 4096))
 
 
 def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """Copies each source array into its destination, on the idle cores too.
 
     The training thread waits for this copy anyway, so the cores it leaves
-    idle do the copy with it: arrays larger than 8 MiB are cut into 8 MiB
-    pieces, the pieces and the smaller arrays are split, in order, into one
-    run of about equal bytes per thread, and a small thread pool copies the
-    runs together with the calling thread (NumPy releases the GIL while
-    copying). One task per thread, not per array, keeps the hand-off cost
-    constant however many arrays there are; a state of many small arrays is
-    shared out like a large one (100 arrays of 16-64 MiB in all: 1.40x a
-    memcpy on the calling thread alone, 0.97-1.14x shared). Under ``_INLINE``
-    bytes in all, the calling thread copies alone.
+    idle do the copy with it: arrays are cut into pieces of 1-8 MiB (about
+    four per thread), and the calling thread and a small thread pool take
+    the pieces and the smaller arrays from one shared queue until none is
+    left (NumPy releases the GIL while copying). A copy thread that wakes
+    late, or whose core is busy (the writer, the step's own threads), then
+    costs at most its piece in hand: with fixed runs of equal bytes per
+    thread, the calling thread waited for the late thread's whole run. A
+    state of many small arrays is shared out like a large one (100 arrays of
+    16-64 MiB in all: 1.40x a memcpy on the calling thread alone, 0.97-1.14x
+    shared). Under ``_INLINE`` bytes in all, the calling thread copies alone.
 
     Args:
         pairs: ``(destination, source)`` arrays of equal shape and dtype.
     """
-    pieces: list[tuple[np.ndarray, np.ndarray]] = []
     total = 0
     for dst, src in pairs:
         _check_pair(dst, src)
         total += dst.nbytes
-        if dst.nbytes <= _PIECE or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+    threads = _copy_threads()
+    if total < _INLINE or threads < 2:
+        _copy_all(pairs)
+        return
+    step = _piece_bytes(total, threads)
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []
+    for dst, src in pairs:
+        if dst.nbytes <= step or not (dst.flags.c_contiguous and src.flags.c_contiguous):
             pieces.append((dst, src))
             continue
         d, s = _flat_bytes(dst), _flat_bytes(src)
-        for start in range(0, d.nbytes, _PIECE):
-            pieces.append((d[start : start + _PIECE], s[start : start + _PIECE]))
-    if total < _INLINE or len(pieces) < 2:
+        for start in range(0, d.nbytes, step):
+            pieces.append((d[start : start + step], s[start : start + step]))
+    if len(pieces) < 2:
         _copy_all(pieces)
         return
-    runs = _split_by_bytes(pieces, _copy_threads())
-    futures = [_pool().submit(_copy_all, run) for run in runs[1:]]
+    shared = iter(pieces)  # next() on it is atomic under the GIL: each piece once
+    futures = [_pool().submit(_copy_all, shared)
+               for _ in range(min(threads, len(pieces)) - 1)]
     try:
-        _copy_all(runs[0])
+        _copy_all(shared)
     finally:
         for f in futures:
             f.result()
