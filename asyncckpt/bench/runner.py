@@ -124,6 +124,8 @@ def measure_size(
         "memcpy per tensor": floors.memcpy_per_tensor,
         "raw write+fsync": floors.raw_write,
     }
+    if "jax" in states:
+        floor_cases["memcpy jax arrays"] = states["jax"].memcpy_floor()
     blocking: dict[str, list[float]] = {k: [] for k in [*floor_cases, *engines]}
     durable: dict[str, list[float]] = {k: [] for k in engines}
     peak: dict[str, int] = dict.fromkeys(engines, 0)
