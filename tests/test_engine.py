@@ -88,8 +88,12 @@ def test_copy_arrays_copies_large_and_small_arrays():
         copy_arrays([(np.zeros(3, np.float32), np.zeros(3, np.float64))])
 
 
-def _tapped_copy(monkeypatch, before=None, after=None) -> dict[str, int]:
-    """Counts the pieces each thread copies (``before``/``after``: per-thread hooks)."""
+def _tapped_copy(monkeypatch, before=None, after=None, each=None) -> dict[str, int]:
+    """Counts the pieces each thread copies.
+
+    ``before``/``after`` run once per thread around its copying, ``each`` on
+    every piece a thread has taken, before it is copied.
+    """
     import threading
 
     from asyncckpt.engine import slots
@@ -105,6 +109,8 @@ def _tapped_copy(monkeypatch, before=None, after=None) -> dict[str, int]:
         def tap():
             for pair in pairs:
                 copied[name] = copied.get(name, 0) + 1
+                if each is not None:
+                    each(name)
                 yield pair
 
         real(tap())
@@ -125,15 +131,24 @@ def _assert_copied(pairs):
 
 
 def test_copy_arrays_shares_a_state_of_many_small_arrays_with_the_copy_threads(monkeypatch):
-    import time
+    import threading
 
     from asyncckpt.engine import slots
 
     if slots._copy_threads() < 2:
         pytest.skip("one copy thread on this machine")
-    # Each thread is slowed per piece, so a copy thread is awake before the
-    # calling thread could have taken every piece.
-    copied = _tapped_copy(monkeypatch, before=lambda name: time.sleep(0.002))
+    # The calling thread holds its first piece until a copy thread has taken
+    # one, so the test does not depend on how fast the pool's thread wakes up.
+    caller = threading.current_thread().name
+    helped = threading.Event()
+
+    def each(name):
+        if name != caller:
+            helped.set()
+        elif copied[name] == 1:
+            helped.wait(10)
+
+    copied = _tapped_copy(monkeypatch, each=each)
     rng = np.random.default_rng(1)
     # 64 arrays of 64 KiB, each far under a piece, and one non-contiguous view.
     srcs = [rng.random(16 << 10).astype(np.float32) for _ in range(64)]
