@@ -96,10 +96,10 @@ def _tapped_copy(monkeypatch, before=None, after=None, each=None) -> dict[str, i
     """
     import threading
 
-    from asyncckpt.engine import slots
+    from asyncckpt.engine import _copy
 
     copied: dict[str, int] = {}
-    real = slots._copy_all
+    real = _copy._copy_all
 
     def tapped(pairs):
         name = threading.current_thread().name
@@ -117,7 +117,7 @@ def _tapped_copy(monkeypatch, before=None, after=None, each=None) -> dict[str, i
         if after is not None:
             after(name)
 
-    monkeypatch.setattr(slots, "_copy_all", tapped)
+    monkeypatch.setattr(_copy, "_copy_all", tapped)
     return copied
 
 
@@ -133,9 +133,9 @@ def _assert_copied(pairs):
 def test_copy_arrays_shares_a_state_of_many_small_arrays_with_the_copy_threads(monkeypatch):
     import threading
 
-    from asyncckpt.engine import slots
+    from asyncckpt.engine import _copy
 
-    if slots._copy_threads() < 2:
+    if _copy._copy_threads() < 2:
         pytest.skip("one copy thread on this machine")
     # The calling thread holds its first piece until a copy thread has taken
     # one, so the test does not depend on how fast the pool's thread wakes up.
@@ -164,9 +164,9 @@ def test_copy_arrays_does_not_wait_for_a_copy_thread_that_starts_late(monkeypatc
     """Pieces are taken from one queue: a late copy thread finds none left."""
     import threading
 
-    from asyncckpt.engine import slots
+    from asyncckpt.engine import _copy
 
-    if slots._copy_threads() < 2:
+    if _copy._copy_threads() < 2:
         pytest.skip("one copy thread on this machine")
     caller = threading.current_thread().name
     caller_done = threading.Event()

@@ -122,10 +122,10 @@ def _after_fork_in_child() -> None:
     for engine in list(ENGINES):
         engine._mark_forked()
     ENGINES.clear()
+    from asyncckpt.engine import _copy
     from asyncckpt.engine import lock as lock_mod
-    from asyncckpt.engine import slots
 
-    slots._after_fork_in_child()
+    _copy._after_fork_in_child()
     lock_mod._after_fork_in_child()
 
 
