@@ -114,6 +114,29 @@ def _bench_state(fw: str, mib: int):
     return nbytes, tensors, (eng.TFState if fw == "tf" else eng.JAXState)(nbytes, tensors)
 
 
+def _own_floor(fw: str, state):
+    """JAX: a memcpy from the state's own XLA buffers (``JAXState.memcpy_floor``), else None.
+
+    XLA keeps its buffers on 4 KiB pages, the NumPy floor is on huge pages:
+    both floors are reported, as in ``asyncckpt bench``.
+    """
+    return state.memcpy_floor() if fw == "jax" else None
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _own_ratio(times: list[float], own: list[float]) -> str:
+    if not own:
+        return ""
+    o = statistics.median(own)
+    return (f"; jax-arrays floor {o * 1e3:.2f} ms -> {statistics.median(times) / o:.2f}x "
+            f"(max {max(times) / o:.2f}x)")
+
+
 def steady(fw: str, mib: int, n: int) -> None:
     """Steady-state saves of the bench's state: blocking against a memcpy (issue 13.4).
 
@@ -128,10 +151,11 @@ def steady(fw: str, mib: int, n: int) -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
         floors = eng.Floors(nbytes, 1, os.path.join(workdir, "floors"))
         save, sync, _, close = _checkpointer(fw, state, workdir)
+        own_floor = _own_floor(fw, state)
         for i in range(3):
             save(i)
             sync()
-        blocking, cpu, memcpy = [], [], []
+        blocking, cpu, memcpy, own = [], [], [], []
         for i in range(3, n + 3):
             state.step()
             getattr(state, "block", lambda: None)()
@@ -141,14 +165,15 @@ def steady(fw: str, mib: int, n: int) -> None:
             blocking.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
             sync()
-            t0 = time.perf_counter()
-            floors.memcpy()
-            memcpy.append(time.perf_counter() - t0)
+            memcpy.append(_timed(floors.memcpy))
+            if own_floor is not None:
+                own.append(_timed(own_floor))
         close()
     b, m = statistics.median(blocking), statistics.median(memcpy)
     print(f"{fw} {mib} MiB in {tensors} arrays, {n} saves: blocking median {b * 1e3:.2f} ms, "
           f"memcpy {m * 1e3:.2f} ms -> {b / m:.2f}x; min/min {min(blocking) / min(memcpy):.2f}x; "
-          f"saving thread CPU {statistics.median(cpu) * 1e3:.2f} ms per save")
+          f"saving thread CPU {statistics.median(cpu) * 1e3:.2f} ms per save"
+          + _own_ratio(blocking, own))
 
 
 def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None,
@@ -178,10 +203,12 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None,
             kw["yield_to_saves"] = yield_
         opts = AsyncOptions(**kw) if kw else None
         save, sync, engine, close = _checkpointer(fw, state, workdir, opts)
+        own_floor = _own_floor(fw, state)
         save(0)  # the first save of all (allocation, tracing), not timed
         sync()
         blocking: list[list[float]] = []
         memcpy: list[float] = []
+        own: list[float] = []
         i = 1
         durable: list[float] = []
         for _ in range(n):
@@ -198,9 +225,9 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None,
             durable.append(time.perf_counter() - start)
             blocking.append(times)
             for _ in range(size):
-                t0 = time.perf_counter()
-                floors.memcpy()
-                memcpy.append(time.perf_counter() - t0)
+                memcpy.append(_timed(floors.memcpy))
+                if own_floor is not None:
+                    own.append(_timed(own_floor))
         waits = [s.slot_wait_s for s in list(engine().history)[-n * size:]]
         slots, staging = engine()._pool.num_slots, engine().staging_bytes
         close()
@@ -219,7 +246,7 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None,
         wait = [waits[k * size + pos] for k in range(1, n) if k * size + pos < len(waits)]
         print(f"  save {pos + 1} of later bursts: median {statistics.median(later) * 1e3:.2f} ms "
               f"= {statistics.median(later) / m:.2f}x memcpy (max {max(later) / m:.2f}x), "
-              f"slot wait median {statistics.median(wait) * 1e3:.2f} ms")
+              f"slot wait median {statistics.median(wait) * 1e3:.2f} ms" + _own_ratio(later, own))
 
 
 def _profile(fw: str, n: int = 200) -> None:
