@@ -86,6 +86,15 @@ def test_copy_arrays_copies_large_and_small_arrays():
         np.testing.assert_array_equal(d, s)
     with pytest.raises(ValueError, match="mismatch"):
         copy_arrays([(np.zeros(3, np.float32), np.zeros(3, np.float64))])
+    # The last of many pairs has another shape: named, and nothing is copied.
+    many = [(np.zeros(1 << 16, np.float32), np.ones(1 << 16, np.float32)) for _ in range(63)]
+    many.append((np.zeros((4, 4), np.float32), np.ones((2, 8), np.float32)))
+    with pytest.raises(ValueError, match=r"\(2, 8\)/float32 into \(4, 4\)/float32"):
+        copy_arrays(many)
+    assert not any(d.any() for d, _ in many)
+    # Same shapes, another byte order: a dtype mismatch too.
+    with pytest.raises(ValueError, match="mismatch"):
+        copy_arrays([(np.zeros(8, "<f4"), np.zeros(8, ">f4"))])
 
 
 def _tapped_copy(monkeypatch, before=None, after=None, each=None) -> dict[str, int]:

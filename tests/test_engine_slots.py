@@ -188,3 +188,46 @@ def test_slot_hands_out_the_same_view_until_the_request_or_the_buffer_changes():
     slot.begin()
     e = slot.buffer("k", (8, 4), np.float32)
     assert not np.shares_memory(d, e) and slot.allocations == 1
+
+
+def test_slot_hands_out_the_same_buffer_list_until_a_buffer_of_it_changes():
+    import gc
+    import weakref
+
+    slot = Slot(0)
+    keys, shapes, dtypes = ("a", "b"), ((4,), (2, 2)), (np.dtype(np.float32),) * 2
+    slot.begin()
+    first = slot.buffers(keys, shapes, dtypes)
+    assert [v.shape for v in first] == [(4,), (2, 2)] and slot.allocations == 2
+    # The next save with the plan's same tuples: the same list, its keys in use.
+    slot.begin()
+    assert slot.buffers(keys, shapes, dtypes) is first
+    slot.trim()
+    assert slot.layout() == {"a": 16, "b": 16} and slot.allocations == 0
+    # Equal but other tuples (another plan): built again, same memory.
+    again = slot.buffers(tuple(list(keys)), tuple(list(shapes)), dtypes)
+    assert again is not first and all(map(np.shares_memory, again, first))
+    # A buffer of the list changed through buffer(): the list is built again.
+    primed = slot.buffers(keys, shapes, dtypes)
+    slot.buffer("a", (8,), np.float32)
+    third = slot.buffers(keys, shapes, dtypes)
+    assert third is not primed and not np.shares_memory(third[0], primed[0])
+    assert third[0].shape == (4,) and np.shares_memory(third[1], primed[1])
+    # A save that uses only "b" trims "a": the list neither keeps it alive
+    # nor is handed out again without it.
+    dropped = weakref.ref(slot._buffers["a"])
+    slot.begin()
+    slot.buffer("b", (2, 2), np.float32)
+    slot.trim()
+    del first, again, primed, third
+    gc.collect()
+    assert dropped() is None and slot.layout() == {"b": 16}
+    slot.begin()
+    assert slot.buffers(keys, shapes, dtypes)[0].shape == (4,) and slot.allocations == 1
+    assert slot.layout() == {"a": 16, "b": 16}
+    # The pool's preparer installs a buffer: the list is built again too.
+    slot.begin()
+    listed = slot.buffers(keys, shapes, dtypes)
+    slot._install("b", np.zeros(16, np.uint8))
+    fresh = slot.buffers(keys, shapes, dtypes)
+    assert fresh is not listed and not np.shares_memory(fresh[1], listed[1])

@@ -518,7 +518,7 @@ class Snapshotter:
         columns = plan.columns(item)
         if columns is not None:  # jax.Arrays on CPU devices: views of them, copied
             files, shapes, dtypes, index, shards, whole, sharded = columns
-            buffers = list(map(slot.buffer, files, shapes, dtypes))
+            buffers = slot.buffers(files, shapes, dtypes)  # the plan's own tuples: cached
             if sharded:  # each leaf: its shards' arrays, or itself whole
                 held = {i: (leaves[i],) for i in whole}
                 held.update({i: _shard_arrays(leaves[i]) for i in sharded})
