@@ -64,7 +64,7 @@ def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:
     def run(name: str) -> float:
         e = engines[name]
         if name.endswith("(SaveV2)"):
-            _bundlewrite.write_bundle = lambda prefix, state: None
+            _bundlewrite.write_bundle = lambda prefix, state, **kw: None  # the SaveV2 fallback
         if name.endswith("(no early writeback)"):
             _bundlewrite._sync_file_range = lambda: None
             _bundlewrite._DIRECT_WRITES = False
