@@ -118,9 +118,13 @@ def _own_floor(fw: str, state):
     """JAX: a memcpy from the state's own XLA buffers (``JAXState.memcpy_floor``), else None.
 
     XLA keeps its buffers on 4 KiB pages, the NumPy floor is on huge pages:
-    both floors are reported, as in ``asyncckpt bench``.
+    both floors are reported, as in ``asyncckpt bench``. After a training
+    step its first call also takes views of the new shards, as a save does.
     """
-    return state.memcpy_floor() if fw == "jax" else None
+    if fw != "jax":
+        return None
+    memcpy = state.memcpy_floor()
+    return lambda: _timed(memcpy)
 
 
 def _timed(fn) -> float:
@@ -167,7 +171,7 @@ def steady(fw: str, mib: int, n: int) -> None:
             sync()
             memcpy.append(_timed(floors.memcpy))
             if own_floor is not None:
-                own.append(_timed(own_floor))
+                own.append(own_floor())
         close()
     b, m = statistics.median(blocking), statistics.median(memcpy)
     print(f"{fw} {mib} MiB in {tensors} arrays, {n} saves: blocking median {b * 1e3:.2f} ms, "
@@ -227,7 +231,7 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None,
             for _ in range(size):
                 memcpy.append(_timed(floors.memcpy))
                 if own_floor is not None:
-                    own.append(_timed(own_floor))
+                    own.append(own_floor())
         waits = [s.slot_wait_s for s in list(engine().history)[-n * size:]]
         slots, staging = engine()._pool.num_slots, engine().staging_bytes
         close()

@@ -1,4 +1,5 @@
-"""The benchmark scripts that reach into asyncckpt's internals still run.
+"""The benchmark scripts that reach into asyncckpt's internals still run, and so does
+``asyncckpt bench`` itself.
 
 These scripts swap or wrap private functions (a writer, a copy, a save
 job) to measure one part at a time, so a change of those internals can
@@ -39,14 +40,28 @@ CASES = [
 ]
 
 
+def _run(tmp_path, args: list[str]) -> str:
+    env = dict(os.environ, TMPDIR=str(tmp_path), ASYNCCKPT_BENCH_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("script", "args", "expect"), CASES, ids=[c[0] for c in CASES])
 def test_benchmark_script_runs(tmp_path, script, args, expect):
-    env = dict(os.environ, TMPDIR=str(tmp_path), ASYNCCKPT_BENCH_DIR=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = _run(tmp_path, [str(ROOT / "benchmarks" / script), *args])
     assert expect in out, out[-4000:]
+
+
+@pytest.mark.slow
+def test_asyncckpt_bench_runs_every_case_and_reports_the_targets(tmp_path):
+    out = _run(tmp_path, ["-m", "asyncckpt", "bench", "--sizes", "4", "--reps", "1",
+                          "--train-size", "0", "--keras-size", "0", "--quiet",
+                          "--out", str(tmp_path / "out")])
+    for line in ("memcpy jax arrays", "asyncckpt tf ", "asyncckpt jax ", "orbax async",
+                 "asyncckpt jax blocking / memcpy jax arrays:", "== targets"):
+        assert line in out, (line, out[-4000:])
+    assert (tmp_path / "out" / "results.json").is_file()

@@ -108,19 +108,23 @@ class JAXState:
         its buffers on 4 KiB pages, where the bench's ``memcpy`` floor copies
         a NumPy array on transparent huge pages (NumPy advises them), so a
         copy from the state itself walks 512 times the page-table entries.
-        The shards' host views are taken again whenever a step replaced the
-        tree (a donated buffer is gone), outside the copy otherwise.
+        After a step replaced the tree (a donated buffer is gone), the first
+        call takes views of the new shards, as a save must; the destinations
+        are made and warmed once, outside the copy.
         """
-        cached: list = [None, []]
+        cached: list = [None, [], []]  # tree, its shards' views, destinations
 
         def pairs() -> list[tuple[np.ndarray, np.ndarray]]:
             if cached[0] is not self.tree:
                 views = [np.asarray(shard.data) for leaf in self.tree.values()
                          for shard in leaf.addressable_shards]
-                cached[:] = [self.tree, [(np.empty_like(v), v) for v in views]]
-                for dst, src in cached[1]:
-                    np.copyto(dst, src)  # destinations warm, as a slot's are
-            return cached[1]
+                dsts = cached[2]
+                if [(d.shape, d.dtype) for d in dsts] != [(v.shape, v.dtype) for v in views]:
+                    dsts = [np.empty_like(v) for v in views]
+                    for dst, src in zip(dsts, views, strict=True):
+                        np.copyto(dst, src)  # destinations warm, as a slot's are
+                cached[:] = [self.tree, views, dsts]
+            return list(zip(cached[2], cached[1], strict=True))
 
         pairs()
 
