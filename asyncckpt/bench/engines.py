@@ -112,19 +112,19 @@ class JAXState:
         call takes views of the new shards, as a save must; the destinations
         are made and warmed once, outside the copy.
         """
-        cached: list = [None, [], []]  # tree, its shards' views, destinations
+        cached: list = [None, []]  # tree, (destination, shard view) pairs
 
         def pairs() -> list[tuple[np.ndarray, np.ndarray]]:
             if cached[0] is not self.tree:
                 views = [np.asarray(shard.data) for leaf in self.tree.values()
                          for shard in leaf.addressable_shards]
-                dsts = cached[2]
+                dsts = [d for d, _ in cached[1]]
                 if [(d.shape, d.dtype) for d in dsts] != [(v.shape, v.dtype) for v in views]:
                     dsts = [np.empty_like(v) for v in views]
                     for dst, src in zip(dsts, views, strict=True):
                         np.copyto(dst, src)  # destinations warm, as a slot's are
-                cached[:] = [self.tree, views, dsts]
-            return list(zip(cached[2], cached[1], strict=True))
+                cached[:] = [self.tree, list(zip(dsts, views, strict=True))]
+            return cached[1]
 
         pairs()
 
