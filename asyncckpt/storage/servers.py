@@ -185,6 +185,9 @@ class SeaweedS3(_LocalServer):
             f"-filer.port={p['filer']}", "-s3", f"-s3.port={self.port}",
             f"-s3.port.grpc={free_port()}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false", "-volume.max=0", "-master.volumeSizeLimitMB=512",
+            # A restart on the same data waits out the election timeout before the
+            # master leads again (16 s at the default 10 s); one master, no peers.
+            "-master.electionTimeout=1s",
         ]
         log = open(os.path.join(self.data_dir, "weed.log"), "ab")  # noqa: SIM115 (child owns it)
         try:
