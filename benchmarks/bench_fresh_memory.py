@@ -58,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-fresh-", dir=args.dir or os.getcwd()) as work:
         floors = eng.Floors(nbytes, 1, work)
         floors.raw_write()
-        del floors.src, floors.parts
+        floors.keep_read_buffer_only()
         for _ in range(args.reps):
             eng.evict_from_page_cache([floors.path])
             t0 = time.perf_counter()

@@ -136,7 +136,7 @@ def main() -> None:
                 cases[n + " mincore"] = (cases[n][0], functools.partial(_mincore, cases[n][1]))
         floors = eng.Floors(nbytes, 1, os.path.join(work, "floors"))
         floors.raw_write()
-        del floors.src, floors.parts
+        floors.keep_read_buffer_only()
         cases["raw"] = (os.path.join(work, "floors"), floors.raw_read)
         names = list(cases)
         for n in names:

@@ -65,3 +65,32 @@ def test_asyncckpt_bench_runs_every_case_and_reports_the_targets(tmp_path):
                  "asyncckpt jax blocking / memcpy jax arrays:", "== targets"):
         assert line in out, (line, out[-4000:])
     assert (tmp_path / "out" / "results.json").is_file()
+
+
+def _checkpoints_on_disk(directory: Path) -> set[int]:
+    found = set()
+    for name in os.listdir(directory):
+        if name.isdigit():  # a JAX step directory (orbax's and ours)
+            found.add(int(name))
+        elif name.startswith("ckpt-") and "." in name:  # a TensorFlow prefix's files
+            found.add(int(name[len("ckpt-"):name.index(".")]))
+    return found
+
+
+def test_bench_engines_keep_the_newest_checkpoints_only_and_restore_the_last(tmp_path):
+    """At 1 GiB the full bench wrote 13 checkpoints per engine: 65 GB of scratch."""
+    from asyncckpt.bench import engines as eng
+
+    states = {"tf": eng.TFState(1 << 20, 2), "jax": eng.JAXState(1 << 20, 2)}
+    for cls in eng.ENGINES.values():
+        directory = tmp_path / cls.name.replace(" ", "_")
+        e = cls(states[cls.framework], str(directory))
+        try:
+            for _ in range(4):
+                e.save()
+                e.wait()
+                e.prune()
+            assert _checkpoints_on_disk(directory) == {3, 4}, (cls.name, os.listdir(directory))
+            e.restore()
+        finally:
+            e.close()

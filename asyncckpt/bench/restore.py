@@ -161,7 +161,7 @@ def measure(nbytes: int, *, frameworks: list[str], reps: int, recovery_reps: int
         cases += c
     floors = eng.Floors(nbytes, 1, os.path.join(workdir, "floors"))
     floors.raw_write()
-    del floors.src, floors.parts  # only the read buffer is needed from here on
+    floors.keep_read_buffer_only()
     raw = _Case("raw read", "any", os.path.join(workdir, "floors"), floors.raw_read, "raw")
 
     def fresh_read() -> None:
