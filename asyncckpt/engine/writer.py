@@ -28,6 +28,7 @@ import time
 import traceback
 import weakref
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -222,6 +223,18 @@ class AsyncEngine(ClosingContext):
         with self._cond:
             since = self._busy_since
         return None if since is None else time.perf_counter() - since
+
+    def prepare_staging(self, layout: Mapping[str, int]) -> None:
+        """Builds staging buffers of ``layout`` (key to byte size) in the background.
+
+        What the first save of that layout would otherwise allocate and
+        fault in on the saving thread; see ``StagingPool.prepare``.
+
+        Raises:
+            EngineClosedError: The engine is closed (or inherited through fork()).
+        """
+        self._check_open()
+        self._pool.prepare(layout, background=True)
 
     @property
     def staging_bytes(self) -> int:

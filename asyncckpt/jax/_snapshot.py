@@ -192,6 +192,11 @@ class Plan:
             self._named[key] = columns
         return self._named[key]
 
+    def layout(self, item: str) -> dict[str, int]:
+        """Byte size of each staging buffer a save under ``item`` takes, by file."""
+        return {st[3]: math.prod(st[4]) * st[5].itemsize
+                for st in self.steps(item) if st[7] != _PINNED}
+
     def metadata_for(self, item: str) -> tuple[tuple[str, bytes], ...]:
         """``metadata_files`` named under ``item``, built once per item."""
         key = ("metadata", item)

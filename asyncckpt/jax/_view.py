@@ -117,20 +117,22 @@ class DirectoryView:
             return step in listing[2]
         return os.path.lexists(self.step_dir(step))
 
-    def reserve(self, step: int, metrics: Any, exists: type[Exception],
+    def reserve(self, step: int, metrics: Any, exists: Callable[[], type[Exception]],
                 on_disk: frozenset[int] | None = None) -> None:
         """Lists ``step`` as being saved from now on.
 
         ``on_disk``: ``disk_steps()`` as just read by the caller (not read again).
+        ``exists`` makes the error type only when it is raised (orbax's, whose
+        import took 0.2 s of the first save when it was made for every save).
 
         Raises:
-            exists: the step is saved or being saved already.
+            exists(): the step is saved or being saved already.
         """
         with self.lock:
             if on_disk is None:
                 on_disk = self.disk_steps()
             if step in self.in_flight or step in on_disk or self._name_taken(step, on_disk):
-                raise exists(
+                raise exists()(
                     f"step {step} is already saved (or being saved) in {self.directory!r}")
             self.in_flight[step] = None  # reserved: listed from now on
             self.unsettled.add(step)

@@ -139,6 +139,7 @@ def run_jax_demo(workdir: str, *, steps: int = 30, every: int = 5, width: int = 
     floor = MemcpyFloor(sum(a.nbytes for a in jax.tree.leaves(state)))
     with aj.CheckpointManager(directory, max_to_keep=3, save_interval_steps=every,
                               async_options=async_options) as mgr:
+        mgr.prepare(state)  # staging memory built in the background, not at the first save
         step = int(state["step"])  # 1: the compiling step above counted
         while step < steps:
             state, loss = step_fn(state, x, y)  # the old state is donated

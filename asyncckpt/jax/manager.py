@@ -391,6 +391,35 @@ class CheckpointManager(ClosingContext):
             self._engine.sync()
         return started
 
+    def prepare(self, state: Any = None, *, args: Any = None) -> None:
+        """Builds the host staging memory for saves of ``state``, in the background.
+
+        Otherwise the first save allocates and faults in its staging slots on
+        the calling thread (``num_slots`` states' worth: up to 3.6 s for 1 GiB
+        on this project's 2-core VM). Called once the state exists (e.g. while
+        the first step compiles), the first save of that structure only
+        copies; what is not built by then it allocates itself. Nothing is
+        written. The memory is held from now on, as from a first save.
+
+        Args:
+            state: A pytree as ``save`` takes it (its ``jax.Array``s, NumPy
+                arrays and scalars; their values are not read).
+            args: orbax's spelling instead of ``state``, as for ``save``.
+
+        Raises:
+            EngineClosedError: The manager is closed.
+            UnsupportedObjectError: a leaf cannot be saved.
+        """
+        if self._closed or self._engine.closed:
+            raise EngineClosedError(f"{self._directory}: cannot prepare after close()")
+        if self._config.read_only:
+            return  # it never saves
+        layout: dict[str, int] = {}
+        for item in _args.save_items(state, args)[0]:
+            if item.kind == "pytree":
+                layout.update(self._snapshotter.plan(item.value)[0].layout(item.name))
+        self._engine.prepare_staging(layout)
+
     def _raise_pending(self) -> None:  # a failed background upload surfaces here too
         # Asked only when a failure is stored (the engine's own test in its save()).
         if self._engine._errors:
@@ -407,7 +436,7 @@ class CheckpointManager(ClosingContext):
         metrics = _compat.json_checked(metrics, "metrics")
         custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
         self._metric(metrics)
-        self._view.reserve(step, metrics, _compat.step_already_exists_error(), on_disk)
+        self._view.reserve(step, metrics, _compat.step_already_exists_error, on_disk)
         try:
             return self._stage(step, items, metrics, custom_metadata, seq, save_key, on_disk)
         except BaseException:
