@@ -113,6 +113,7 @@ def run_tf_demo(workdir: str, *, steps: int = 40, every: int = 5, width: int = 1
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
     floor = MemcpyFloor(int(state_mib * 2**20))
     with at.CheckpointManager(ckpt, directory, max_to_keep=3) as manager:
+        manager.prepare()  # staging memory built in the background, not at the first save
         handles = []
         for step in range(1, steps + 1):
             train_step()

@@ -303,6 +303,23 @@ class Stager:
         """Forgets the kept plan (and with it the variable readers it holds)."""
         self._plan = None
 
+    def _plan_for(self, checkpoint: tf.train.Checkpoint) -> _Plan:
+        """The plan of the checkpoint's current object graph (the kept one if it still fits)."""
+        objects, names = _graph_signature(checkpoint)
+        _retrieve_embeddings(objects)
+        plan = self._plan
+        if plan is None or not plan.matches(objects, names):
+            plan = _Plan(checkpoint, objects, names, self._on_death, direct_max=_DIRECT_MAX)
+        self._plan = plan if plan.reusable else None
+        return plan
+
+    def layout(self, checkpoint: tf.train.Checkpoint) -> dict[str, int]:
+        """Byte size of each staging buffer a save of the checkpoint now takes, by key."""
+        plan = self._plan_for(checkpoint)
+        return {_buffer_key(e.key, e.slice_spec): t.shape.num_elements() * t.dtype.size
+                for e, t in zip(plan.entries, plan.read(), strict=True)
+                if t is not None and t.dtype != tf.string}
+
     def stage(
         self,
         checkpoint: tf.train.Checkpoint,
@@ -324,12 +341,7 @@ class Stager:
             UnsupportedObjectError: The object graph holds something that
                 cannot be copied to host memory.
         """
-        objects, names = _graph_signature(checkpoint)
-        _retrieve_embeddings(objects)
-        plan = self._plan
-        if plan is None or not plan.matches(objects, names):
-            plan = _Plan(checkpoint, objects, names, self._on_death, direct_max=_DIRECT_MAX)
-        self._plan = plan if plan.reusable else None
+        plan = self._plan_for(checkpoint)
         staged = []
         copies: list[tuple[np.ndarray, np.ndarray]] = []
         deferred: list[tuple[np.ndarray, np.ndarray]] | None = [] if background_copy else None
@@ -337,7 +349,6 @@ class Stager:
             if tensor is not None:
                 staged.append(
                     _plan_copy(slot, entry.key, entry.slice_spec, tensor, copies, deferred))
-        del objects
         # The views in `copies` alias TensorFlow tensors, which they keep alive.
         copy_arrays(copies)
         # Started by the save once it has queued the job (TFSaveJob.start_background):
@@ -345,6 +356,10 @@ class Stager:
         copy = DeferredCopy(deferred) if deferred else None
         del deferred
         return StagedState(tuple(staged), plan.object_graph, io_device, copy)
+
+
+def _buffer_key(key: str, slice_spec: str) -> str:
+    return f"{key}|{slice_spec}"
 
 
 def _plan_copy(
@@ -369,7 +384,7 @@ def _plan_copy(
         with tf.device("CPU:0"):
             tensor = tf.identity(tensor)
     host_view = tensor._numpy()  # a view of the CPU tensor's memory, no copy
-    buf = slot.buffer(f"{key}|{slice_spec}", host_view.shape, host_view.dtype)
+    buf = slot.buffer(_buffer_key(key, slice_spec), host_view.shape, host_view.dtype)
     if on_host and deferred is not None:
         deferred.append((buf, host_view))
     else:

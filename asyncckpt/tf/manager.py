@@ -188,6 +188,26 @@ class CheckpointManager(ClosingContext):
 
     # -- saving and restoring ------------------------------------------------
 
+    def prepare(self) -> None:
+        """Builds the host staging memory for saves of the checkpoint, in the background.
+
+        Otherwise the first save allocates and faults in its staging slots on
+        the calling thread (``num_slots`` states' worth: up to 3.6 s for 1 GiB
+        on this project's 2-core VM). Called once the variables exist (e.g.
+        after the model and optimizer are built), the first save then only
+        reads and copies; what is not built by then (variables created
+        later) it allocates itself. Nothing is written; the values are read,
+        not copied. The memory is held from now on, as from a first save.
+
+        Raises:
+            EngineClosedError: The manager's checkpoint is closed.
+            UnsupportedObjectError: The object graph holds something that
+                cannot be staged.
+        """
+        state = self._ckpt._asyncckpt
+        state.engine.raise_pending_error()
+        state.engine.prepare_staging(state.stager.layout(self._ckpt))
+
     def save(self, checkpoint_number=None, check_interval: bool = True, options=None):
         """Stages a numbered checkpoint and returns its path (or None if skipped).
 
