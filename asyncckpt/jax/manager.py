@@ -399,7 +399,8 @@ class CheckpointManager(ClosingContext):
         on this project's 2-core VM). Called once the state exists (e.g. while
         the first step compiles), the first save of that structure only
         copies; what is not built by then it allocates itself. Nothing is
-        written. The memory is held from now on, as from a first save.
+        written. The memory is held from now on, as from a first save (a
+        read-only manager, which never saves, builds nothing).
 
         Args:
             state: A pytree as ``save`` takes it (its ``jax.Array``s, NumPy

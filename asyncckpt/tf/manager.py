@@ -203,6 +203,7 @@ class CheckpointManager(ClosingContext):
             EngineClosedError: The manager's checkpoint is closed.
             UnsupportedObjectError: The object graph holds something that
                 cannot be staged.
+            Exception: A failure of an earlier background save (as ``save``).
         """
         state = self._ckpt._asyncckpt
         state.engine.raise_pending_error()
