@@ -140,3 +140,26 @@ def test_the_first_save_does_not_import_orbax(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "orbax after a save: False" in proc.stdout, proc.stdout
     assert "raised orbax's: True" in proc.stdout, proc.stdout
+
+
+def test_the_preemption_handler_prepares_at_its_first_boundary(tmp_path):
+    """The save at a notice then allocates nothing in the grace period."""
+    import threading
+
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    notice = threading.Event()
+    config = TerminationConfig(platform="other", exit_fn=lambda: None, poll_interval_s=0.01,
+                               termination_watcher_fn=notice.is_set)
+    with aj.CheckpointManager(str(tmp_path)) as mgr, \
+            PreemptionCheckpointHandler(mgr, termination_config=config) as handler:
+        state = _state()
+        assert mgr.engine.staging_bytes == 0  # the control: nothing before a boundary
+        state = handler.run(lambda s: {**s, "step": s["step"] + 1}, state)
+        assert mgr.engine._pool.wait_prepared(60)
+        assert mgr.engine.staging_bytes > 0 and mgr.all_steps() == []
+        notice.set()
+        while not handler.preempted:
+            state = handler.run(lambda s: {**s, "step": s["step"] + 1}, state)
+        assert handler.saves and mgr.all_steps()
+        assert max(s.allocations for s in mgr.engine._pool._slots) == 0

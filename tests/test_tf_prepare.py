@@ -77,3 +77,27 @@ def test_prepare_with_a_closed_checkpoint_raises(tmp_path):
         mgr.save()
     with pytest.raises(EngineClosedError):
         mgr.prepare()
+
+
+def test_the_preemption_handler_prepares_at_its_first_boundary(tmp_path):
+    """The save at a notice then allocates nothing in the grace period."""
+    import threading
+
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    notice = threading.Event()
+    config = TerminationConfig(platform="other", exit_fn=lambda: None, poll_interval_s=0.01,
+                               termination_watcher_fn=notice.is_set)
+    variables = _variables(3)
+    with at.CheckpointManager(tf.train.Checkpoint(**variables), str(tmp_path),
+                              max_to_keep=2) as mgr, \
+            PreemptionCheckpointHandler(mgr, termination_config=config) as handler:
+        assert mgr.engine.staging_bytes == 0  # the control: nothing before a boundary
+        handler.run(lambda: variables["step"].assign_add(1))
+        assert mgr.engine._pool.wait_prepared(60)
+        assert mgr.engine.staging_bytes > 0 and mgr.checkpoints == []
+        notice.set()
+        while not handler.preempted:
+            handler.run(lambda: variables["step"].assign_add(1))
+        assert handler.saves and mgr.checkpoints
+        assert max(s.allocations for s in mgr.engine._pool._slots) == 0

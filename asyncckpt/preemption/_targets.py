@@ -48,6 +48,9 @@ class Target:
     def save(self, runs: int, estimates: dict, state: Any, args: tuple, kwargs: dict) -> None:
         raise NotImplementedError
 
+    def prepare(self, state: Any) -> None:
+        """Builds the staging memory of the saves to come in the background (``prepare()``)."""
+
     def sync(self) -> None:
         raise NotImplementedError
 
@@ -218,6 +221,10 @@ class TFTarget(Target):
         path = self._write.save(*args, **kwargs)
         logger.info("preemption checkpoint %s staged at run %d", path, runs)
 
+    def prepare(self, state: Any) -> None:
+        del state
+        self._write.prepare()
+
     def sync(self) -> None:
         self._write.sync()
 
@@ -310,6 +317,10 @@ class JaxTarget(Target):
             logger.info("step %d is already saved; the preemption save reuses it", step)
             return
         logger.info("preemption checkpoint step %d staged", step)
+
+    def prepare(self, state: Any) -> None:
+        if state is not None:
+            self._mgr.prepare(state)
 
     def sync(self) -> None:
         self._mgr.wait_until_finished()

@@ -202,6 +202,7 @@ class PreemptionCheckpointHandler(ClosingContext):
         self._dispatcher: threading.Thread | None = None
         self._jax_noticed = False
         self._last_boundary: float | None = None
+        self._prepared = self._config.save_fn is not None  # a save_fn saves its own way
         self._last_estimates_at = 0.0
         self._last_stats = None
         self._finished = False
@@ -413,12 +414,28 @@ class PreemptionCheckpointHandler(ClosingContext):
         if self._finished or self._closed:
             self._last_boundary = now
             return
+        if not self._prepared:
+            self._prepare(state)
         self._drain_notices()
         self._poll_jax(self._agreement.runs)
         decision = self._agreement.at_boundary()
         if decision is not Decision.CONTINUE:
             self._save(state, args, kwargs, final=decision is Decision.SAVE_AND_EXIT)
         self._last_boundary = time.monotonic()
+
+    def _prepare(self, state: Any) -> None:
+        """First boundary: the staging memory of the saves to come, built in the background.
+
+        A save at a notice, or the final one, then does not allocate it in
+        the grace period (the first save of a process otherwise faults in
+        ``num_slots`` states' worth: seconds per GiB on a VM).
+        """
+        self._prepared = True
+        try:
+            self._target.prepare(state)
+        except Exception as e:  # the saves themselves will say what is wrong
+            logger.info("[worker %d] staging memory not prepared (%s: %s); the first save "
+                        "allocates it", self._coordinator.worker_id, type(e).__name__, e)
 
     def _poll_jax(self, runs: int) -> None:
         sync_point = _jax_sync_point()
