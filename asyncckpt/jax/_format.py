@@ -275,6 +275,27 @@ def json_item_bytes(value: Any) -> bytes:
     return json.dumps(value).encode()
 
 
+def item_files(items: Any, metrics: Any, *, primary: bool
+               ) -> tuple[dict[str, str], list[tuple[str, bytes]]]:
+    """Each item's orbax handler, and the JSON files a save writes besides its arrays.
+
+    ``items`` have ``name``, ``kind`` (``"pytree"`` or ``"json"``) and
+    ``value``. ``metrics`` are written as orbax's metrics item, where its
+    ``best_fn`` reads them (None: not written). Only the primary process
+    writes files; the others get none.
+    """
+    handlers = {i.name: STANDARD_HANDLER if i.kind == "pytree" else JSON_HANDLER for i in items}
+    if metrics is not None:
+        handlers[METRICS_ITEM] = JSON_HANDLER
+    if not primary:
+        return handlers, []
+    files = [(f"{i.name}/{JSON_FILE}", json_item_bytes(i.value)) for i in items
+             if i.kind == "json"]
+    if metrics is not None:
+        files.append((f"{METRICS_ITEM}/{METRICS_ITEM}", json_item_bytes(metrics)))
+    return handlers, files
+
+
 def read_json_item(item_dir: str) -> Any:
     """The value of a JSON item directory (its one file).
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import re
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
 
 # Fields of orbax's CheckpointManagerOptions that change nothing asyncckpt
 # saves or lists (how orbax schedules its own work); any value is accepted.
@@ -143,6 +146,17 @@ class ManagerConfig:
         ):
             raise ValueError(f"todelete_subdir must be a name that is not a step, got "
                              f"{self.todelete_subdir!r}")
+
+    def metric(self, metrics: Any) -> float | None:
+        """``best_fn(metrics)``; None without ``best_fn`` or metrics, or if it fails."""
+        if self.best_fn is None or not metrics:
+            return None
+        try:
+            return float(self.best_fn(metrics))
+        except Exception as e:  # metrics of an older run that best_fn does not expect
+            logger.warning("best_fn failed on metrics %r (%r): ranking the checkpoint as one "
+                           "without metrics", metrics, e)
+            return None
 
     def on_schedule(self, step: int, latest: int | None) -> bool:
         """Whether the save rules (not preemption, not the first save) pick ``step``."""

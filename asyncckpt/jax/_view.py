@@ -26,6 +26,7 @@ from typing import Any
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
 from asyncckpt.engine.lock import DirectoryLock
+from asyncckpt.jax import _metadata
 from asyncckpt.jax._options import ManagerConfig, StepNames
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,11 @@ class DirectoryView:
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, self.names.name(step))
+
+    def read_record(self, step: int) -> StepRecord:
+        """A saved step's record (creation time, metrics), from its metadata file."""
+        meta = _metadata.read_step_metadata(step, self.step_dir(step), with_items=False)
+        return StepRecord(meta.created or 0.0, meta.metrics)
 
     def disk_steps(self) -> frozenset[int]:
         """The step directories on disk.
@@ -179,17 +185,17 @@ class DirectoryView:
 
     # -- retention ------------------------------------------------------------------
 
-    def record(self, step: int, read: Callable[[int], StepRecord]) -> StepRecord:
+    def record(self, step: int) -> StepRecord:
+        """``step``'s record: kept since its save, else read once from its metadata."""
         with self.lock:
             rec = self.records.get(step)
         if rec is None:
-            rec = read(step)
+            rec = self.read_record(step)
             with self.lock:
                 self.records.setdefault(step, rec)
         return rec
 
-    def condemn(self, new_step: int, config: ManagerConfig, metric: Callable[[Any], float | None],
-                read: Callable[[int], StepRecord],
+    def condemn(self, new_step: int, config: ManagerConfig,
                 on_disk: frozenset[int] | None = None) -> list[int]:
         """Applies retention as if ``new_step`` were saved; returns the steps condemned.
 
@@ -207,16 +213,16 @@ class DirectoryView:
                 # (records are still read once per step, as that path reads them).
                 for s in listed:
                     if s not in self.records:
-                        self.record(s, read)
+                        self.record(s)
                 delete = listed[:-n]
                 for s in delete:
                     self.doomed[s] = new_step
                 return delete
             candidates = []
             for s in listed:
-                rec = self.record(s, read)
+                rec = self.record(s)
                 candidates.append(retention.Candidate(str(s), s, rec.timestamp,
-                                                      metric(rec.metrics)))
+                                                      config.metric(rec.metrics)))
             policy = self._policy_for(config)
             decision = retention.apply(candidates, policy,
                                        last_preserved_timestamp=self.last_preserved_ts)

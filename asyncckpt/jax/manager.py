@@ -209,7 +209,7 @@ class CheckpointManager(ClosingContext):
         """The best listed step by ``best_fn`` (without ``best_fn``: the latest)."""
         if self._config.best_fn is None:
             return self.latest_step()
-        ranked = [(self._metric(self._view.record(s, self._read_record).metrics), s)
+        ranked = [(self._config.metric(self._view.record(s).metrics), s)
                   for s in self.all_steps()]
         ranked = [(m, s) for m, s in ranked if m is not None]
         if not ranked:
@@ -297,20 +297,6 @@ class CheckpointManager(ClosingContext):
         """Shapes and dtypes of a step's items (``metadata(step).item_metadata``)."""
         return self.metadata(operator.index(step)).item_metadata  # type: ignore[union-attr]
 
-    def _read_record(self, step: int) -> _view.StepRecord:
-        meta = _metadata.read_step_metadata(step, self.step_dir(step), with_items=False)
-        return _view.StepRecord(meta.created or 0.0, meta.metrics)
-
-    def _metric(self, metrics: Any) -> float | None:
-        if self._config.best_fn is None or not metrics:
-            return None
-        try:
-            return float(self._config.best_fn(metrics))
-        except Exception as e:  # metrics of an older run that best_fn does not expect
-            logger.warning("best_fn failed on metrics %r (%r): ranking the checkpoint as one "
-                           "without metrics", metrics, e)
-            return None
-
     def _existing_step(self, step: int | None) -> int:
         steps = self.all_steps()
         if step is None:
@@ -395,16 +381,14 @@ class CheckpointManager(ClosingContext):
         """Builds the host staging memory for saves of ``state``, in the background.
 
         Otherwise the first save allocates and faults in its staging slots on
-        the calling thread (``num_slots`` states' worth: up to 3.6 s for 1 GiB
-        on this project's 2-core VM). Called once the state exists (e.g. while
-        the first step compiles), the first save of that structure only
-        copies; what is not built by then it allocates itself. Nothing is
-        written. The memory is held from now on, as from a first save (a
-        read-only manager, which never saves, builds nothing).
+        the calling thread (``num_slots`` states: up to 3.6 s for 1 GiB on a
+        2-core VM). Called once the state exists (e.g. while the first step
+        compiles), the first save of that structure only copies; what is not
+        built by then it allocates itself. Nothing is written; the memory is
+        held from now on, as from a first save (read-only managers: none).
 
         Args:
-            state: A pytree as ``save`` takes it (its ``jax.Array``s, NumPy
-                arrays and scalars; their values are not read).
+            state: A pytree as ``save`` takes it (values are not read).
             args: orbax's spelling instead of ``state``, as for ``save``.
 
         Raises:
@@ -436,7 +420,7 @@ class CheckpointManager(ClosingContext):
             logger.info("saving step %d at the preemption sync point", step)
         metrics = _compat.json_checked(metrics, "metrics")
         custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
-        self._metric(metrics)
+        self._config.metric(metrics)
         self._view.reserve(step, metrics, _compat.step_already_exists_error, on_disk)
         try:
             return self._stage(step, items, metrics, custom_metadata, seq, save_key, on_disk)
@@ -450,20 +434,11 @@ class CheckpointManager(ClosingContext):
         if not view.prepared:
             on_disk = None  # the first save cleans the directory up: list it afresh
         token = self._saves.token()
-        if condemned := view.condemn(step, self._config, self._metric, self._read_record,
-                                     on_disk):
+        if condemned := view.condemn(step, self._config, on_disk):
             logger.debug("step %d condemns %s (deleted once it is durable)", step, condemned)
-        handlers = {i.name: fmt.STANDARD_HANDLER if i.kind == "pytree" else fmt.JSON_HANDLER
-                    for i in items}
-        extra: list[tuple[str, bytes]] = []
-        if self._primary:
-            extra = [(f"{i.name}/{fmt.JSON_FILE}", fmt.json_item_bytes(i.value))
-                     for i in items if i.kind == "json"]
-        if metrics is not None and self._config.best_fn is not None and self._config.write_metrics:
-            handlers[fmt.METRICS_ITEM] = fmt.JSON_HANDLER  # where orbax's best_fn reads them
-            if self._primary:
-                extra.append((f"{fmt.METRICS_ITEM}/{fmt.METRICS_ITEM}",
-                              fmt.json_item_bytes(metrics)))
+        ranked = self._config.best_fn is not None and self._config.write_metrics
+        handlers, extra = fmt.item_files(items, metrics if ranked else None,
+                                         primary=self._primary)
 
         def stage(slot):
             trees = [self._snapshotter.stage(i.value, slot, item=i.name)
