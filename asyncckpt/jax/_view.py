@@ -74,7 +74,7 @@ class DirectoryView:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, self.names.name(step))
 
-    def read_record(self, step: int) -> StepRecord:
+    def _read_record(self, step: int) -> StepRecord:
         """A saved step's record (creation time, metrics), from its metadata file."""
         meta = _metadata.read_step_metadata(step, self.step_dir(step), with_items=False)
         return StepRecord(meta.created or 0.0, meta.metrics)
@@ -190,7 +190,7 @@ class DirectoryView:
         with self.lock:
             rec = self.records.get(step)
         if rec is None:
-            rec = self.read_record(step)
+            rec = self._read_record(step)
             with self.lock:
                 self.records.setdefault(step, rec)
         return rec
