@@ -10,7 +10,9 @@ STAMP := $(VENV)/.asyncckpt-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[tf,jax,storage,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[tf,jax,storage,clients,dev]"
+	# orbit (tests/clients): only its own code; its wheel's pins would replace TensorFlow.
+	$(BIN)/python -m pip install --quiet --no-deps "tf-models-official>=2.20,<2.21"
 	touch $(STAMP)
 
 demo: $(STAMP)
