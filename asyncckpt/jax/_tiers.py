@@ -52,6 +52,15 @@ class StepTiers:
         return self._dir.local_dir
 
     @property
+    def shown_dir(self) -> str:
+        """The directory the manager reports: the URL of a URL directory, else the local one."""
+        return self._dir.display if self._dir.remote_only else self._dir.local_dir
+
+    def shown_step_dir(self, step: int, local: str) -> str:
+        """Where the manager says ``step`` is: under the URL for a URL directory."""
+        return f"{self._dir.display}/{self._names.name(step)}" if self._dir.remote_only else local
+
+    @property
     def has_remote(self) -> bool:
         return self._dir.remote is not None
 

@@ -177,7 +177,8 @@ class CheckpointManager(ClosingContext):
 
     @property
     def directory(self) -> str:
-        return self._directory
+        """The manager's directory (for ``s3://`` / ``gs://``, the URL, not the scratch)."""
+        return self._tiers.shown_dir
 
     @property
     def engine(self) -> AsyncEngine:
@@ -270,8 +271,9 @@ class CheckpointManager(ClosingContext):
         self._engine.raise_pending_error()
 
     def step_dir(self, step: int) -> str:
-        """The directory of a step's checkpoint."""
-        return self._view.step_dir(operator.index(step))
+        """The directory of a step's checkpoint (a URL in a URL directory)."""
+        step = operator.index(step)
+        return self._tiers.shown_step_dir(step, self._view.step_dir(step))
 
     # -- metadata ---------------------------------------------------------------
 
@@ -290,7 +292,7 @@ class CheckpointManager(ClosingContext):
         if self._tiers.has_remote:  # a step only the remote tier holds: its metadata files
             self._wait_for([step])
         remote = self._tiers.open_remote(step, checksums=self._restore_options.verify_checksums)
-        return _metadata.read_step_metadata(step, self.step_dir(step) if remote is None
+        return _metadata.read_step_metadata(step, self._view.step_dir(step) if remote is None
                                             else remote.path)
 
     def item_metadata(self, step: int) -> Any:

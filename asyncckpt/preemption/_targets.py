@@ -17,6 +17,7 @@ from typing import Any
 
 from asyncckpt.engine.writer import AsyncEngine
 from asyncckpt.preemption._estimates import decode_estimates, encode_estimates
+from asyncckpt.storage.url import is_url
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,13 @@ class Target:
         raise NotImplementedError
 
     def read_timings(self) -> dict:
-        """What ``write_timings`` stored beside the checkpoints; ``{}`` if nothing (valid)."""
+        """What ``write_timings`` stored beside the checkpoints; ``{}`` if nothing (valid).
+
+        Not kept for an ``s3://`` / ``gs://`` directory (``{}``): the next
+        run measures its final saves afresh.
+        """
+        if is_url(self.directory):
+            return {}
         path = os.path.join(self.directory, TIMINGS_FILE)
         try:
             with open(path) as f:
@@ -88,6 +95,8 @@ class Target:
 
     def write_timings(self, timings: dict) -> None:
         """Stores ``timings`` beside the checkpoints (atomic replace; errors logged)."""
+        if is_url(self.directory):
+            return
         path = os.path.join(self.directory, TIMINGS_FILE)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:

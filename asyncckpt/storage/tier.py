@@ -420,10 +420,17 @@ class TieredDirectory:
 
         ``fresh``: list the store now (a restore) instead of the cached listing.
         """
+        return [c.name for c in self.remote_checkpoints(fresh=fresh)]
+
+    def remote_checkpoints(self, *, fresh: bool = False) -> list[protocol.RemoteCheckpoint]:
+        """The committed remote checkpoints, oldest first ([] without a remote).
+
+        ``fresh``: list the store now (a restore) instead of the cached listing.
+        """
         if self.remote is None:
             return []
         try:
-            return [c.name for c in self.remote.committed(cached=not fresh)]
+            return self.remote.committed(cached=not fresh)
         except Exception as e:  # the local tier stays usable while the remote is unreachable
             logger.warning("cannot list %s: %s", self.remote.url, e)
             return []

@@ -167,6 +167,25 @@ class DirectoryView:
             if stamp > self.last_preserved:
                 self.maybe_delete[name] = stamp
 
+    def adopt_remote(self, entries: list[tuple[str, float]]) -> None:
+        """Manages checkpoints committed in the URL directory this scratch view stands for.
+
+        A URL directory's manager writes through a fresh local scratch
+        directory, so its view starts empty; what is committed in the bucket
+        (``(name, commit time)``, oldest first) is what a TensorFlow manager
+        would find in its state file. Those checkpoints are listed and
+        subject to retention; deleting them locally is a no-op (their files
+        are in the bucket, where the remote tier applies retention).
+        """
+        with self.lock:
+            now = time.time()
+            for name, stamp in entries:
+                if name in self.maybe_delete or name in self.inflight:
+                    continue
+                self.maybe_delete[name] = min(stamp, now)
+                self.durable.add(name)
+                self.latest = self.latest_durable = name
+
     def attach(self) -> None:
         """A new manager joins: apply TensorFlow's clock check to the shared view."""
         with self.lock:

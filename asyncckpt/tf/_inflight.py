@@ -14,6 +14,7 @@ import threading
 from concurrent import futures
 
 from asyncckpt.engine.writer import SaveHandle
+from asyncckpt.storage.url import is_url
 
 _LOCK = threading.Lock()
 _SAVES: dict[str, list[SaveHandle]] = {}
@@ -21,7 +22,7 @@ _IN_CALLBACK = threading.local()
 
 
 def _key(prefix: str) -> str:
-    return os.path.abspath(prefix)
+    return prefix if is_url(prefix) else os.path.abspath(prefix)
 
 
 def register(prefix: str, handle: SaveHandle) -> None:

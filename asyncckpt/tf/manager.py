@@ -130,6 +130,10 @@ class CheckpointManager(ClosingContext):
             remote_options=remote_options or RemoteOptions(max_to_keep=max_to_keep))
         self._directory = (self._tiers.local_dir if self._tiers.remote_only
                            else os.fspath(directory))
+        # What the manager reports: the URL for a URL directory (its scratch
+        # directory is an implementation detail, removed at close()).
+        self._shown_directory = (self._tiers.display if self._tiers.remote_only
+                                 else self._directory)
         self._checkpoint_name = checkpoint_name
         self._prefix = os.path.join(self._directory, checkpoint_name)
         self._init_fn = init_fn
@@ -142,15 +146,36 @@ class CheckpointManager(ClosingContext):
         self._last_checkpoint_step = last_checkpoint_step
         self._verify_checksums = self._ckpt._asyncckpt.restore_options.verify_checksums
         self._view = _dirview.view_for(self._directory, fsync=self._ckpt._asyncckpt.options.fsync)
+        if self._tiers.remote_only:
+            # A new process on a URL directory manages what is committed there,
+            # as TensorFlow's manager does with what its state file names.
+            self._view.adopt_remote(self._remote_checkpoints())
 
     # -- properties of tf.train.CheckpointManager --------------------------
 
     def _path(self, name: str | None) -> str | None:
-        return None if name is None else os.path.join(self._directory, name)
+        """The path the manager reports for checkpoint ``name`` (a URL prefix on a URL)."""
+        if name is None:
+            return None
+        if self._tiers.remote_only:
+            return f"{self._shown_directory}/{name}"
+        return os.path.join(self._directory, name)
+
+    def _local_path(self, name: str) -> str:
+        """Where checkpoint ``name`` is written and read on this machine."""
+        return os.path.join(self._directory, name)
+
+    def _remote_checkpoints(self) -> list[tuple[str, float]]:
+        """This manager's committed checkpoints in its URL directory, oldest first."""
+        pattern = re.compile(re.escape(self._checkpoint_name) + r"-\d+")
+        found = [(c.name, c.committed) for c in self._tiers.remote_checkpoints(fresh=True)
+                 if c.framework == "tensorflow" and pattern.fullmatch(c.name)]
+        return sorted(found, key=lambda entry: layout.tf_step_of(entry[0]) or -1)
 
     @property
     def directory(self) -> str:
-        return self._directory
+        """The directory given to the manager (for ``s3://`` / ``gs://``, the URL)."""
+        return self._shown_directory
 
     @property
     def checkpoint_interval(self):
@@ -243,6 +268,7 @@ class CheckpointManager(ClosingContext):
         counter.assign_add(1)
         number = _evaluate(counter if checkpoint_number is None else checkpoint_number)
         prefix = f"{self._prefix}-{number}"
+        shown = self._path(f"{self._checkpoint_name}-{number}")
         view = self._view
         ticket = view.record_save(view.rel(prefix), self._policy)
         try:
@@ -258,7 +284,9 @@ class CheckpointManager(ClosingContext):
             raise
         handle.committed.add_done_callback(functools.partial(_undo_if_failed, view, ticket))
         view.track(handle.committed, self)
-        return prefix
+        if shown != prefix:
+            _inflight.register(shown, handle)  # restore(url) waits for it, as for a path
+        return shown
 
     def _take_directory(self) -> None:
         if self._view.take(self):
@@ -296,6 +324,11 @@ class CheckpointManager(ClosingContext):
         Waits for a save of it still in flight; damaged or incomplete
         checkpoints are skipped with a warning naming them and the file at fault.
         """
+        name = self._newest_valid_name()
+        return None if name is None else self._path(name)
+
+    def _newest_valid_name(self) -> str | None:
+        # On a URL directory the checkpoint is also fetched into the scratch directory.
         names = self._view.newest_first()
         if self._tiers.remote is not None:
             # Checkpoints only the remote tier has count too, ordered by step.
@@ -303,14 +336,14 @@ class CheckpointManager(ClosingContext):
             names = sorted([*names, *(n for n in self._tiers.remote_names() if n not in known)],
                            key=lambda n: -(layout.tf_step_of(n) or -1))
         for name in names:
-            path = self._path(name)
+            path = self._local_path(name)
             _inflight.wait_for(path)
             try:
                 self._tiers.ensure_local(name, checksums=self._verify_checksums)
                 verify_checkpoint(path, checksums=self._verify_checksums)
-                return path
+                return name
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-                logger.warning("skipping checkpoint %s: %s", path, e)
+                logger.warning("skipping checkpoint %s: %s", self._path(name), e)
         return None
 
     def restore_or_initialize(self):
@@ -323,13 +356,13 @@ class CheckpointManager(ClosingContext):
         Returns:
             The restored path, or None.
         """
-        path = self.newest_valid_checkpoint()
-        if path is not None:
-            tf.train.Checkpoint.read(self._ckpt, path)  # verified just above
+        name = self._newest_valid_name()
+        if name is not None:
+            tf.train.Checkpoint.read(self._ckpt, self._local_path(name))  # verified just above
             self._ckpt._maybe_create_save_counter()
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _evaluate(self._step_counter)
-            return path
+            return self._path(name)
         if self._init_fn is not None:
             self._init_fn()
             logger.info("Customized initialization is done through the passed `init_fn`.")

@@ -111,14 +111,16 @@ if pid == 1:
 
 out = {}
 mgr = aj.CheckpointManager(url, max_to_keep=2, coordination_timeout_s=60)
-out["scratch"] = mgr.directory
+assert str(mgr.directory) == url  # the manager reports its URL ...
+scratch = mgr._tiers.local_dir  # ... and stages in its own scratch directory
+out["scratch"] = scratch
 for step in (1, 2, 3):
     mgr.save(step, state(step), custom_metadata={"by": "two processes"})
     FaultyStore.saved_1.set()  # uploads are part of the background commit
 mgr.wait_until_finished()  # on process 1 too: returns once process 0 has committed
 out["steps"] = mgr.all_steps()
 out["nbytes"] = [s.nbytes for s in mgr.engine.history]
-out["scratch_left"] = sorted(n for n in os.listdir(mgr.directory) if n != ".asyncckpt.lock")
+out["scratch_left"] = sorted(n for n in os.listdir(scratch) if n != ".asyncckpt.lock")
 
 # A committed step saved again (force) is refused before any of its objects is overwritten.
 mgr.save(3, state(30), force=True)
