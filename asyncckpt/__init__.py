@@ -21,6 +21,7 @@ from asyncckpt.errors import (
     CorruptCheckpointError,
     DirectoryLockedError,
     EngineClosedError,
+    HostMemoryError,
     UnsupportedObjectError,
 )
 from asyncckpt.jobrunner import JobRunner as JobRunner
@@ -33,6 +34,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DirectoryLockedError",
     "EngineClosedError",
+    "HostMemoryError",
     "RestoreOptions",
     "RetentionPolicy",
     "SaveHandle",

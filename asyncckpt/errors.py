@@ -40,3 +40,20 @@ class DirectoryLockedError(AsyncCkptError, RuntimeError):
 
 class EngineClosedError(AsyncCkptError, RuntimeError):
     """A save was requested after the engine was closed."""
+
+
+class HostMemoryError(AsyncCkptError, MemoryError):
+    """Not even one staging copy of the state fits the host memory budget.
+
+    Raised by ``save()`` (or ``prepare()``) before anything is allocated; see
+    ``AsyncOptions.host_memory_limit``.
+
+    Attributes:
+        state_nbytes: Bytes one staging copy of the state needs.
+        budget_nbytes: Bytes staging may hold.
+    """
+
+    def __init__(self, message: str, *, state_nbytes: int, budget_nbytes: int):
+        super().__init__(message)
+        self.state_nbytes = state_nbytes
+        self.budget_nbytes = budget_nbytes

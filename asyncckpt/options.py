@@ -28,19 +28,31 @@ class AsyncOptions:
             pool so learns the deepest burst the run makes, up to this cap,
             and keeps the spare slots until the engine is closed. At the cap
             a save waits for a slot as with fixed slots; it is never an error.
-            A spare is built only while it needs at most half of the host's
-            ``MemAvailable``. Memory use is at most ``max_slots`` times the
-            state size; set ``max_slots=num_slots`` for fixed slots.
-        early_spare: Build the first spare slot (when ``max_slots`` allows
-            one) on a background thread right after the first save, instead
-            of when a save first finds every slot busy, so the first burst of
-            saves does not wait for it either. It costs one more state of
-            host memory from the first save on, whether or not the run ever
-            saves in bursts (``num_slots + 1`` states with the defaults), and
-            obeys the same memory rule (not built while it needs more than
-            half of ``MemAvailable``; it is then built, memory permitting, at
-            the first save that waits). False builds spares only for saves
-            that waited.
+            A spare is built only while the host memory budget (below) has
+            room for it. Memory use is at most ``max_slots`` times the state
+            size; set ``max_slots=num_slots`` for fixed slots.
+        early_spare: Build the first spare slot (when ``max_slots`` and the
+            budget allow one) on a background thread right after the first
+            save, instead of when a save first finds every slot busy, so the
+            first burst of saves does not wait for it either. It costs one
+            more state of host memory from the first save on, whether or not
+            the run ever saves in bursts. Off by default: with it, host
+            memory is ``num_slots + 1`` states from the first save.
+        host_memory_limit: Bytes that staging (slots and spares together)
+            may hold in host memory. None (the default) allows
+            ``host_memory_fraction`` of the memory the process could still
+            take (the smallest of ``MemAvailable``, its memory cgroup's
+            headroom and its ``RLIMIT_AS``/``RLIMIT_DATA`` headroom, read at
+            each decision), plus what staging holds already. When fewer
+            copies of the state fit than ``num_slots``, the engine keeps
+            fewer slots and logs it once; a save then waits for a free slot
+            rather than over-committing. When not even one fits, ``save()``
+            (and the managers' ``prepare()``) raises ``HostMemoryError``,
+            naming the state size and the budget, before allocating.
+        host_memory_fraction: The share of the available memory staging may
+            take when ``host_memory_limit`` is None (``0 < f <= 1``). The
+            rest is left to the training process's own growth (input
+            pipelines, compilation) and its neighbours.
         fsync: Flush file data and directory entries to stable storage before a
             checkpoint is made visible. Turning it off trades durability after
             a power loss for speed; a crashed *process* still never leaves a
@@ -90,7 +102,9 @@ class AsyncOptions:
 
     num_slots: int = 2
     max_slots: int | None = None
-    early_spare: bool = True
+    early_spare: bool = False
+    host_memory_limit: int | None = None
+    host_memory_fraction: float = 0.75
     fsync: bool = True
     checksums: bool = True
     exit_timeout_s: float = 600.0
@@ -109,6 +123,14 @@ class AsyncOptions:
                 f"max_slots must be an int >= num_slots ({self.num_slots}), "
                 f"got {self.max_slots!r}"
             )
+        limit = self.host_memory_limit
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                  or limit <= 0):
+            raise ValueError(f"host_memory_limit must be a positive int of bytes or None, "
+                             f"got {limit!r}")
+        if not 0 < self.host_memory_fraction <= 1:
+            raise ValueError(f"host_memory_fraction must be in (0, 1], "
+                             f"got {self.host_memory_fraction!r}")
         if self.exit_timeout_s < 0:
             raise ValueError(f"exit_timeout_s must be >= 0, got {self.exit_timeout_s!r}")
         if (not isinstance(self.writer_nice, int) or isinstance(self.writer_nice, bool)

@@ -12,6 +12,7 @@ import pytest
 
 from asyncckpt import AsyncOptions
 from asyncckpt.engine import AsyncEngine, StagingPool
+from asyncckpt.engine.budget import Budget
 from tests.test_engine_slots import _LAYOUT, _bytes_of, _Recorder, _state
 
 _MB = 1 << 20
@@ -198,18 +199,28 @@ def test_max_slots_option_is_validated_and_defaults_to_one_spare():
         StagingPool(3, max_slots=2)
 
 
-def test_no_spare_is_built_beyond_the_memory_budget(monkeypatch):
-    from asyncckpt.engine import _spares
+class _SetBudget:
+    """A host memory budget the test sets (the engine's reads the machine's figures)."""
 
-    assert _spares.mem_available() > 0  # Linux: the kernel's estimate is there
-    monkeypatch.setattr(_spares, "MEM_FRACTION", 0.0)  # no memory to spare at all
-    pool = StagingPool(1, max_slots=3)
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def __call__(self, held: int) -> Budget:
+        return Budget(self.nbytes, "set by the test")
+
+
+_POOL_BYTES = sum(_POOL_LAYOUT.values())
+
+
+def test_no_spare_is_built_beyond_the_memory_budget():
+    budget = _SetBudget(_POOL_BYTES)  # one copy of the state: no memory to spare at all
+    pool = StagingPool(1, max_slots=3, budget=budget)
     _first_save(pool, _POOL_LAYOUT)
     for _ in range(2):  # refused each time a save waits: it waits as with fixed slots
         with pytest.raises(TimeoutError):
             pool.acquire(timeout=0.01)
         assert pool._spare is None and pool.num_slots == 1
-    monkeypatch.setattr(_spares, "MEM_FRACTION", 0.5)
+    budget.nbytes = 3 * _POOL_BYTES
     with pytest.raises(TimeoutError):
         pool.acquire(timeout=0.0)  # memory again: this wait starts a spare
     assert _spare_done(pool) and pool.num_slots == 2
@@ -260,7 +271,7 @@ def test_engine_early_spare_option(tmp_path, early):
     state = _state(5, _LAYOUT)
     nbytes = sum(v.nbytes for v in state.values())
     opts = AsyncOptions(early_spare=early)
-    assert AsyncOptions().early_spare  # on by default
+    assert not AsyncOptions().early_spare  # off by default: num_slots states of memory
     with AsyncEngine(options=opts, name="early") as engine:
         engine.save(rec.stage("a", state), label="a")
         engine.sync()
@@ -275,14 +286,12 @@ def test_engine_early_spare_option(tmp_path, early):
     assert rec.read("b") == _bytes_of(state)
 
 
-def test_no_early_spare_beyond_the_memory_budget(monkeypatch):
-    from asyncckpt.engine import _spares
-
-    monkeypatch.setattr(_spares, "MEM_FRACTION", 0.0)
-    pool = StagingPool(1, max_slots=2, early_spare=True)
+def test_no_early_spare_beyond_the_memory_budget():
+    budget = _SetBudget(_POOL_BYTES)
+    pool = StagingPool(1, max_slots=2, early_spare=True, budget=budget)
     _first_save(pool, _POOL_LAYOUT)
     assert pool._spare is None and pool.num_slots == 1
-    monkeypatch.setattr(_spares, "MEM_FRACTION", 0.5)
+    budget.nbytes = 2 * _POOL_BYTES
     with pytest.raises(TimeoutError):
         pool.acquire(timeout=0.0)  # memory again: a save that waits still starts one
     assert _spare_done(pool) and pool.num_slots == 2

@@ -71,9 +71,9 @@ def test_prepared_slots_leave_the_first_save_nothing_to_allocate(tmp_path):
         assert mgr.all_steps() == []  # nothing is written
         assert _first_save_allocations(mgr, state) == 0
         _assert_restores(mgr, 1, state)
-        # The early spare follows the layout prepare taught the pool.
+        # No early spare by default: host memory stays at num_slots states.
         assert mgr.engine._pool.wait_prepared(60)
-        assert len(mgr.engine._pool._slots) == 3
+        assert len(mgr.engine._pool._slots) == 2
 
 
 def test_prepare_takes_orbax_args_and_composite_items(tmp_path):

@@ -9,9 +9,10 @@ copies. The waiting save takes whichever comes first, a slot the writer
 releases or the finished spare; a slot joins the pool only once every buffer
 of it is built, so no save ever copies into pages still being faulted.
 
-This module holds the parts without pool state: the memory check and the
-build itself, which stops between 8 MiB pieces once the pool is closed and
-pauses there while a save copies.
+This module holds the part without pool state: the build itself, which
+stops between 8 MiB pieces once the pool is closed and pauses there while a
+save copies. Whether a spare fits in host memory is the pool's budget's call
+(``asyncckpt.engine.budget``).
 """
 
 from __future__ import annotations
@@ -25,30 +26,7 @@ from asyncckpt.engine._pages import aligned_empty
 
 logger = logging.getLogger(__name__)
 
-# A spare is built only while it needs at most this fraction of MemAvailable:
-# staging must not push the training process (or its neighbours) into swap or
-# the OOM killer for the sake of a shorter wait.
-MEM_FRACTION = 0.5
-
 _STEP = 8 << 20  # bytes faulted between checks for a closed pool
-
-
-def mem_available() -> int | None:
-    """The kernel's estimate of memory available without swapping; None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def spare_fits(nbytes: int) -> bool:
-    """Whether one more slot of ``nbytes`` stays within the memory budget."""
-    avail = mem_available()
-    return avail is None or nbytes <= avail * MEM_FRACTION
 
 
 def build_buffers(

@@ -38,6 +38,8 @@ from asyncckpt.engine import _spares
 from asyncckpt.engine._copy import copy_arrays, prefault_all
 from asyncckpt.engine._gate import lower_thread_priority
 from asyncckpt.engine._pages import _prefault, aligned_empty
+from asyncckpt.engine.budget import Budget
+from asyncckpt.errors import HostMemoryError
 
 __all__ = ["Slot", "StagingPool", "aligned_empty", "copy_arrays", "lower_thread_priority"]
 
@@ -69,11 +71,32 @@ class Slot:
         # whenever a buffer or view is made, replaced or dropped (it must
         # neither hand out a stale view nor keep a dropped buffer alive).
         self._batch: tuple[tuple, tuple, tuple, list[np.ndarray]] | None = None
+        # The pool's admission check of a state's size (see reserve); None: no budget.
+        self._admit: Callable[[int], None] | None = None
+        self._reserved = 0  # bytes the save being staged said it will ask for
+
+    def reserve(self, nbytes: int) -> None:
+        """Says how many more bytes the save being staged will ask for, before it asks.
+
+        Adapters call it after planning and before their ``buffer`` calls
+        (once per save, or once per part of a state staged in parts): a
+        state that does not fit the pool's host memory budget then raises
+        ``HostMemoryError`` before its buffers are allocated. Costs one
+        comparison for sizes the pool has let through before.
+
+        Raises:
+            HostMemoryError: Not even one staging copy of the state fits.
+        """
+        self._reserved += nbytes
+        admit = self._admit
+        if admit is not None:
+            admit(self._reserved)
 
     def begin(self) -> None:
         """Starts filling the slot for a new save."""
         self._used.clear()
         self.allocations = 0
+        self._reserved = 0
 
     def buffer(self, key: str, shape: Iterable[int], dtype: np.dtype | type) -> np.ndarray:
         """Returns a writable C-contiguous host buffer for one array.
@@ -188,6 +211,12 @@ class StagingPool:
         early_spare: Build one spare once the first layout is learnt.
         pause: Called by a spare build between its 8 MiB pieces; the engine
             passes its ``SaveGate.wait``, so a build yields to a save's copy.
+        budget: Given the bytes staging holds now, the host memory budget
+            (``asyncckpt.engine.budget.staging_budget``). With one, the pool
+            keeps only as many slots (spares included) as copies of the
+            state fit, fewer than ``num_slots`` if need be (saves then wait
+            for a slot), and ``Slot.reserve`` refuses a state of which not
+            even one copy fits. None: no limit.
     """
 
     def __init__(
@@ -198,13 +227,19 @@ class StagingPool:
         prepare_nice: int = 0,
         early_spare: bool = False,
         pause: Callable[[], None] | None = None,
+        budget: Callable[[int], Budget] | None = None,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self._num_slots = num_slots
         self._max_slots = num_slots if max_slots is None else max_slots
         if self._max_slots < num_slots:
             raise ValueError(f"max_slots must be >= num_slots ({num_slots}), got {max_slots}")
-        self._slots = [Slot(i) for i in range(num_slots)]
+        self._budget = budget
+        self._admitted = -1  # the state size reserve() last let through
+        self._slot_cap: int | None = None  # slots the budget allows for the layout
+        self._cap_logged = False
+        self._slots = [self._new_slot(i) for i in range(num_slots)]
         self._free = list(self._slots)
         self._cond = threading.Condition()
         self._prepare_nice = prepare_nice
@@ -220,9 +255,70 @@ class StagingPool:
         self._early_due = False  # a layout is learnt: start_early_spare() builds one
         self._closed = False
 
+    def _new_slot(self, index: int) -> Slot:
+        slot = Slot(index)
+        if self._budget is not None:
+            slot._admit = self._admit
+        return slot
+
     @property
     def num_slots(self) -> int:
         return len(self._slots)
+
+    @property
+    def slot_cap(self) -> int | None:
+        """Slots the host memory budget allows for the current layout (None: no cap)."""
+        return self._slot_cap
+
+    def _admit(self, nbytes: int) -> None:
+        """``Slot.reserve``: refuses a state of which not even one copy fits the budget."""
+        if nbytes <= self._admitted:
+            return
+        assert self._budget is not None
+        budget = self._budget(self.nbytes)
+        if budget.nbytes is not None and nbytes > budget.nbytes:
+            raise HostMemoryError(
+                f"a staging copy of this state needs {nbytes / 2**20:.1f} MiB, over the host "
+                f"memory budget for staging of {budget.nbytes / 2**20:.1f} MiB ({budget.why}); "
+                "nothing was allocated. Raise AsyncOptions.host_memory_limit (or "
+                "host_memory_fraction) if the host has the memory, or save less state.",
+                state_nbytes=nbytes, budget_nbytes=budget.nbytes)
+        self._admitted = nbytes
+
+    def _apply_budget(self, state_nbytes: int) -> int | None:
+        """Caps the slots at the copies of the state the budget allows; ``_cond`` held.
+
+        Free slots over the cap are dropped now, busy ones as they are
+        released. Returns the number of copies that fit (None: no limit),
+        which may be 0.
+        """
+        if self._budget is None or state_nbytes <= 0:
+            return None
+        budget = self._budget(self.nbytes)
+        fits = budget.slots_for(state_nbytes)
+        self._slot_cap = None if fits is None else max(1, fits)
+        if self._slot_cap is None:
+            return None
+        if self._slot_cap < self._num_slots and not self._cap_logged:
+            self._cap_logged = True
+            logger.warning(
+                "host memory budget: %d of %d staging slots for this state (%.1f MiB each; "
+                "budget %.1f MiB: %s); a save waits for a free slot instead",
+                self._slot_cap, self._num_slots, state_nbytes / 2**20,
+                (budget.nbytes or 0) / 2**20, budget.why)
+        while len(self._slots) > self._slot_cap and self._free:
+            # The coldest free slot goes: the one holding least of the layout.
+            victim = min(self._free, key=lambda s: (s._ready == self._version, s.nbytes))
+            self._retire(victim)
+        return fits
+
+    def _retire(self, slot: Slot) -> None:
+        """Drops a slot the budget no longer allows, freeing its memory; ``_cond`` held."""
+        if slot in self._free:
+            self._free.remove(slot)
+        self._slots.remove(slot)
+        slot.clear()
+        logger.debug("staging pool shrank to %d slots", len(self._slots))
 
     @property
     def in_use(self) -> int:
@@ -270,11 +366,13 @@ class StagingPool:
                 or len(self._slots) >= self._max_slots):
             return
         layout = dict(self._layout)
-        if not _spares.spare_fits(sum(layout.values())):
+        fits = self._apply_budget(sum(layout.values()))  # memory may have changed since
+        if fits is not None and len(self._slots) + 1 > fits:
             if not self._spare_refused:  # said once; checked again at the next wait
                 self._spare_refused = True
-                logger.info("no spare staging slot: %.0f MiB is over half of the memory "
-                            "available", sum(layout.values()) / 2**20)
+                logger.info("no spare staging slot: %d copies of %.1f MiB would be over the "
+                            "host memory budget", len(self._slots) + 1,
+                            sum(layout.values()) / 2**20)
             return
         self._spare = threading.Thread(
             target=self._build_spare, args=(layout,), name="asyncckpt-spare", daemon=True
@@ -303,8 +401,10 @@ class StagingPool:
             with self._cond:
                 self._spare = None
                 self._spare_bytes = 0
-                if bufs is not None and not self._closed:
-                    slot = Slot(len(self._slots))
+                cap = self._slot_cap
+                if bufs is not None and not self._closed and (cap is None
+                                                              or len(self._slots) < cap):
+                    slot = self._new_slot(len(self._slots))
                     for key, buf in bufs.items():
                         if self._layout.get(key) == buf.nbytes:  # else: the layout changed
                             slot._install(key, buf)
@@ -321,6 +421,9 @@ class StagingPool:
         with self._cond:
             if slot in self._free:
                 raise RuntimeError(f"staging slot {slot.index} released twice")
+            if self._slot_cap is not None and len(self._slots) > self._slot_cap:
+                self._retire(slot)  # over the host memory budget: its memory goes
+                return
             self._free.append(slot)
             self._cond.notify()
 
@@ -369,13 +472,20 @@ class StagingPool:
                 and return when every free slot holds the layout. A save
                 that has just learned a new layout does the latter (see
                 ``learn``).
+
+        Raises:
+            HostMemoryError: (``background``) not even one copy of the
+                layout fits the host memory budget; nothing is built.
         """
         with self._cond:
             if self._closed:
                 return
+            if background and self._budget is not None:
+                self._admit(sum(layout.values()))
             if layout != self._layout:
                 self._layout = dict(layout)
                 self._version += 1
+            self._apply_budget(sum(self._layout.values()))
             if _ready is not None:
                 _ready._ready = self._version
             if not background:

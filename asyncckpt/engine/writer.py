@@ -21,6 +21,7 @@ saves already queued hold the engine until they are durable, then a
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -36,6 +37,7 @@ from asyncckpt._closing import ClosingContext
 from asyncckpt.engine import _process
 from asyncckpt.engine._gate import SaveGate, lower_thread_priority
 from asyncckpt.engine._jobs import SaveJob, StageFn
+from asyncckpt.engine.budget import staging_budget
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
 from asyncckpt.engine.slots import Slot, StagingPool
 from asyncckpt.errors import EngineClosedError
@@ -155,6 +157,8 @@ class AsyncEngine(ClosingContext):
             prepare_nice=self.options.writer_nice,
             early_spare=self.options.early_spare,
             pause=self._gate.wait if self._gate.enabled else None,
+            budget=functools.partial(staging_budget, self.options.host_memory_limit,
+                                     self.options.host_memory_fraction),
         )
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._cond = threading.Condition()

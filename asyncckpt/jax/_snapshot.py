@@ -514,6 +514,7 @@ class Snapshotter:
             item: The item directory the files go in (several items share a slot).
         """
         plan, leaves = self.plan(tree)
+        slot.reserve(plan.nbytes)  # over the host memory budget: raises, nothing allocated
         plan_leaves = plan.leaves
         live = plan.live
         if live and any(map(_is_deleted, map(leaves.__getitem__, live))):

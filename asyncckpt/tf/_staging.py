@@ -195,6 +195,7 @@ class _Plan:
         self._batched_failed = False
         self.traced = threading.Event()  # set once tracing ended (well or not)
         self.uses = 0
+        self.nbytes: int | None = None  # staged bytes of a save, known after the first read
 
     def matches(self, objects: list, names: tuple) -> bool:
         refs = self.refs
@@ -342,10 +343,15 @@ class Stager:
                 cannot be copied to host memory.
         """
         plan = self._plan_for(checkpoint)
+        values = plan.read()
+        if plan.nbytes is None:  # sizes are fixed with the plan's variables
+            plan.nbytes = sum(t.shape.num_elements() * t.dtype.size for t in values
+                              if t is not None and t.dtype != tf.string)
+        slot.reserve(plan.nbytes)  # over the host memory budget: raises, nothing allocated
         staged = []
         copies: list[tuple[np.ndarray, np.ndarray]] = []
         deferred: list[tuple[np.ndarray, np.ndarray]] | None = [] if background_copy else None
-        for entry, tensor in zip(plan.entries, plan.read(), strict=True):
+        for entry, tensor in zip(plan.entries, values, strict=True):
             if tensor is not None:
                 staged.append(
                     _plan_copy(slot, entry.key, entry.slice_spec, tensor, copies, deferred))

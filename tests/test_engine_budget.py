@@ -1,0 +1,242 @@
+"""The host memory budget: staging never holds more than ``AsyncOptions.host_memory_limit``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from asyncckpt import AsyncOptions
+from asyncckpt.engine import AsyncEngine
+from asyncckpt.engine import budget as budget_lib
+from asyncckpt.errors import HostMemoryError
+from tests.helpers import subprocess_env, write_script
+from tests.test_engine_slots import _LAYOUT, _bytes_of, _Recorder, _state
+
+
+class _Reserving(_Recorder):
+    """The recorder's stage function, saying the state's size first as the adapters do."""
+
+    def stage(self, name, state):
+        inner = super().stage(name, state)
+
+        def stage(slot):
+            slot.reserve(sum(v.nbytes for v in state.values()))
+            return inner(slot)
+
+        return stage
+
+
+def _nbytes(state) -> int:
+    return sum(v.nbytes for v in state.values())
+
+
+def test_fewer_slots_when_the_budget_allows_fewer_copies(tmp_path, caplog):
+    gate = threading.Event()  # holds the writer: the first save keeps its slot
+    rec = _Reserving(str(tmp_path), gate)
+    state = _state(1, _LAYOUT)
+    nbytes = _nbytes(state)
+    opts = AsyncOptions(num_slots=2, host_memory_limit=nbytes * 3 // 2)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.engine.slots"), \
+            AsyncEngine(options=opts, name="budget") as engine:
+        engine.save(rec.stage("a", state), label="a")
+        assert engine._pool.num_slots == 1 and engine._pool.slot_cap == 1
+        assert engine.staging_bytes == nbytes  # never a second copy
+        # The second save waits for the one slot rather than over-committing.
+        done = []
+        t = threading.Thread(target=lambda: done.append(
+            engine.save(rec.stage("b", _state(2, _LAYOUT)), label="b")))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not done
+        gate.set()
+        t.join(60)
+        assert done and engine.staging_bytes == nbytes
+        engine.save(rec.stage("c", _state(3, _LAYOUT)), label="c")
+        engine.sync()
+        assert engine._pool.num_slots == 1
+    assert rec.read("b") == _bytes_of(_state(2, _LAYOUT))
+    warnings = [r for r in caplog.records if "host memory budget" in r.getMessage()]
+    assert len(warnings) == 1  # said once
+    assert "1 of 2 staging slots" in warnings[0].getMessage()
+
+
+def test_a_state_over_the_budget_is_refused_before_anything_is_allocated(tmp_path):
+    gate = threading.Event()
+    gate.set()
+    rec = _Reserving(str(tmp_path), gate)
+    big = _state(1, _LAYOUT)
+    small = {"x": np.arange(1000, dtype=np.float32)}
+    with AsyncEngine(options=AsyncOptions(host_memory_limit=_nbytes(big) // 2)) as engine:
+        with pytest.raises(HostMemoryError) as info:
+            engine.save(rec.stage("big", big), label="big")
+        assert engine.staging_bytes == 0  # refused before the first buffer
+        err = info.value
+        assert isinstance(err, MemoryError)
+        assert err.state_nbytes == _nbytes(big) and err.budget_nbytes == _nbytes(big) // 2
+        assert f"{_nbytes(big) / 2**20:.1f} MiB" in str(err) and "host_memory_limit" in str(err)
+        with pytest.raises(HostMemoryError):  # prepare() says so too, before building
+            engine.prepare_staging({k: v.nbytes for k, v in big.items()})
+        assert engine.staging_bytes == 0
+        engine.save(rec.stage("small", small), label="small")  # the engine goes on
+        engine.sync()
+    assert rec.read("small") == _bytes_of(small)
+
+
+def test_spares_stay_within_the_budget(tmp_path):
+    gate = threading.Event()  # holds the writer: every save keeps its slot
+    rec = _Reserving(str(tmp_path), gate)
+    state = _state(1, _LAYOUT)
+    nbytes = _nbytes(state)
+    opts = AsyncOptions(num_slots=1, max_slots=3, early_spare=True,
+                        host_memory_limit=2 * nbytes + nbytes // 2)
+    with AsyncEngine(options=opts) as engine:
+        pool = engine._pool
+        engine.save(rec.stage("s0", state), label="s0")
+        # The writer starts the early spare as it takes s0; it fits the budget.
+        deadline = time.monotonic() + 60
+        while pool.num_slots < 2 and time.monotonic() < deadline:
+            pool.wait_prepared(1)
+        assert pool.num_slots == 2
+        engine.save(rec.stage("s1", state), label="s1")  # takes the spare
+        t = threading.Thread(target=engine.save, args=(rec.stage("s2", state),),
+                             kwargs={"label": "s2"})
+        t.start()
+        t.join(0.3)
+        # A third copy is over the budget: no spare is built, the save waits.
+        assert t.is_alive() and pool._spare is None and pool.num_slots == 2
+        assert engine.staging_bytes == 2 * nbytes
+        gate.set()
+        t.join(60)
+        engine.sync()
+        assert pool.num_slots == 2 and engine.staging_bytes == 2 * nbytes
+    assert rec.read("s2") == _bytes_of(state)
+
+
+def test_options_are_checked():
+    assert not AsyncOptions().early_spare
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="host_memory_limit"):
+            AsyncOptions(host_memory_limit=bad)
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="host_memory_fraction"):
+            AsyncOptions(host_memory_fraction=bad)
+
+
+def test_default_budget_is_a_fraction_of_what_the_process_can_still_take():
+    room = budget_lib.headroom()
+    assert room is not None and room.nbytes > 0
+    b = budget_lib.staging_budget(None, 0.5, held=1 << 20)
+    assert b.nbytes is not None
+    # Read twice (the machine moves): within a margin of half the headroom plus staging.
+    assert abs(b.nbytes - (room.nbytes + (1 << 20)) // 2) < 256 << 20
+    assert budget_lib.staging_budget(123, 0.5, held=0).nbytes == 123
+
+
+_CHILD = """
+    import json, os, resource, sys
+    import numpy as np
+    from asyncckpt import AsyncOptions
+    from asyncckpt.engine import AsyncEngine
+    from asyncckpt.engine.budget import headroom
+    from asyncckpt.errors import HostMemoryError
+    from tests.test_engine_slots import _Recorder
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+    S = int(sys.argv[2])
+    limit = status("VmSize") + S + 5 * S // 2  # the state, and room for 2.5 more copies
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    out = {"limit": limit, "headroom_source": headroom().source}
+    state = {f"w{i}": np.full(S // 8 // 4, i, np.float64) for i in range(4)}  # S bytes
+
+    class Reserving(_Recorder):
+        def stage(self, name, st):
+            inner = super().stage(name, st)
+            def stage(slot):
+                slot.reserve(sum(v.nbytes for v in st.values()))
+                return inner(slot)
+            return stage
+
+    import threading
+    gate = threading.Event(); gate.set()
+    rec = Reserving(sys.argv[1], gate)
+    # The old defaults (two slots and an early spare: three copies) cannot fit here.
+    with AsyncEngine(options=AsyncOptions(num_slots=2, max_slots=3, early_spare=True)) as engine:
+        for step in range(4):
+            for v in state.values():
+                v += 1
+            engine.save(rec.stage(f"s{step}", state), label=f"s{step}")
+        engine.sync()
+        out["slots"] = engine._pool.num_slots
+        out["staging_bytes"] = engine.staging_bytes
+        with open(os.path.join(sys.argv[1], "s3", "data.bin"), "rb") as f:  # piece by piece:
+            out["saved_ok"] = all(f.read(state[k].nbytes) == state[k].tobytes()  # little room
+                                  for k in sorted(state))
+    del state
+    # A state above half the limit: not even one copy of it fits beside it. Refused
+    # with an error that says so, before allocating; the process is not killed.
+    big = {"big": np.ones((limit // 2 + (1 << 20)) // 8)}
+    with AsyncEngine() as engine:
+        try:
+            engine.save(rec.stage("big", big), label="big")
+            out["big"] = "saved"
+        except HostMemoryError as e:
+            out["big"] = str(e)
+        out["big_staging_bytes"] = engine.staging_bytes
+    out["vm_peak"] = status("VmPeak")
+    out["rss_peak"] = status("VmHWM")
+    print(json.dumps(out))
+"""
+
+
+def test_saves_complete_under_a_real_memory_limit(tmp_path):
+    """A real ``RLIMIT_AS``: the default budget keeps staging to what fits; nothing is killed."""
+    state_bytes = 96 << 20
+    script = write_script(tmp_path, "child.py", _CHILD)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), str(state_bytes)],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["headroom_source"] == "RLIMIT_AS"
+    assert out["slots"] == 1 and out["staging_bytes"] == state_bytes  # one copy fits, not two
+    assert out["saved_ok"]
+    assert out["big"].startswith("a staging copy of this state needs")
+    assert out["big_staging_bytes"] == 0
+    assert out["vm_peak"] <= out["limit"]
+
+
+def test_framework_saves_say_their_size_before_allocating(tmp_path):
+    """Both adapters reserve: a state over the budget is refused by save() and prepare()."""
+    tf = pytest.importorskip("tensorflow")
+    jax = pytest.importorskip("jax")
+    import asyncckpt.jax as aj
+    import asyncckpt.tf as at
+
+    limit = AsyncOptions(host_memory_limit=1 << 20)  # 1 MiB: under the 4 MiB states below
+    ckpt = tf.train.Checkpoint(v=tf.Variable(np.ones((1024, 1024), np.float32)))
+    with at.CheckpointManager(ckpt, str(tmp_path / "tf"), max_to_keep=1,
+                              async_options=limit) as mgr:
+        with pytest.raises(HostMemoryError, match=r"4\.0 MiB"):
+            mgr.prepare()
+        with pytest.raises(HostMemoryError, match=r"4\.0 MiB"):
+            mgr.save()
+        assert mgr.engine.staging_bytes == 0 and mgr.checkpoints == []
+    state = {"w": jax.numpy.ones((1024, 1024), jax.numpy.float32)}
+    with aj.CheckpointManager(str(tmp_path / "jax"), async_options=limit) as mgr:
+        with pytest.raises(HostMemoryError, match=r"4\.0 MiB"):
+            mgr.prepare(state)
+        with pytest.raises(HostMemoryError, match=r"4\.0 MiB"):
+            mgr.save(1, state)
+        assert mgr.engine.staging_bytes == 0 and mgr.all_steps() == []
