@@ -170,36 +170,3 @@ def test_tpu_embedding_tables_for_serving(ckpt_dir):
     tf.train.Checkpoint(embedding=fresh).restore(path).assert_consumed()
     for name, value in saved.items():
         np.testing.assert_array_equal(_tables(fresh)[name], value)
-
-
-class DeviceResidentEmbedding(TPUEmbeddingForServing):
-    """A serving embedding whose "device" copy is newer than its host variables.
-
-    On a TPU the tables live in TPU memory and ``_retrieve_variables`` copies
-    them into the host variables; here the "device" is a dict kept beside
-    the object, which is what the hook copies from.
-    """
-
-    def use_device_values(self, values: dict[str, np.ndarray]) -> None:
-        # Bypass attribute tracking: this is not checkpoint state.
-        self.__dict__["_device_values"] = values
-        self.__dict__["_retrievals"] = 0
-
-    def _retrieve_variables(self):
-        self.__dict__["_retrievals"] += 1
-        for table, var in self.embedding_tables.items():
-            var.assign(self.__dict__["_device_values"][table.name])
-
-
-def test_tpu_embedding_retrieve_hook_runs_before_staging(ckpt_dir):
-    emb = _embedding(DeviceResidentEmbedding, seed=3)
-    device = {
-        name: np.full_like(t, float(i + 1)) for i, (name, t) in enumerate(_tables(emb).items())
-    }
-    emb.use_device_values(device)
-    path = _save_and_sync(ckpt_dir, embedding=emb)
-    assert emb.__dict__["_retrievals"] == 1
-    fresh = _embedding(seed=9)
-    tf.train.Checkpoint(embedding=fresh).restore(path).assert_consumed()
-    for name, value in device.items():
-        np.testing.assert_array_equal(_tables(fresh)[name], value)

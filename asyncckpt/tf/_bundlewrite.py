@@ -29,15 +29,19 @@ same two files are produced by asyncckpt itself:
 String tensors (the object graph, Python state) use TensorFlow's string
 encoding: the varint64 lengths, a masked CRC32C of the lengths, then the
 bytes; their entry's CRC32C covers each length as a little-endian uint32
-(uint64 past 4 GiB), the length checksum and the bytes. Partitioned
+(uint64 past 4 GiB), the length checksum and the bytes. Variant tensors
+(``tf.data`` iterator state, ``_variant``) use ``WriteVariantTensor``'s:
+for each element its length as a varint64, its encoded bytes, then the
+masked CRC32C of the tensor's bytes so far; their entry's CRC32C covers each
+length as a little-endian uint64, the bytes and those checksums. Partitioned
 variables (a non-empty slice spec) get a full-tensor entry listing its
 slices and one entry per slice under TensorFlow's ordered-code key.
 
 For the same tensors in the same order the files are byte-identical to
-``SaveV2``'s (the tests compare them). Anything else (a variant or resource
-tensor, an I/O device other than the local CPU, a slice spec that does not
-parse, a host buffer whose itemsize differs from the dtype's) returns None
-and the caller uses ``SaveV2``.
+``SaveV2``'s (the tests compare them). Anything else (a resource tensor, a
+variant whose encoding ``_variant`` does not recognize, an I/O device other
+than the local CPU, a slice spec that does not parse, a host buffer whose
+itemsize differs from the dtype's) returns None and the caller uses ``SaveV2``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from asyncckpt.engine import fastcrc
 from asyncckpt.engine.fastcrc import CRC32C, crc_combine
 from asyncckpt.tf._compat import OBJECT_GRAPH_KEY, tf
 from asyncckpt.tf._sstable import build_table, varint
+from asyncckpt.tf._variant import CapturedVariant
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +185,23 @@ def _string_encoding(values: np.ndarray) -> tuple[list[bytes], int]:
     return [lengths + length_sum, *items], crc
 
 
+def _variant_encoding(elements: list) -> tuple[list, int]:
+    """A variant tensor's bytes in the data file, and the CRC32C its entry records.
+
+    ``elements``: each element's ``Variant::Encode`` bytes (``_variant``).
+    """
+    pieces: list = []
+    crc = 0
+    for elem in elements:
+        n = len(elem)
+        crc = fastcrc.crc32c_extend(crc, struct.pack("<Q", n))
+        crc = fastcrc.crc32c_extend(crc, elem)
+        check = struct.pack("<I", fastcrc.mask(crc))
+        crc = fastcrc.crc32c_extend(crc, check)
+        pieces += [varint(n), elem, check]
+    return pieces, crc
+
+
 # --- planning and writing -------------------------------------------------------------
 
 
@@ -223,6 +245,11 @@ def _plan(state) -> _Plan | str:
     for key, spec, dtype, host in staged:
         if dtype == tf.string:
             pieces, crc = _string_encoding(host)
+        elif dtype == tf.variant and isinstance(host, CapturedVariant):
+            elements = host.elements()
+            if elements is None:
+                return f"{key!r} is a variant whose encoding is not an element list"
+            pieces, crc = _variant_encoding(elements)
         elif dtype in (tf.variant, tf.resource) or host.dtype.itemsize != dtype.size or (
                 host.dtype == object):
             return f"{key!r} has dtype {dtype.name} (host {host.dtype})"

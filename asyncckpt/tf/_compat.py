@@ -10,7 +10,10 @@ actionable error instead of an AttributeError deep in a save.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import types
+import weakref
 
 try:
     import tensorflow as tf
@@ -25,15 +28,18 @@ try:
         checkpoint_context,
         checkpoint_management,
         save_util,
+        saveable_compat,
         tensor_callable,
     )
     from tensorflow.python.checkpoint.sharding import sharding_policies
+    from tensorflow.python.data.ops import iterator_ops
     from tensorflow.python.eager import context
     from tensorflow.python.eager import executor as eager_executor
     from tensorflow.python.ops import gen_io_ops, gen_resource_variable_ops, resource_variable_ops
-    from tensorflow.python.saved_model import path_helpers
+    from tensorflow.python.saved_model import path_helpers, registration
     from tensorflow.python.trackable import base as trackable_base
-    from tensorflow.python.training.saving import saveable_object
+    from tensorflow.python.trackable import trackable_utils
+    from tensorflow.python.training.saving import saveable_object, saveable_object_util
 except ImportError as e:  # pragma: no cover - only on an untested TensorFlow
     raise ImportError(
         f"asyncckpt.tf does not support TensorFlow {tf.__version__}: an internal module it "
@@ -187,19 +193,60 @@ def read_checkpoint_state(directory: str):
     return checkpoint_management.get_checkpoint_state(directory)
 
 
-def is_tpu_embedding(obj: object) -> bool:
-    """Whether ``obj`` is a TPU embedding whose tables live in device memory."""
-    for module, name in (
-        ("tensorflow.python.tpu.tpu_embedding_v2", "TPUEmbedding"),
-        ("tensorflow.python.tpu.tpu_embedding_v3", "TPUEmbeddingV2"),
-    ):
-        import sys
+def iterator_state_reader(owner: object, key: str):
+    """For ``key`` of a ``tf.data`` iterator: a function that serializes its state again.
 
-        mod = sys.modules.get(module)
-        cls = getattr(mod, name, None) if mod is not None else None
-        if cls is not None and isinstance(obj, cls):
-            return True
-    return False
+    ``owner`` is what ``serialize_graph`` lists the value under: the
+    iterator, or TensorFlow's ``SaveableCompatibilityConverter`` around it
+    (iterators keep their legacy checkpoint name, ``ITERATOR_STATE``). The
+    function holds the iterator weakly and returns what the iterator's own
+    ``_serialize_to_tensors`` (what ``tf.train.Checkpoint`` calls) gives for
+    ``key``: its current state. None for any other object, or an iterator
+    without weak references.
+    """
+    obj = owner.obj if isinstance(
+        owner, saveable_object_util.SaveableCompatibilityConverter) else owner
+    if not isinstance(obj, iterator_ops.OwnedIterator):
+        return None
+    local = trackable_utils.extract_local_name(key, saveable_compat.get_saveable_name(obj))
+    try:
+        ref = weakref.ref(obj)
+    except TypeError:  # pragma: no cover - TensorFlow 2.21's iterators have weak references
+        return None
+
+    def read():
+        iterator = ref()
+        if iterator is None:  # pragma: no cover - the plan is dropped when its objects die
+            raise ReferenceError(f"the tf.data iterator saved under {key!r} is gone")
+        for name, value in iterator._serialize_to_tensors().items():
+            if trackable_utils.escape_local_name(name) == local:
+                return value
+        raise KeyError(f"the tf.data iterator no longer serializes {key!r}")
+
+    return read
+
+
+def run_registered_saver(name: str, trackables: dict) -> bool:
+    """Calls a registered TensorFlow saver's save function, as ``tf.train.Checkpoint`` does.
+
+    TensorFlow calls it with the objects it covers (object name -> object)
+    and a file prefix of its own, before it reads any value; it returns the
+    prefixes of files to merge into the checkpoint. Here the prefix lies in a
+    scratch directory, removed afterwards.
+
+    Returns:
+        Whether the saver wrote nothing (returned no prefix, left no file):
+        one that only prepares values, as the TPU embedding saver
+        (``tf.TPUEmbeddingCallback``) pulls tables into host variables.
+    """
+    save_fn = registration.get_save_function(name)
+    scratch = tempfile.mkdtemp(prefix="asyncckpt-saver-")
+    try:
+        prefix = tf.constant(os.path.join(scratch, "ckpt"))
+        out = save_fn(trackables=trackables, file_prefix=prefix)
+        return (out is None or not tf.nest.flatten(out)) and not os.listdir(scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def executing_eagerly() -> bool:

@@ -99,6 +99,7 @@ class TFSaveJob:
             self._tmp = commit_lib.make_temp_dir(self._dir, self.label)
             self._sums = write_bundle(os.path.join(self._tmp, self.label), self._state,
                                       pause=self._pause) or {}
+            self.nbytes = self._state.nbytes  # with the variants (iterator state) encoded
         finally:
             self._state = None  # the slot is reused once this returns
 

@@ -1,12 +1,14 @@
 """Snapshot of TensorFlow state into host staging buffers, and its write.
 
 Staging asks TensorFlow for exactly what ``tf.train.Checkpoint`` would save
-(every variable, ShardedVariable slice, optimizer slot, Python state, in the
-same object graph and under the same keys), and copies each value into a
-reused host buffer of the slot. Writing produces TensorFlow's bundle format
-from those buffers (``_bundlewrite``), or, for what that cannot write, turns
-them back into tensors without copying (DLPack) and hands them to
-TensorFlow's own bundle writer; either way the files are TensorFlow-native.
+(every variable, ShardedVariable slice, optimizer slot, Python state,
+``tf.data`` iterator state, in the same object graph and under the same
+keys), and copies each value into a reused host buffer of the slot (a
+variant tensor, an iterator's state, is held as captured: ``_variant``).
+Writing produces TensorFlow's bundle format from those buffers
+(``_bundlewrite``), or, for what that cannot write, turns them back into
+tensors without copying (DLPack) and hands them to TensorFlow's own bundle
+writer; either way the files are TensorFlow-native.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from asyncckpt.errors import UnsupportedObjectError
 from asyncckpt.tf import _bundlewrite, _compat
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._snapshot import DeferredCopy
+from asyncckpt.tf._variant import CapturedVariant
 
 logger = logging.getLogger(__name__)
 
-_UNSUPPORTED_DTYPES = (tf.variant, tf.resource)
+_UNSUPPORTED_DTYPES = (tf.resource,)
 
 
 @dataclass(frozen=True)
@@ -38,16 +41,20 @@ class StagedTensor:
         key: Checkpoint key (``path/.ATTRIBUTES/VARIABLE_VALUE``).
         slice_spec: TensorFlow slice spec for a ShardedVariable part, else "".
         dtype: TensorFlow dtype.
-        host: The host copy: a slot buffer, or a private array for strings.
+        host: The host copy: a slot buffer, a private array for strings, or
+            for a variant (iterator state) the tensor captured at the call.
     """
 
     key: str
     slice_spec: str
     dtype: tf.DType
-    host: np.ndarray
+    host: np.ndarray | CapturedVariant
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the value (of a variant: 0 until the writer has encoded it)."""
+        if isinstance(self.host, CapturedVariant):
+            return self.host.nbytes
         if self.dtype == tf.string:
             return int(sum(len(b) for b in self.host.reshape(-1)))
         return int(self.host.nbytes)
@@ -76,20 +83,6 @@ def _describe(trackable: object) -> str:
     return f"{type(trackable).__module__}.{type(trackable).__qualname__}"
 
 
-def _retrieve_embeddings(objects: list) -> None:
-    """Pulls TPU embedding tables from device memory into their host variables.
-
-    TPU embedding tables live in TPU memory and are mirrored into host
-    variables only on request; TensorFlow's own save does this through each
-    embedding's ``_retrieve_variables`` hook, and so does asyncckpt, before
-    reading any variable.
-    """
-    for obj in objects:
-        hook = getattr(type(obj), "_retrieve_variables", None)
-        if hook is not None and callable(hook):
-            hook(obj)
-
-
 def _to_host(value: object, key: str, owner: str) -> tf.Tensor | None:
     """Evaluates one serialized value to a tensor readable from the host."""
     if isinstance(value, _compat.SaveSpec):
@@ -114,9 +107,8 @@ def _check_dtype(dtype: tf.DType, key: str, owner: str) -> None:
     if dtype in _UNSUPPORTED_DTYPES:
         raise UnsupportedObjectError(
             f"asyncckpt cannot stage checkpoint value {key!r} of {owner}: "
-            f"its dtype is {dtype.name}, an opaque handle that has no host copy "
-            "(for example a tf.data iterator). Leave this object out of the asyncckpt "
-            "checkpoint and save it with tf.train.Checkpoint."
+            f"its dtype is {dtype.name}, an opaque handle that has no host copy. Leave "
+            "this object out of the asyncckpt checkpoint and save it with tf.train.Checkpoint."
         )
 
 
@@ -126,6 +118,9 @@ class _Entry:
     slice_spec: str
     owner: str  # the owning object's type, for error messages (no reference to it)
     value: object  # a tensor, or a SaveSpec/Callable that reads one
+    # For a value serialized when the plan was built (a tf.data iterator's state):
+    # serializes it again for the later saves of a reused plan.
+    reread: Callable[[], object] | None = None
 
 
 def _weak_refs(objects: list, on_death) -> list[weakref.ref] | None:
@@ -141,11 +136,18 @@ class _Plan:
     Building it (TensorFlow's own serialization of the object graph) costs
     milliseconds per hundred variables, so a plan is reused while the object
     graph is unchanged (the same objects under the same names) and every value
-    is a lazy variable reader. Objects with optimizer slot machinery
-    (``get_slot_names``: compat.v1 and legacy Keras optimizers) can grow slots
-    without a visible graph change, so their plans are never reused. All lazy
-    reads of a reused plan run in one ``tf.function`` call instead of a few
-    eager ops per variable.
+    is a lazy variable reader or a ``tf.data`` iterator's state (serialized
+    again at each save: ``_Entry.reread``). Objects with optimizer slot
+    machinery (``get_slot_names``: compat.v1 and legacy Keras optimizers) can
+    grow slots without a visible graph change, so their plans are never
+    reused. All lazy reads of a reused plan run in one ``tf.function`` call
+    instead of a few eager ops per variable.
+
+    Objects with a registered TensorFlow saver (``registration``) get its save
+    function called at each save before any value is read, as TensorFlow's
+    save calls it: TPU embeddings pull their tables from device memory into
+    their host variables there. A saver that writes files of its own is
+    refused (asyncckpt writes the one bundle itself).
 
     A kept plan refers to the graph's objects only weakly, so it never keeps
     alive what the checkpoint itself holds weakly (``root=weakref.ref(obj)``);
@@ -163,12 +165,6 @@ class _Plan:
         direct_max: int = 0,
     ):
         serialized, registered, proto = _compat.serialize_graph(checkpoint)
-        if any(registered.values()):
-            names_ = sorted(name for name, objs in registered.items() if objs)
-            raise UnsupportedObjectError(
-                "asyncckpt cannot stage objects that use a registered TensorFlow saver "
-                f"({', '.join(names_)}); save them with tf.train.Checkpoint"
-            )
         self.names = names
         self.object_graph = proto.SerializeToString()
         self.entries: list[_Entry] = []
@@ -177,17 +173,26 @@ class _Plan:
             for key, value in tensor_dict.items():
                 parts = value.items() if isinstance(value, dict) else (("", value),)
                 for slice_spec, part in parts:
-                    self.entries.append(_Entry(key, slice_spec, described, part))
+                    reread = None
+                    if tf.is_tensor(part) and part.dtype == tf.variant:
+                        reread = _compat.iterator_state_reader(owner, key)
+                    self.entries.append(_Entry(key, slice_spec, described, part, reread))
         self.refs = _weak_refs(objects, on_death)
+        self.savers = _Savers(registered, self.refs is not None)
         self.reusable = (
             self.refs is not None
-            and all(isinstance(e.value, _compat.TensorCallable) for e in self.entries)
+            and all(isinstance(e.value, _compat.TensorCallable) or e.reread is not None
+                    for e in self.entries)
             and not any("get_slot_names" in dir(o) for o in objects)
         )
+        self._fresh = True  # values serialized by this build not read yet
+        # Lazy readers (variables) and values serialized by TensorFlow (the rest).
+        self._lazy = [i for i, e in enumerate(self.entries) if e.reread is None]
+        self._states = [i for i, e in enumerate(self.entries) if e.reread is not None]
         # Few plain variables: each read by one eager op (see _DIRECT_MAX), no tracing.
         self.variables: list | None = None
-        if self.reusable and len(self.entries) <= direct_max:
-            found = [_compat.plain_variable(e.value) for e in self.entries]
+        if self.reusable and len(self._lazy) <= direct_max:
+            found = [_compat.plain_variable(self.entries[i].value) for i in self._lazy]
             if all(v is not None for v in found):
                 self.variables = found
         self._batched = None  # tf.function reading every value, traced after the first read
@@ -206,29 +211,52 @@ class _Plan:
             and names == self.names
         )
 
-    def read(self) -> list[tf.Tensor | None]:
-        """Current values of every entry (None for an uninitialized variable)."""
+    def read(self, *, sizes_only: bool = False) -> list[tf.Tensor | None]:
+        """Current values of every entry (None for an uninitialized variable).
+
+        Registered savers run first (``_Savers``), then iterator states are
+        serialized, then the variables are read. ``sizes_only`` (``prepare``,
+        which only needs the variables' buffer sizes) runs no saver and
+        serializes no iterator (None for those entries).
+        """
         self.uses += 1
+        if not sizes_only:
+            self.savers.run()
+        fresh, self._fresh = self._fresh, False
+        values: list = [None] * len(self.entries)
+        for i in self._states:
+            e = self.entries[i]
+            value = None if sizes_only else e.value if fresh else e.reread()
+            if self.reusable:
+                e.value = None  # a kept plan holds no iterator state
+            values[i] = None if value is None else _to_host(value, e.key, e.owner)
+        for i, v in zip(self._lazy, self._read_lazy(), strict=True):
+            values[i] = v
+        return values
+
+    def _read_lazy(self) -> list[tf.Tensor | None]:
+        lazy = [self.entries[i] for i in self._lazy]
         if self.variables is not None:
             values = self._checked(
-                lambda: [_compat.read_variable(v) for v in self.variables], "direct")
+                lazy, lambda: [_compat.read_variable(v) for v in self.variables], "direct")
             if values is not None:
                 return values
         else:
             if self.uses == 1 and self.reusable:
-                self._start_tracing()
+                self._start_tracing(lazy)
             if self._batched is not None and not self._batched_failed:
-                values = self._checked(self._call, "batched")
+                values = self._checked(lazy, self._call, "batched")
                 if values is not None:
                     return values
                 self._batched_failed = True
-        return [_to_host(e.value, e.key, e.owner) for e in self.entries]
+        return [_to_host(e.value, e.key, e.owner) for e in lazy]
 
-    def _checked(self, read: Callable[[], list], how: str) -> list | None:
+    def _checked(self, entries: list[_Entry], read: Callable[[], list],
+                 how: str) -> list | None:
         """``read()``'s values if it works and their dtypes match; else None (read eagerly)."""
         try:
             values = read()
-            for e, v in zip(self.entries, values, strict=True):
+            for e, v in zip(entries, values, strict=True):
                 _check_dtype(v.dtype, e.key, e.owner)
             return values
         except UnsupportedObjectError:
@@ -237,7 +265,7 @@ class _Plan:
             logger.debug("%s read failed (%r); reading variables one by one", how, e)
             return None
 
-    def _start_tracing(self) -> None:
+    def _start_tracing(self, lazy: list[_Entry]) -> None:
         """Traces the batched reader, on the first save's thread (issue 13.3).
 
         Tracing takes tens of ms of Python. Done on a background thread after
@@ -248,7 +276,7 @@ class _Plan:
         builds the plan and allocates the staging memory; it traces too, so
         that every later save finds the reader ready.
         """
-        readers = [e.value._tensor for e in self.entries]
+        readers = [e.value._tensor for e in lazy]
         try:
             fn = tf.function(lambda: [r() for r in readers])
             self._call = _compat.flat_caller(fn)  # traces; the cheap way to call fn
@@ -258,6 +286,36 @@ class _Plan:
             self._batched_failed = True
         finally:
             self.traced.set()
+
+
+class _Savers:
+    """The registered TensorFlow savers of a plan's objects, run before each read.
+
+    Holds the objects weakly when the plan is kept (``weak``), like the plan.
+    """
+
+    def __init__(self, registered: dict, weak: bool):
+        self._savers = []
+        for name, trackables in registered.items():
+            if trackables:
+                held = {n: (weakref.ref(t) if weak else (lambda t=t: t))
+                        for n, t in trackables.items()}
+                self._savers.append((name, held))
+
+    def run(self) -> None:
+        """Calls each saver's save function on this thread.
+
+        Raises:
+            UnsupportedObjectError: A saver wrote files of its own.
+        """
+        for name, held in self._savers:
+            trackables = {n: get() for n, get in held.items()}
+            if not _compat.run_registered_saver(name, trackables):
+                raise UnsupportedObjectError(
+                    f"asyncckpt cannot stage objects whose registered TensorFlow saver "
+                    f"{name!r} writes files of its own ({sorted(trackables)}); save them "
+                    "with tf.train.Checkpoint"
+                )
 
 
 # Up to this many values, all plain variables, a save reads each by one eager
@@ -307,7 +365,6 @@ class Stager:
     def _plan_for(self, checkpoint: tf.train.Checkpoint) -> _Plan:
         """The plan of the checkpoint's current object graph (the kept one if it still fits)."""
         objects, names = _graph_signature(checkpoint)
-        _retrieve_embeddings(objects)
         plan = self._plan
         if plan is None or not plan.matches(objects, names):
             plan = _Plan(checkpoint, objects, names, self._on_death, direct_max=_DIRECT_MAX)
@@ -318,7 +375,7 @@ class Stager:
         """Byte size of each staging buffer a save of the checkpoint now takes, by key."""
         plan = self._plan_for(checkpoint)
         return {_buffer_key(e.key, e.slice_spec): t.shape.num_elements() * t.dtype.size
-                for e, t in zip(plan.entries, plan.read(), strict=True)
+                for e, t in zip(plan.entries, plan.read(sizes_only=True), strict=True)
                 if t is not None and t.dtype != tf.string}
 
     def stage(
@@ -384,6 +441,9 @@ def _plan_copy(
     if tensor.dtype == tf.string:
         # Strings (Python state) are small; keep a private copy by value.
         return StagedTensor(key, slice_spec, tensor.dtype, np.array(tensor.numpy(), dtype=object))
+    if tensor.dtype == tf.variant:
+        # An iterator's serialized state: immutable, encoded by the writer (_variant).
+        return StagedTensor(key, slice_spec, tensor.dtype, CapturedVariant(tensor))
     on_host = "CPU" in tensor.device.upper()
     if not on_host:
         # Device-to-host copy; TensorFlow picks the DMA path for the device.
@@ -400,6 +460,8 @@ def _plan_copy(
 
 def _as_tensor(t: StagedTensor) -> tf.Tensor:
     """Wraps a staged buffer as a tensor without copying it, where possible."""
+    if isinstance(t.host, CapturedVariant):
+        return t.host.tensor
     if t.dtype == tf.string:
         return tf.constant(t.host, dtype=tf.string)
     host = t.host
