@@ -70,7 +70,8 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
     ``_last_checkpoint_step``, ``_init_fn``, and, read-only,
     ``_max_to_keep``, ``_keep_checkpoint_every_n_hours``,
     ``_latest_checkpoint``, ``_maybe_delete`` (a snapshot) and
-    ``_last_preserved_timestamp``. Every public method is overridden;
+    ``_last_preserved_timestamp``. Every method and property of TensorFlow's
+    class is overridden (but ``_prefix``, which reads ``_checkpoint_prefix``);
     ``_sweep`` and ``_record_state`` (TensorFlow's synchronous retention and
     state-file write) are refused, as this manager does both once each save
     is durable.
