@@ -369,6 +369,11 @@ class DirectoryView:
         with self.lock:
             return list(self.maybe_delete)
 
+    def entries(self) -> list[tuple[str, float]]:
+        """The managed checkpoints and their timestamps, oldest first."""
+        with self.lock:
+            return list(self.maybe_delete.items())
+
     def newest_first(self) -> list[str]:
         with self.lock:
             names = list(reversed(self.maybe_delete))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import numbers
 import os
 import re
 import time
+import types
 
 from asyncckpt import layout
 from asyncckpt._closing import ClosingContext
@@ -39,13 +41,16 @@ def _positive_or_none(value, name: str) -> int | None:
     return int(value)
 
 
-class CheckpointManager(ClosingContext):
+class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
     """Manages numbered asynchronous checkpoints in a directory.
 
-    Same constructor, properties and methods as ``tf.train.CheckpointManager``,
-    plus ``sync()``/``close()``. ``save()`` returns the new path as soon as the
-    state is snapshotted (see ``AsyncOptions.background_copy``), and, as in
-    TensorFlow, ``latest_checkpoint``, ``checkpoints`` and the retention
+    A ``tf.train.CheckpointManager`` (a subclass: ``isinstance`` checks in
+    user code and libraries, such as orbit's ``Controller`` and
+    ``tf.distribute``'s ``PreemptionCheckpointHandler``, accept it), with the
+    same constructor, properties and methods, plus ``prepare()``,
+    ``sync(timeout)`` and ``close()``. ``save()`` returns the new path as soon
+    as the state is snapshotted (see ``AsyncOptions.background_copy``), and,
+    as in TensorFlow, ``latest_checkpoint``, ``checkpoints`` and the retention
     decisions change at once. The
     ``checkpoint`` state file changes, and old checkpoints are deleted, only
     once the new checkpoint is durable, so ``tf.train.latest_checkpoint``
@@ -55,6 +60,21 @@ class CheckpointManager(ClosingContext):
 
     Managers of one directory in one process share that view (listings agree,
     one commits at a time); the directory lock keeps other processes out.
+
+    TensorFlow's ``__init__`` is not run: it would read the state file into
+    bookkeeping of its own, beside the directory view shared by this
+    process's managers (and cannot read a URL directory). The attributes
+    TensorFlow's code reads from a manager are set here or derived from that
+    view: ``_checkpoint``, ``_directory``, ``_checkpoint_prefix``
+    (``_prefix``), ``_step_counter``, ``_checkpoint_interval``,
+    ``_last_checkpoint_step``, ``_init_fn``, and, read-only,
+    ``_max_to_keep``, ``_keep_checkpoint_every_n_hours``,
+    ``_latest_checkpoint``, ``_maybe_delete`` (a snapshot) and
+    ``_last_preserved_timestamp``. Every method and property of TensorFlow's
+    class is overridden (but ``_prefix``, which reads ``_checkpoint_prefix``);
+    ``_sweep`` and ``_record_state`` (TensorFlow's synchronous retention and
+    state-file write) are refused, as this manager does both once each save
+    is durable.
 
     Args:
         checkpoint: A ``tf.train.Checkpoint`` (its saves through this manager
@@ -99,6 +119,8 @@ class CheckpointManager(ClosingContext):
         remote: str | None = None,
         remote_options: RemoteOptions | None = None,
     ):
+        # tf.train.CheckpointManager.__init__ is deliberately not called (see
+        # the class docstring); what its methods and TensorFlow read is set here.
         if isinstance(checkpoint, Checkpoint):
             self._ckpt = checkpoint
             self._owns_ckpt = False
@@ -117,17 +139,21 @@ class CheckpointManager(ClosingContext):
                 "checkpoint must be a tf.train.Checkpoint or an asyncckpt.tf.Checkpoint, "
                 f"got {type(checkpoint).__name__}"
             )
-        self._user_checkpoint = checkpoint
-        max_to_keep = _positive_or_none(max_to_keep, "max_to_keep")
+        # What the manager was given (TensorFlow's `checkpoint` property reads
+        # it; tf.distribute's PreemptionCheckpointHandler attaches its run
+        # counter to it, so it must be the object whose graph is saved).
+        self._checkpoint = checkpoint
+        self._save_counter_assign = None  # TensorFlow's graph-mode save op; never built here
         self._policy = retention.RetentionPolicy(
-            max_to_keep=max_to_keep, keep_every_n_hours=keep_checkpoint_every_n_hours
+            max_to_keep=_positive_or_none(max_to_keep, "max_to_keep"),
+            keep_every_n_hours=keep_checkpoint_every_n_hours,
         )
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name must be a plain file name, got {checkpoint_name!r}")
         # A URL directory stages in a local scratch directory (storage tier).
         self._tiers = TieredDirectory(
             directory, remote=remote,
-            remote_options=remote_options or RemoteOptions(max_to_keep=max_to_keep))
+            remote_options=remote_options or RemoteOptions(max_to_keep=self._max_to_keep))
         self._directory = (self._tiers.local_dir if self._tiers.remote_only
                            else os.fspath(directory))
         # What the manager reports: the URL for a URL directory (its scratch
@@ -135,7 +161,7 @@ class CheckpointManager(ClosingContext):
         self._shown_directory = (self._tiers.display if self._tiers.remote_only
                                  else self._directory)
         self._checkpoint_name = checkpoint_name
-        self._prefix = os.path.join(self._directory, checkpoint_name)
+        self._checkpoint_prefix = os.path.join(self._directory, checkpoint_name)
         self._init_fn = init_fn
         if checkpoint_interval is not None and step_counter is None:
             raise ValueError(
@@ -194,7 +220,7 @@ class CheckpointManager(ClosingContext):
     @property
     def checkpoint(self):
         """The checkpoint object this manager was given."""
-        return self._user_checkpoint
+        return self._checkpoint
 
     @property
     def last_save(self) -> SaveHandle | None:
@@ -210,6 +236,45 @@ class CheckpointManager(ClosingContext):
     def retention_failures(self) -> int:
         """Failed state-file writes or deletions after a durable save (retried later)."""
         return self._view.retention_failures
+
+    # -- tf.train.CheckpointManager's private state, as TensorFlow reads it ----
+
+    # Read-only: retention is configured at construction (assigning one of
+    # these raises AttributeError rather than being ignored).
+
+    @property
+    def _max_to_keep(self) -> int | None:
+        return self._policy.max_to_keep
+
+    @property
+    def _keep_checkpoint_every_n_hours(self):
+        return self._policy.keep_every_n_hours
+
+    @property
+    def _latest_checkpoint(self) -> str | None:
+        return self.latest_checkpoint
+
+    @property
+    def _maybe_delete(self) -> types.MappingProxyType:
+        """Managed checkpoints and their timestamps, oldest first (a read-only snapshot)."""
+        return types.MappingProxyType(collections.OrderedDict(
+            (self._path(name), stamp) for name, stamp in self._view.entries()))
+
+    @property
+    def _last_preserved_timestamp(self) -> float:
+        return self._view.last_preserved
+
+    def _sweep(self):
+        raise NotImplementedError(
+            "asyncckpt.tf.CheckpointManager applies retention itself once each save is "
+            "durable; call save() (and sync() to wait for it), not _sweep()"
+        )
+
+    def _record_state(self):
+        raise NotImplementedError(
+            "asyncckpt.tf.CheckpointManager writes the checkpoint state file itself once "
+            "each save is durable; call save() (and sync() to wait for it), not _record_state()"
+        )
 
     # -- saving and restoring ------------------------------------------------
 
@@ -267,7 +332,7 @@ class CheckpointManager(ClosingContext):
         counter = self._ckpt.save_counter
         counter.assign_add(1)
         number = _evaluate(counter if checkpoint_number is None else checkpoint_number)
-        prefix = f"{self._prefix}-{number}"
+        prefix = f"{self._checkpoint_prefix}-{number}"
         shown = self._path(f"{self._checkpoint_name}-{number}")
         view = self._view
         ticket = view.record_save(view.rel(prefix), self._policy)

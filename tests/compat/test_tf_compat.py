@@ -292,6 +292,51 @@ def test_dropped_checkpoint_is_collected_and_its_save_completes(ckpt_dir, gate):
 # -- tf.train.CheckpointManager ----------------------------------------------------
 
 
+def test_manager_is_a_tf_train_checkpoint_manager(ckpt_dir):
+    step = tf.Variable(0, dtype=tf.int64)
+    ckpt = tf.train.Checkpoint(v=tf.Variable([1.0]), step=step)
+
+    def init_fn():
+        pass
+
+    args = dict(max_to_keep=2, keep_checkpoint_every_n_hours=1.5, checkpoint_name="model",
+                step_counter=step, checkpoint_interval=1, init_fn=init_fn)
+    with at.CheckpointManager(ckpt, ckpt_dir, **args) as mgr:
+        assert isinstance(mgr, tf.train.CheckpointManager)
+        for _ in range(3):
+            step.assign_add(1)
+            mgr.save()
+    # Every attribute TensorFlow's own manager sets up on this directory (what
+    # TensorFlow's code, e.g. tf.distribute's PreemptionCheckpointHandler,
+    # reads from a manager) reads the same from asyncckpt's.
+    ours = at.CheckpointManager(ckpt, ckpt_dir, **args)
+    theirs = tf.train.CheckpointManager(ckpt, str(ckpt_dir), **args)
+    assert set(vars(theirs)) >= {"_checkpoint", "_maybe_delete", "_latest_checkpoint"}
+    for name, value in vars(theirs).items():
+        mine = getattr(ours, name)
+        assert (dict(mine) if name == "_maybe_delete" else mine) == value, name
+    assert ours._prefix == theirs._prefix and ours.checkpoint is ckpt
+    assert list(ours._maybe_delete) == [str(ckpt_dir / "model-2"), str(ckpt_dir / "model-3")]
+    # Kept as asyncckpt's view: at the save() call, as in TensorFlow.
+    step.assign_add(1)
+    path = ours.save()
+    assert ours._latest_checkpoint == path and list(ours._maybe_delete)[-1] == path
+    # No method of TensorFlow's runs its synchronous behaviour on this manager:
+    # each is overridden (``_prefix`` only reads ``_checkpoint_prefix``), and
+    # TensorFlow's own retention and state-file writes are refused.
+    inherited = [name for name, member in vars(tf.train.CheckpointManager).items()
+                 if (callable(member) or isinstance(member, property))
+                 and not name.startswith("__") and name not in vars(at.CheckpointManager)]
+    assert inherited == ["_prefix"]
+    with pytest.raises(NotImplementedError, match="once each save is durable"):
+        ours._sweep()
+    with pytest.raises(NotImplementedError, match="once each save is durable"):
+        ours._record_state()
+    with pytest.raises(AttributeError):
+        ours._max_to_keep = 5  # set at construction; never silently ignored
+    ours.close()
+
+
 def test_manager_view_changes_at_save_call(ckpt_dir, gate):
     mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), ckpt_dir, max_to_keep=1)
     first = mgr.save()
