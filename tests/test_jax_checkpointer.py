@@ -247,6 +247,13 @@ def test_orbax_checkpointer_spellings(tmp_path):
 
     for name in ("std", "pytree", "sync", "sync2"):
         _assert_equal(_orbax_restore(tmp_path / name, _abstract(tree)), want)
+
+    # A NumPy scalar leaf: a 0-d array on disk, as orbax writes it; a target leaf here too.
+    with aj.StandardCheckpointer() as c:
+        c.save(tmp_path / "np", {"s": np.float32(1.5)})
+        assert c.restore(tmp_path / "np", {"s": np.float32(0)}) == {"s": np.float32(1.5)}
+    _assert_equal(_orbax_restore(tmp_path / "np", {"s": np.zeros((), np.float32)}),
+                  {"s": np.array(1.5, np.float32)})
     handlers = {name: json.loads((tmp_path / name / "_CHECKPOINT_METADATA").read_text())[
         "item_handlers"].rsplit(".", 1)[1] for name in ("std", "pytree")}
     assert handlers == {"std": "StandardCheckpointHandler", "pytree": "PyTreeCheckpointHandler"}
