@@ -227,6 +227,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         self._snapshotter = Snapshotter(primary=self._primary)
         self._saves = Saves(self._coord, lambda: None)  # no directory of its own to lock
         self._extra = ((COMMIT_FILE, _COMMIT_TEXT),) if self._primary else ()
+        self._joined: tuple[tuple, tuple] | None = None  # (a plan's metadata, + commit file)
         self._on_published = (None if self._post_commit is None
                               else lambda _step, cb=self._post_commit: cb())
         self._lock = threading.Lock()
@@ -341,12 +342,9 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                     save_key: str | None) -> None:
         token = self._saves.token()
         parent, name = os.path.split(path)
-        extra = self._extra
 
         def stage(slot):
-            staged = self._snapshotter.stage(value, slot, item=ROOT)
-            if extra:
-                staged = StagedTree.combine([staged, StagedTree((), extra)])
+            staged = self._with_commit_file(self._snapshotter.stage(value, slot, item=ROOT))
             return JaxSaveJob(
                 directory=parent,
                 step=None,
@@ -369,6 +367,21 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             self._in_flight[path] = handle
         handle.committed.add_done_callback(lambda _f: self._settled(path, handle))
         self._last_save = handle
+
+    def _with_commit_file(self, staged: StagedTree) -> StagedTree:
+        """``staged`` plus orbax's commit file (the primary's), its chunk list untouched.
+
+        The metadata files with it are joined once per plan (a plan hands out
+        the same tuple from save to save), not on every save.
+        """
+        if not self._extra:
+            return staged
+        meta = staged.metadata_files
+        joined = self._joined
+        if joined is None or joined[0] is not meta:
+            joined = self._joined = (meta, meta + self._extra)
+        size = staged.size + len(_COMMIT_TEXT) if staged.size >= 0 else -1
+        return StagedTree(staged.chunks, joined[1], staged.keepalive, size)
 
     def _settled(self, path: str, handle: SaveHandle) -> None:
         with self._lock:
