@@ -114,20 +114,41 @@ def remove_tree(path: str) -> None:
     _settle(path)
 
 
-def publish_dir(tmp_dir: str, final_dir: str, *, fsync: bool) -> None:
+def publish_dir(tmp_dir: str, final_dir: str, *, fsync: bool, replace: bool = False) -> None:
     """Renames a fully written temporary directory to its final name.
 
+    With ``replace`` an existing ``final_dir`` (a checkpoint saved over with
+    orbax's ``force=True``) is renamed aside first and removed only once the
+    new one is in place, so the old checkpoint stays readable until the new
+    one is durable. A process killed between the two renames leaves both as
+    temporaries and nothing at ``final_dir``.
+
     Raises:
-        FileExistsError: ``final_dir`` already exists; checkpoints are never
-            overwritten in place.
+        FileExistsError: ``final_dir`` already exists and ``replace`` is
+            false; checkpoints are never overwritten in place.
     """
-    with directory_guard(os.path.dirname(os.path.abspath(final_dir))):
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    aside = None
+    with directory_guard(parent):
         if os.path.lexists(final_dir):
-            raise FileExistsError(f"checkpoint {final_dir!r} already exists")
-        os.rename(tmp_dir, final_dir)
+            if not replace:
+                raise FileExistsError(f"checkpoint {final_dir!r} already exists")
+            aside = _claim(os.path.join(
+                parent, f"{TEMP_PREFIX}replaced-{os.path.basename(final_dir)}-"
+                        f"{uuid.uuid4().hex[:8]}"))
+            os.rename(final_dir, aside)
+        try:
+            os.rename(tmp_dir, final_dir)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, final_dir)  # the old checkpoint back where it was
+                _settle(aside)
+            raise
     _settle(tmp_dir)
     if fsync:
-        fsync_path(os.path.dirname(os.path.abspath(final_dir)))
+        fsync_path(parent)
+    if aside is not None:
+        remove_tree(aside)
 
 
 def publish_files(

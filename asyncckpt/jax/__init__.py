@@ -4,7 +4,9 @@ Checkpoints are written asynchronously in orbax's zarr layout, so
 ``orbax.checkpoint`` restores them too; orbax's ``args=`` and
 ``CheckpointManagerOptions`` spellings are accepted (see ``docs/compat.md``).
 Importing this subpackage imports JAX; ``import asyncckpt`` alone does not,
-and orbax is imported only when its types are used.
+and orbax is imported only when its types are used (the checkpointers, one
+pytree to one path, subclass orbax's ``AbstractCheckpointer``: they are
+made on first use).
 """
 
 try:
@@ -19,11 +21,19 @@ from asyncckpt.jax._compat import step_already_exists_error
 from asyncckpt.jax._distributed import CoordinationError
 from asyncckpt.jax.manager import CheckpointManager, RootMetadata, StepMetadata
 
+# asyncckpt.jax.checkpointer imports orbax (its base class): loaded on first use.
+_CHECKPOINTERS = frozenset(
+    {"AsyncCheckpointer", "Checkpointer", "PyTreeCheckpointer", "StandardCheckpointer"})
+
 __all__ = [
     "PLACEHOLDER",
+    "AsyncCheckpointer",
     "CheckpointManager",
+    "Checkpointer",
     "CoordinationError",
+    "PyTreeCheckpointer",
     "RootMetadata",
+    "StandardCheckpointer",
     "StepAlreadyExistsError",
     "StepMetadata",
 ]
@@ -34,4 +44,8 @@ def __getattr__(name: str):
     # orbax is installed, so importing asyncckpt.jax does not import orbax.
     if name == "StepAlreadyExistsError":
         return step_already_exists_error()
+    if name in _CHECKPOINTERS:
+        from asyncckpt.jax import checkpointer
+
+        return getattr(checkpointer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

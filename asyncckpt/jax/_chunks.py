@@ -149,10 +149,16 @@ class ChunkStore:
             self._data[path] = None if plan is None else plan[1]
 
     def wanted(self, item: str, params: set[str]) -> list[str]:
-        """Names of the manifest's files a restore of these arrays of ``item`` relies on."""
+        """Names of the manifest's files a restore of these arrays of ``item`` relies on.
+
+        ``item`` ``""``: the pytree is the checkpoint's root (a checkpointer's
+        path), its arrays' directories are top-level.
+        """
 
         def wanted(name: str) -> bool:
             parts = name.split("/")
+            if not item:
+                return len(parts) == 1 or parts[0] in params
             if len(parts) <= 2:  # step-level files and the item's own metadata files
                 return len(parts) == 1 or parts[0] == item
             return parts[0] == item and parts[1] in params

@@ -241,12 +241,13 @@ def step_metadata_json(
     custom_metadata: dict | None,
     init_ns: int,
     commit_ns: int,
-    item_handlers: dict[str, str] | None = None,
+    item_handlers: dict[str, str] | str | None = None,
 ) -> str:
     """orbax's step-level ``_CHECKPOINT_METADATA`` (metrics, custom metadata).
 
     ``item_handlers`` names orbax's handler of each item directory (default:
-    the one ``default`` pytree item).
+    the one ``default`` pytree item), or, for a checkpointer's save to a path,
+    is the name of its one handler (orbax records a string there).
     """
     return json.dumps(
         {

@@ -48,8 +48,9 @@ class JaxSaveJob:
     """Writes one staged pytree as ``<directory>/<step>/`` in the orbax layout.
 
     Args:
-        directory: The manager's directory.
-        step: Step number; the checkpoint's directory name.
+        directory: The manager's directory (a checkpointer's: the path's parent).
+        step: Step number; the checkpoint's directory name (None: a
+            checkpointer's save to a path, named by ``dir_name``).
         staged: The staged bytes (slot buffers).
         options: fsync and checksums.
         temp_token: Names the temporary directory; the same on every process.
@@ -62,20 +63,23 @@ class JaxSaveJob:
             the commit: if it raises, the save fails (a URL directory's
             upload, which is what makes such a save durable).
         dir_name: The step directory's name (default: the step).
-        item_handlers: orbax's handler of each item, for ``_CHECKPOINT_METADATA``.
+        item_handlers: orbax's handler of each item, for ``_CHECKPOINT_METADATA``
+            (a checkpointer's: the one handler's name, as orbax records it).
         shards: Several processes and a remote directory: each process has its
             own temporary directory and uploads its own files; the primary
             checks them all before the manifest (``asyncckpt.storage.shards``).
         on_temp_made: Called on the writer thread once the temporary directory
             exists (the manager lists the directory again there, so the next
             ``save()`` does not).
+        replace: Publish over an existing checkpoint of the same name (orbax's
+            ``force=True``); it is removed once the new one is in place.
     """
 
     def __init__(
         self,
         *,
         directory: str,
-        step: int,
+        step: int | None,
         staged: StagedTree,
         options: AsyncOptions,
         temp_token: str,
@@ -86,9 +90,10 @@ class JaxSaveJob:
         on_committed: CommitCallback | None,
         on_published: Callable[[int], None] | None = None,
         dir_name: str | None = None,
-        item_handlers: dict[str, str] | None = None,
+        item_handlers: dict[str, str] | str | None = None,
         shards: ShardUploader | None = None,
         on_temp_made: Callable[[], None] | None = None,
+        replace: bool = False,
     ):
         self.label = dir_name or str(step)
         self.step = step
@@ -106,6 +111,7 @@ class JaxSaveJob:
         self._item_handlers = item_handlers
         self._shards = shards
         self._on_temp_made = on_temp_made
+        self._replace = replace
         self._primary = coordinator is None or coordinator.primary
         self._init_ns = time.time_ns()
         self._tmp: str | None = None
@@ -239,7 +245,8 @@ class JaxSaveJob:
             manifest.to_json(),
             fsync=self._options.fsync,
         )
-        commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync)
+        commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync,
+                               replace=self._replace)
         self._tmp = None
         self._published = True
         if self._on_published is not None:

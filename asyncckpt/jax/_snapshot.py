@@ -141,10 +141,15 @@ class Plan:
         return sum(len(leaf.chunks) for leaf in self.leaves)
 
     def names(self, item: str) -> tuple[tuple[str, ...], ...]:
-        """Each leaf's chunk file names under ``item``, built once per item."""
+        """Each leaf's chunk file names under ``item``, built once per item.
+
+        ``item`` ``""`` is the checkpoint's root: the pytree's files are not in
+        a subdirectory (orbax's checkpointers write a path that way).
+        """
         named = self._named.get(item)
         if named is None:
-            named = tuple(tuple(f"{item}/{c.file}" for c in lp.chunks) for lp in self.leaves)
+            prefix = f"{item}/" if item else ""
+            named = tuple(tuple(prefix + c.file for c in lp.chunks) for lp in self.leaves)
             self._named[item] = named
         return named
 
@@ -202,7 +207,8 @@ class Plan:
         key = ("metadata", item)
         named = self._named.get(key)
         if named is None:
-            named = tuple((f"{item}/{name}", data) for name, data in self.metadata_files)
+            prefix = f"{item}/" if item else ""
+            named = tuple((prefix + name, data) for name, data in self.metadata_files)
             self._named[key] = named
         return named
 
@@ -511,7 +517,8 @@ class Snapshotter:
         Args:
             tree: The pytree.
             slot: Staging buffers, reused from save to save by file name.
-            item: The item directory the files go in (several items share a slot).
+            item: The item directory the files go in (several items share a
+                slot); ``""`` puts them at the checkpoint's root.
         """
         plan, leaves = self.plan(tree)
         slot.reserve(plan.nbytes)  # over the host memory budget: raises, nothing allocated

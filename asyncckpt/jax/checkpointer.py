@@ -1,0 +1,662 @@
+"""orbax's checkpointers, saving through asyncckpt's engine: one pytree to one path.
+
+``StandardCheckpointer().save(path, state)`` returns once the state is copied
+into a host staging slot; the manager's background writer then writes
+``path`` in orbax's zarr layout (the pytree's files at the top of ``path``,
+as orbax's checkpointers lay them out), checksums and fsyncs it, writes the
+manifest and publishes ``path`` with one rename. So a save blocks exactly as
+long as ``CheckpointManager.save`` does, and ``orbax.checkpoint``'s own
+checkpointers restore the result.
+
+The four classes are orbax's spellings: ``Checkpointer(handler)`` and
+``PyTreeCheckpointer()`` return from ``save`` once the checkpoint is durable,
+as orbax's synchronous ones; ``AsyncCheckpointer(handler)`` and
+``StandardCheckpointer()`` return after the copy. All are subclasses of
+orbax's ``AbstractCheckpointer`` when orbax is installed (importing this
+module imports orbax; ``import asyncckpt.jax`` does not), and expose orbax's
+handler object as ``handler``. What each orbax option does here is in
+``docs/compat.md``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from asyncckpt._closing import ClosingContext
+from asyncckpt._coordination import PeerFailedError
+from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
+from asyncckpt.jax import _args, _compat, _metadata
+from asyncckpt.jax import _format as fmt
+from asyncckpt.jax._distributed import Coordinator, Saves
+from asyncckpt.jax._job import JaxSaveJob
+from asyncckpt.jax._metadata import StepMetadata
+from asyncckpt.jax._restore import restore_tree, shared_verdicts
+from asyncckpt.jax._snapshot import Snapshotter, StagedTree
+from asyncckpt.options import AsyncOptions, RestoreOptions
+
+try:
+    from orbax.checkpoint import AbstractCheckpointer as _OrbaxCheckpointer
+except ImportError:  # pragma: no cover - asyncckpt[jax] installs orbax
+    _OrbaxCheckpointer = object
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncCheckpointer", "Checkpointer", "PyTreeCheckpointer", "StandardCheckpointer"]
+
+ROOT = ""  # the pytree's files are at the top of the checkpoint's path
+# orbax's commit marker: written inside the directory before it is renamed into
+# place, so readers using orbax's commit-file atomicity see it as finalized too.
+COMMIT_FILE = "commit_success.txt"
+_COMMIT_TEXT = b"committed by asyncckpt"
+# The multi-process key-value namespace of checkpointers (each one numbered).
+_COORDINATION_NAME = "asyncckpt.jax.Checkpointer"
+_DEFAULT_TIMEOUT_S = 1800.0
+
+_STANDARD = "StandardCheckpointHandler"
+_PYTREE = "PyTreeCheckpointHandler"
+# What orbax records in _CHECKPOINT_METADATA for each handler (its typestr()).
+_TYPESTR = {
+    _STANDARD: fmt.STANDARD_HANDLER,
+    _PYTREE: "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler",
+}
+_TEMPORARY_PATHS = ("AtomicRenameTemporaryPath", "CommitFileTemporaryPath")
+_UNSET: Any = object()  # an argument left at orbax's default
+
+
+def _orbax_type(obj: Any) -> str | None:
+    cls = type(obj)
+    return cls.__name__ if cls.__module__.startswith("orbax.") else None
+
+
+def _refuse(what: str, why: str) -> ValueError:
+    return ValueError(f"{what} is not supported by asyncckpt's checkpointers: {why}")
+
+
+def _handler_kind(handler: Any) -> str:
+    """``_STANDARD`` or ``_PYTREE`` for one of orbax's pytree handlers.
+
+    Raises:
+        ValueError: another handler, or one set to write zarr v3.
+    """
+    kind = _orbax_type(handler)
+    if kind not in (_STANDARD, _PYTREE):
+        raise ValueError(
+            f"handler {type(handler).__module__}.{type(handler).__qualname__} is not supported "
+            "by asyncckpt's checkpointers, which save one pytree: pass "
+            "ocp.StandardCheckpointHandler() or ocp.PyTreeCheckpointHandler() (named items and "
+            "JSON: asyncckpt.jax.CheckpointManager with args=ocp.args.Composite(...))")
+    # orbax keeps the format settings private; a StandardCheckpointHandler
+    # wraps a PyTreeCheckpointHandler as _impl.
+    impl = getattr(handler, "_impl", handler)
+    if getattr(impl, "_use_zarr3", False) is True:
+        raise _refuse(f"{kind}(use_zarr3=True)", "asyncckpt writes zarr v2, which orbax "
+                      "reads; leave use_zarr3 unset")
+    return kind
+
+
+def _check_orbax_options(*, multiprocessing_options: Any, file_options: Any,
+                         checkpoint_metadata_store: Any, temporary_path_class: Any) -> None:
+    """Refuses the orbax options asyncckpt's checkpointers cannot honour (named)."""
+    mp = multiprocessing_options
+    if mp is not None:
+        if getattr(mp, "primary_host", 0) != 0:
+            raise _refuse(f"MultiprocessingOptions(primary_host={mp.primary_host!r})",
+                          "process 0 writes the metadata and commits every save; leave it 0")
+        if getattr(mp, "active_processes", None) is not None:
+            raise _refuse("MultiprocessingOptions(active_processes=...)",
+                          "every JAX process takes part in each save")
+        # barrier_sync_key_prefix keeps orbax's barriers of several checkpointers
+        # apart; asyncckpt's keys are per checkpointer already.
+    fo = file_options
+    if fo is not None:
+        if getattr(fo, "path_permission_mode", None) is not None:
+            raise _refuse("FileOptions(path_permission_mode=...)",
+                          "directories get the process's umask; chmod them after the save")
+        if getattr(fo, "skip_sync_file_validations", False):
+            raise _refuse("FileOptions(skip_sync_file_validations=True)",
+                          "the destination is always checked (force=True replaces it)")
+    if checkpoint_metadata_store is not None:
+        raise _refuse("checkpoint_metadata_store",
+                      "asyncckpt writes _CHECKPOINT_METADATA itself, with the checkpoint")
+    if temporary_path_class is not None and getattr(
+            temporary_path_class, "__name__", None) not in _TEMPORARY_PATHS:
+        raise _refuse(f"temporary_path_class={temporary_path_class!r}",
+                      "a checkpoint is published by rename with orbax's commit file inside, "
+                      "which satisfies AtomicRenameTemporaryPath and CommitFileTemporaryPath")
+    # atomicity_options: every mode is met for the same reason.
+
+
+def _engine_settings(async_options: Any, timeout_s: float | None
+                     ) -> tuple[AsyncOptions, float, Callable[[], None] | None]:
+    """asyncckpt's ``AsyncOptions``, the coordination timeout and orbax's post-commit callback.
+
+    ``async_options`` is asyncckpt's ``AsyncOptions`` (staging slots, fsync,
+    checksums) or orbax's (its timeout and ``post_finalization_callback``).
+    """
+    if async_options is None or isinstance(async_options, AsyncOptions):
+        return async_options or AsyncOptions(), timeout_s or _DEFAULT_TIMEOUT_S, None
+    if _orbax_type(async_options) == "AsyncOptions":
+        if getattr(async_options, "barrier_sync_fn", None) is not None:
+            raise _refuse("orbax AsyncOptions(barrier_sync_fn=...)",
+                          "processes agree through JAX's distributed key-value store")
+        # create_directories_asynchronously: the writer thread creates them anyway.
+        return (AsyncOptions(), timeout_s or float(async_options.timeout_secs),
+                async_options.post_finalization_callback)
+    raise TypeError(f"async_options must be asyncckpt.options.AsyncOptions or orbax's "
+                    f"AsyncOptions, got {type(async_options).__qualname__}")
+
+
+def _local_path(directory: str | os.PathLike) -> str:
+    text = os.fspath(directory)
+    if "://" in text:
+        raise ValueError(f"{text!r}: asyncckpt's checkpointers write local (or mounted) paths; "
+                         "for s3:// or gs:// use asyncckpt.jax.CheckpointManager(url)")
+    return os.path.abspath(text)
+
+
+class Checkpointer(ClosingContext, _OrbaxCheckpointer):
+    """orbax's ``Checkpointer(handler)``: saves one pytree to a path, returning once durable.
+
+    The base of asyncckpt's checkpointers; ``AsyncCheckpointer`` returns from
+    ``save`` once the state is copied instead. Every save goes through
+    asyncckpt's engine: staging slots, the background writer, the manifest
+    with checksums and the commit by rename.
+
+    Args:
+        handler: ``ocp.StandardCheckpointHandler()`` or
+            ``ocp.PyTreeCheckpointHandler()``; says which ``args`` the
+            methods take (``StandardSave``/``PyTreeSave`` and the restores).
+        async_options: asyncckpt's ``AsyncOptions`` (staging slots, fsync,
+            checksums) or orbax's (timeout, ``post_finalization_callback``,
+            called on the writer thread once each checkpoint is published).
+        multiprocessing_options, file_options, atomicity_options,
+        checkpoint_metadata_store, temporary_path_class: orbax's options;
+            what cannot be honoured is refused here, by name.
+        restore_options: Verification on restore.
+        coordination_timeout_s: Several processes: longest wait for another
+            process during a save.
+
+    Raises:
+        ValueError: an option or handler setting asyncckpt cannot honour.
+    """
+
+    _blocking = True  # save() returns once the checkpoint is durable
+
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        async_options: Any = None,
+        multiprocessing_options: Any = None,
+        file_options: Any = None,
+        atomicity_options: Any = None,
+        checkpoint_metadata_store: Any = None,
+        temporary_path_class: Any = None,
+        restore_options: RestoreOptions | None = None,
+        coordination_timeout_s: float | None = None,
+    ):
+        if handler is None and type(self) in (Checkpointer, AsyncCheckpointer):
+            raise TypeError(f"{type(self).__name__} needs orbax's handler: "
+                            "ocp.StandardCheckpointHandler() or ocp.PyTreeCheckpointHandler()")
+        self._kind = _STANDARD if handler is None else _handler_kind(handler)
+        _check_orbax_options(multiprocessing_options=multiprocessing_options,
+                             file_options=file_options,
+                             checkpoint_metadata_store=checkpoint_metadata_store,
+                             temporary_path_class=temporary_path_class)
+        del atomicity_options  # every mode is met (see _check_orbax_options)
+        self._options, timeout_s, self._post_commit = _engine_settings(
+            async_options, coordination_timeout_s)
+        self._handler = handler
+        self._typestr = _TYPESTR[self._kind]
+        self._restore_options = restore_options or RestoreOptions()
+        self._coord = Coordinator.for_this_run(timeout_s=timeout_s, directory=_COORDINATION_NAME)
+        self._primary = self._coord is None or self._coord.primary
+        name = "asyncckpt.jax.checkpointer" if self._coord is None else (
+            f"asyncckpt.jax.checkpointer[p{self._coord.process_index}]")
+        self._engine = AsyncEngine(options=self._options, name=name)
+        self._snapshotter = Snapshotter(primary=self._primary)
+        self._saves = Saves(self._coord, lambda: None)  # no directory of its own to lock
+        self._extra = ((COMMIT_FILE, _COMMIT_TEXT),) if self._primary else ()
+        self._joined: tuple[tuple, tuple] | None = None  # (a plan's metadata, + commit file)
+        self._on_published = (None if self._post_commit is None
+                              else lambda _step, cb=self._post_commit: cb())
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, SaveHandle] = {}
+        self._last_save: SaveHandle | None = None
+        self._closed = False
+
+    # -- properties ---------------------------------------------------------------
+
+    @property
+    def handler(self) -> Any:
+        """orbax's handler object (None when orbax is not installed)."""
+        return self._handler
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The background engine: stats, history, ``estimated_write_seconds``."""
+        return self._engine
+
+    @property
+    def last_save(self) -> SaveHandle | None:
+        """Handle of the most recent save (``committed`` resolves when durable)."""
+        return self._last_save
+
+    # -- saving ---------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike, *args: Any, force: bool = False,
+             custom_metadata: dict | None = None, **kwargs: Any) -> None:
+        """Saves a pytree to ``directory`` (orbax's argument forms).
+
+        ``save(path, tree)``, ``save(path, args=ocp.args.StandardSave(tree))``
+        (``PyTreeSave`` for a PyTree handler) or the args' fields as keywords
+        (``save(path, item=tree)``).
+
+        Raises:
+            ValueError: ``directory`` exists (or is being saved) and ``force``
+                is false, as orbax; an argument asyncckpt cannot honour.
+            UnsupportedObjectError: a leaf cannot be saved (named).
+            Exception: a failure of an earlier background save.
+        """
+        value = self._save_value(args, kwargs)
+        self._save(directory, value, force=force, custom_metadata=custom_metadata)
+
+    def _save_value(self, args: tuple, kwargs: dict) -> Any:
+        """The pytree of a save, from orbax's argument forms."""
+        if len(args) == 1 and not kwargs:
+            items, named = _args.save_items(args[0], None)
+        else:
+            items, named = _args.save_items(None, self._orbax_args(args, kwargs, restore=False))
+        return self._one_item(items, named).value
+
+    def _orbax_args(self, args: tuple, kwargs: dict, *, restore: bool) -> Any:
+        """One orbax ``CheckpointArgs`` from the forms orbax's checkpointers take.
+
+        An args object passed positionally or by any keyword is used as is;
+        otherwise the positional and keyword arguments are the handler's
+        args' fields (``item``, ``save_args``, ``restore_args``...).
+        """
+        given = (*args, *kwargs.values())
+        found = [a for a in given if _args.is_orbax_args(a)]
+        if found:
+            if len(given) != 1:
+                raise TypeError("give the orbax args object alone (args=...)")
+            return found[0]
+        if not given and restore:
+            return None
+        try:
+            from orbax.checkpoint import args as ocp_args
+        except ImportError:  # pragma: no cover - asyncckpt[jax] installs orbax
+            raise TypeError("without orbax installed, give the pytree alone") from None
+        cls = {(False, _STANDARD): ocp_args.StandardSave, (False, _PYTREE): ocp_args.PyTreeSave,
+               (True, _STANDARD): ocp_args.StandardRestore,
+               (True, _PYTREE): ocp_args.PyTreeRestore}[(restore, self._kind)]
+        return cls(*args, **kwargs)
+
+    @staticmethod
+    def _one_item(items: list, named: bool) -> Any:
+        if named or len(items) != 1 or items[0].kind not in ("pytree", "auto"):
+            raise ValueError("asyncckpt's checkpointers save and restore one pytree; for named "
+                             "items (Composite) or JSON use asyncckpt.jax.CheckpointManager")
+        return items[0]
+
+    def _save(self, directory: str | os.PathLike, value: Any, *, force: bool,
+              custom_metadata: dict | None) -> None:
+        if self._closed or self._engine.closed:
+            raise EngineClosedError("cannot save after close()")
+        multi = self._coord is not None  # then earlier failures raise once staged
+        path = _local_path(directory)
+        custom = _compat.json_checked(custom_metadata, "custom_metadata")
+        if multi:
+            with self._saves.attempt(None) as (seq, save_key):  # type: ignore[arg-type]
+                self._check_destination(path, force)
+                self._start_save(path, value, custom, force, seq, save_key)
+            self._engine.raise_pending_error()
+        else:
+            self._check_destination(path, force)
+            self._start_save(path, value, custom, force, self._saves.next_seq(), None)
+        if self._blocking:
+            self._engine.sync()
+
+    def _check_destination(self, path: str, force: bool) -> None:
+        """orbax's rule: an existing destination is an error unless ``force``."""
+        if force:
+            return  # replaced once the new checkpoint is in place
+        with self._lock:
+            busy = path in self._in_flight
+        if busy or os.path.lexists(path):
+            raise ValueError(f"destination {path!r} already exists (or is being saved); "
+                             "save with force=True to replace it")
+
+    def _start_save(self, path: str, value: Any, custom: Any, force: bool, seq: int,
+                    save_key: str | None) -> None:
+        token = self._saves.token()
+        parent, name = os.path.split(path)
+
+        def stage(slot):
+            staged = self._with_commit_file(self._snapshotter.stage(value, slot, item=ROOT))
+            return JaxSaveJob(
+                directory=parent,
+                step=None,
+                staged=staged,
+                options=self._options,
+                temp_token=f"{token}-{seq}",
+                coordinator=self._coord,
+                save_key=save_key,
+                metrics=None,
+                custom_metadata=custom,
+                on_committed=None,
+                on_published=self._on_published,
+                dir_name=name,
+                item_handlers=self._typestr,
+                replace=force,
+            )
+
+        handle = self._engine.save(stage, label=path, raise_pending=self._coord is None)
+        with self._lock:
+            self._in_flight[path] = handle
+        handle.committed.add_done_callback(lambda _f: self._settled(path, handle))
+        self._last_save = handle
+
+    def _with_commit_file(self, staged: StagedTree) -> StagedTree:
+        """``staged`` plus orbax's commit file (the primary's), its chunk list untouched.
+
+        The metadata files with it are joined once per plan (a plan hands out
+        the same tuple from save to save), not on every save.
+        """
+        if not self._extra:
+            return staged
+        meta = staged.metadata_files
+        joined = self._joined
+        if joined is None or joined[0] is not meta:
+            joined = self._joined = (meta, meta + self._extra)
+        size = staged.size + len(_COMMIT_TEXT) if staged.size >= 0 else -1
+        return StagedTree(staged.chunks, joined[1], staged.keepalive, size)
+
+    def _settled(self, path: str, handle: SaveHandle) -> None:
+        with self._lock:
+            if self._in_flight.get(path) is handle:
+                del self._in_flight[path]
+
+    def prepare(self, state: Any) -> None:
+        """Builds the host staging memory for saves of ``state``, in the background.
+
+        As ``CheckpointManager.prepare``: the first save then only copies.
+
+        Raises:
+            EngineClosedError: The checkpointer is closed.
+            UnsupportedObjectError: a leaf cannot be saved.
+        """
+        if self._closed or self._engine.closed:
+            raise EngineClosedError("cannot prepare after close()")
+        plan = self._snapshotter.plan(state)[0]
+        self._engine.prepare_staging(plan.layout(ROOT))
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def wait_until_finished(self) -> None:
+        """Waits until every save is durable (and, multi-process, committed).
+
+        Raises:
+            Exception: a background failure not yet reported.
+        """
+        self._engine.sync()
+
+    def check_for_errors(self) -> None:
+        """Raises the failure of a background save not yet reported, if any."""
+        self._engine.raise_pending_error()
+
+    def _wait_for(self, path: str) -> None:
+        """Waits for a save of ``path`` still in flight; raises its failure."""
+        with self._lock:
+            handle = self._in_flight.get(path)
+        if handle is not None:
+            concurrent.futures.wait([handle.committed])
+            self._engine.raise_pending_error()
+
+    def close(self) -> None:
+        """Waits for saves in flight, frees the staging memory.
+
+        Raises:
+            Exception: a background failure not yet reported.
+        """
+        first, self._closed = not self._closed, True
+        try:
+            self._engine.close()
+        finally:
+            close = getattr(self._handler, "close", None)
+            if first and close is not None:
+                close()
+
+    # -- restoring --------------------------------------------------------------------
+
+    def restore(self, directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        """Restores the pytree at ``directory`` (orbax's argument forms).
+
+        ``restore(path)``, ``restore(path, target)``, ``restore(path,
+        args=ocp.args.StandardRestore(target))`` (``PyTreeRestore`` with
+        ``restore_args`` / ``partial_restore`` for a PyTree handler), or the
+        args' fields as keywords. Waits for a save of ``path`` still in
+        flight. See ``CheckpointManager.restore`` for the target's leaves.
+
+        Raises:
+            CheckpointNotFoundError: nothing at ``directory`` (a FileNotFoundError).
+            CorruptCheckpointError: the files do not match the manifest (named).
+            ValueError: the target does not match the checkpoint.
+        """
+        if len(args) == 1 and not kwargs and not _args.is_orbax_args(args[0]):
+            items, named = _args.restore_items(args[0], None)
+        else:
+            items, named = _args.restore_items(None, self._orbax_args(args, kwargs,
+                                                                       restore=True))
+        request = None if items is None else self._one_item(items, named)
+        return self._restore(directory, request)
+
+    def _restore(self, directory: str | os.PathLike, request: _args.RestoreItem | None) -> Any:
+        path = self._checkpoint_path(directory)
+        verdicts = None if self._coord is None else self._coord.restore_verdicts()
+        try:
+            with shared_verdicts(verdicts):
+                if request is None:
+                    return restore_tree(path, checksums=self._restore_options.verify_checksums,
+                                        item=ROOT)
+                return restore_tree(path, request.target,
+                                    checksums=self._restore_options.verify_checksums,
+                                    item=ROOT, partial=request.partial,
+                                    restore_args=request.restore_args)
+        except Exception as e:
+            if verdicts is not None and not isinstance(e, PeerFailedError):
+                verdicts.abort(e)
+            raise
+
+    def _checkpoint_path(self, directory: str | os.PathLike) -> str:
+        """``directory`` as a finished checkpoint (its save waited for)."""
+        path = _local_path(directory)
+        self._wait_for(path)
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"checkpoint at {path!r} not found")
+        name = os.path.basename(path)
+        if commit_lib.is_temp_name(name) or ".orbax-checkpoint-tmp" in name:
+            raise ValueError(f"found incomplete checkpoint at {path!r}")
+        return path
+
+    def metadata(self, directory: str | os.PathLike) -> StepMetadata:
+        """What the checkpoint at ``directory`` records besides its arrays.
+
+        ``item_metadata`` is a tree of ``jax.ShapeDtypeStruct`` like the saved
+        pytree (usable as a restore target), ``item_handlers`` the handler's
+        name (as orbax's checkpointers record it), ``step`` None.
+
+        Raises:
+            CheckpointNotFoundError: nothing at ``directory``.
+        """
+        path = self._checkpoint_path(directory)
+        meta = _metadata.read_step_metadata(0, path, with_items=False)
+        handler = fmt.read_step_metadata(path).get("item_handlers")
+        if fmt.is_ocdbt(path):  # written by orbax in its OCDBT format: orbax describes it
+            from orbax.checkpoint import StandardCheckpointer as OrbaxCheckpointer
+
+            with OrbaxCheckpointer() as reader:
+                tree = reader.metadata(path).item_metadata.tree
+            items = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+        else:
+            items = _metadata.describe_tree(path)
+        return dataclasses.replace(meta, step=None, item_metadata=items,  # type: ignore[arg-type]
+                                   item_handlers=handler)
+
+
+class AsyncCheckpointer(Checkpointer):
+    """orbax's ``AsyncCheckpointer(handler)``: ``save`` returns once the state is copied.
+
+    The write, checksums, fsync and commit run on the background writer, as
+    for ``CheckpointManager.save``; two saves can be in flight at once (one
+    per staging slot), where orbax's waits for the previous one. Call
+    ``wait_until_finished()`` (or ``close()``) before reading the files with
+    other tools; this class's ``restore``/``metadata`` wait for the path's
+    save themselves.
+
+    Args:
+        handler: ``ocp.StandardCheckpointHandler()`` or ``ocp.PyTreeCheckpointHandler()``.
+        timeout_secs: orbax's name for ``coordination_timeout_s`` (several processes).
+        **kwargs: As ``Checkpointer``.
+    """
+
+    _blocking = False
+
+    def __init__(self, handler: Any, timeout_secs: float | None = None, **kwargs: Any):
+        if timeout_secs is not None:
+            if kwargs.get("coordination_timeout_s") is not None:
+                raise TypeError("give timeout_secs or coordination_timeout_s, not both")
+            kwargs["coordination_timeout_s"] = timeout_secs
+        super().__init__(handler, **kwargs)
+
+
+class StandardCheckpointer(AsyncCheckpointer):
+    """orbax's ``StandardCheckpointer()``: asynchronous saves of a pytree to a path.
+
+    Example (Flax NNX)::
+
+        checkpointer = asyncckpt.jax.StandardCheckpointer()
+        checkpointer.save(path, nnx.state(model))     # returns after the copy
+        abstract = nnx.state(nnx.eval_shape(lambda: Model(rngs=nnx.Rngs(0))))
+        state = checkpointer.restore(path, abstract)  # waits for the save
+
+    Args:
+        **kwargs: ``Checkpointer``'s options; other keywords are
+            ``ocp.StandardCheckpointHandler``'s (``save_concurrent_gb``,
+            ``restore_concurrent_gb``: limits of orbax's own writer, with no
+            effect here; ``use_ocdbt=True`` is refused, ``False`` is what is
+            written).
+    """
+
+    _OWN = frozenset({"async_options", "multiprocessing_options", "file_options",
+                      "atomicity_options", "checkpoint_metadata_store", "temporary_path_class",
+                      "restore_options", "coordination_timeout_s"})
+
+    def __init__(self, **kwargs: Any):
+        handler_kwargs = {k: v for k, v in kwargs.items() if k not in self._OWN}
+        if handler_kwargs.get("use_ocdbt", False) is not False:
+            raise _refuse("use_ocdbt=True", "asyncckpt writes orbax's zarr layout without "
+                          "OCDBT (orbax reads both); leave use_ocdbt unset")
+        try:
+            import orbax.checkpoint as ocp
+        except ImportError:  # pragma: no cover - asyncckpt[jax] installs orbax
+            if handler_kwargs:
+                raise TypeError(f"{sorted(handler_kwargs)} are orbax handler options; "
+                                "install orbax-checkpoint") from None
+            handler = None
+        else:
+            mp = kwargs.get("multiprocessing_options")
+            handler = ocp.StandardCheckpointHandler(
+                **handler_kwargs, **({} if mp is None else {"multiprocessing_options": mp}))
+        super().__init__(handler, **{k: v for k, v in kwargs.items() if k in self._OWN})
+
+    def save(self, directory: str | os.PathLike, state: Any = None, *, args: Any = None,
+             save_args: Any = None, force: bool = False,
+             custom_metadata: dict | None = None) -> None:
+        """Saves ``state`` (or ``args=ocp.args.StandardSave(state)``) to ``directory``.
+
+        Returns once every value is copied to host memory: the state may be
+        updated, donated or deleted at once.
+
+        Raises:
+            ValueError: ``directory`` exists (or is being saved) and ``force``
+                is false, as orbax.
+            UnsupportedObjectError: a leaf cannot be saved (named).
+            Exception: a failure of an earlier background save.
+        """
+        if save_args is not None:
+            if args is not None:
+                raise TypeError("give save_args with the state, not with args=")
+            from orbax.checkpoint import args as ocp_args
+
+            args, state = ocp_args.StandardSave(state, save_args), None
+        items, named = _args.save_items(state, args)
+        self._save(directory, self._one_item(items, named).value, force=force,
+                   custom_metadata=custom_metadata)
+
+    def restore(self, directory: str | os.PathLike, target: Any = None, *, strict: bool = True,
+                args: Any = None) -> Any:
+        """Restores the pytree at ``directory`` into ``target``'s structure and shardings.
+
+        ``target`` leaves: ``jax.ShapeDtypeStruct`` (with a sharding: any mesh
+        or device count), ``jax.Array``, NumPy arrays, scalars,
+        ``ocp.PLACEHOLDER``; None returns nested dicts. Waits for a save of
+        ``directory`` still in flight.
+
+        Raises:
+            CheckpointNotFoundError: nothing at ``directory`` (a FileNotFoundError).
+            CorruptCheckpointError: the files do not match the manifest (named).
+            ValueError: ``target`` does not match, or ``strict=False``
+                (restoring into other shapes is not supported).
+        """
+        if strict is not True:
+            raise ValueError("strict=False (restoring into other shapes) is not supported; "
+                             "shapes must match the checkpoint")
+        items, named = _args.restore_items(target, args)
+        return self._restore(directory, None if items is None else self._one_item(items, named))
+
+
+class PyTreeCheckpointer(Checkpointer):
+    """orbax's ``PyTreeCheckpointer()``: ``save`` returns once the checkpoint is durable.
+
+    Takes orbax's ``PyTreeSave``/``PyTreeRestore`` forms (``restore_args``,
+    ``partial_restore``). ``use_ocdbt`` and ``use_compression`` left unset
+    write orbax's zarr layout uncompressed and without OCDBT (orbax reads
+    it); ``use_ocdbt=False`` / ``use_compression=False`` ask for exactly
+    that; ``True`` and ``use_zarr3=True`` are refused.
+
+    Args:
+        primary_host: 0 (asyncckpt's process 0 commits).
+        **kwargs: As ``Checkpointer``.
+    """
+
+    def __init__(self, primary_host: int | None = 0, use_ocdbt: bool = _UNSET,
+                 use_zarr3: bool = False, use_compression: bool = _UNSET, **kwargs: Any):
+        for name, value in (("use_ocdbt", use_ocdbt), ("use_compression", use_compression)):
+            if value is not _UNSET and value is not False:
+                raise _refuse(f"{name}={value!r}", "asyncckpt writes orbax's zarr layout "
+                              "uncompressed and without OCDBT (orbax reads it); leave it unset")
+        if primary_host != 0:
+            raise _refuse(f"primary_host={primary_host!r}",
+                          "process 0 writes the metadata and commits every save; leave it 0")
+        try:
+            import orbax.checkpoint as ocp
+        except ImportError:  # pragma: no cover - asyncckpt[jax] installs orbax
+            handler = None
+        else:
+            handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=use_zarr3,
+                                                  use_compression=False)
+        super().__init__(handler, **kwargs)
+        if handler is None:
+            self._kind, self._typestr = _PYTREE, _TYPESTR[_PYTREE]

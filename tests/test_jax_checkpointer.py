@@ -1,0 +1,360 @@
+"""asyncckpt.jax.StandardCheckpointer and orbax's other checkpointer spellings.
+
+One pytree to one path through the manager's engine; every restore is done
+with asyncckpt's checkpointer and with orbax's own.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+ocp = pytest.importorskip("orbax.checkpoint")
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import asyncckpt.jax as aj  # noqa: E402
+from asyncckpt import layout  # noqa: E402
+from asyncckpt.engine import files as files_lib  # noqa: E402
+from asyncckpt.jax import _job  # noqa: E402
+
+
+def _mesh(shape, names):
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+
+
+def _state():
+    mesh = _mesh((4, 2), ("a", "b"))
+    return {
+        "params": {
+            "w": jax.device_put(jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8),
+                                NamedSharding(mesh, P("a", "b"))),
+            "bf": jax.device_put(jnp.arange(32, dtype=jnp.bfloat16), NamedSharding(mesh, P("a"))),
+        },
+        "host": np.arange(5, dtype=np.int64),
+        "scalar_array": np.array(1.5, np.float32),
+        "step": 7,
+        "lr": 0.25,
+    }
+
+
+def _values(tree):
+    return jax.tree.map(lambda a: np.asarray(a).copy(), tree)
+
+
+def _abstract(tree, mesh=None, spec=None):
+    """The target of a restore: jax.Arrays onto ``mesh`` (or their own sharding)."""
+    def one(a):
+        if isinstance(a, jax.Array):
+            sharding = a.sharding if mesh is None else NamedSharding(mesh, spec or P())
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+        return a
+    return jax.tree.map(one, tree)
+
+
+def _assert_equal(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _orbax_restore(path, target):
+    with ocp.StandardCheckpointer() as c:
+        return c.restore(path, target)
+
+
+def _gate_writes(monkeypatch):
+    """Holds every background write of a save until the returned event is set."""
+    gate, entered = threading.Event(), threading.Event()
+    real_write = _job.JaxSaveJob.write
+
+    def gated_write(self):
+        entered.set()
+        assert gate.wait(60), "the test never opened the gate"
+        real_write(self)
+
+    monkeypatch.setattr(_job.JaxSaveJob, "write", gated_write)
+    return gate, entered
+
+
+def test_sharded_state_saved_async_restores_resharded_with_asyncckpt_and_orbax(tmp_path):
+    state = _state()
+    want = _values(state)
+    path = tmp_path / "ckpt"
+    with aj.StandardCheckpointer() as ckptr:
+        assert isinstance(ckptr, ocp.AbstractCheckpointer)
+        ckptr.prepare(state)
+        ckptr.save(path, state, custom_metadata={"run": "a"})
+        # The values are those at the call: the arrays may be donated at once.
+        bump = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
+        state["params"] = bump(state["params"])
+        other = _mesh((8,), ("x",))
+        got = ckptr.restore(path, _abstract(want | {"params": state["params"]}, other, P("x")))
+        _assert_equal(got, want)
+        assert got["params"]["w"].sharding.spec == P("x")
+        meta = ckptr.metadata(path)
+        assert meta.custom_metadata == {"run": "a"} and meta.step is None
+        assert meta.item_metadata["params"]["w"] == jax.ShapeDtypeStruct((16, 8), jnp.float32)
+        assert meta.item_handlers == ocp.StandardCheckpointHandler().typestr()
+    # orbax's layout for a checkpointer: the pytree's files at the top of the path.
+    names = set(os.listdir(path))
+    assert {"_METADATA", "_sharding", "_CHECKPOINT_METADATA", "commit_success.txt",
+            layout.JAX_MANIFEST_NAME, "params.w", "host"} <= names
+    assert os.listdir(tmp_path) == ["ckpt"]  # no temporaries left beside it
+    target = _abstract(_state(), _mesh((2, 4), ("p", "q")), P("q"))
+    by_orbax = _orbax_restore(path, target)
+    _assert_equal(by_orbax, want)
+    with ocp.StandardCheckpointer() as c:
+        assert c.metadata(path).custom_metadata == {"run": "a"}
+
+
+def test_restores_what_orbax_wrote(tmp_path):
+    state = _state()
+    want = _values(state)
+    with ocp.StandardCheckpointer() as c:  # OCDBT, orbax's default
+        c.save(tmp_path / "std", state)
+    with ocp.PyTreeCheckpointer(use_ocdbt=False) as c:  # plain zarr, compressed
+        c.save(tmp_path / "zarr", state)
+    target = _abstract(state, _mesh((8,), ("x",)), P("x"))
+    with aj.StandardCheckpointer() as ckptr:
+        for name in ("std", "zarr"):
+            _assert_equal(ckptr.restore(tmp_path / name, target), want)
+            _assert_equal(_orbax_restore(tmp_path / name, target), want)
+        meta = ckptr.metadata(tmp_path / "std")
+        assert meta.item_metadata["params"]["bf"].shape == (32,)
+
+
+def test_existing_destination_raises_and_force_replaces_it_once_the_new_one_is_durable(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "ckpt"
+    old = {"w": jnp.zeros(8), "n": 1}
+    new = {"w": jnp.ones(8), "n": 2}
+    with aj.StandardCheckpointer() as ckptr:
+        ckptr.save(path, old)
+        with pytest.raises(ValueError, match="already exists"):
+            ckptr.save(path, new)  # still in flight, or already there: as orbax, refused
+        ckptr.wait_until_finished()
+        with pytest.raises(ValueError, match="already exists"):
+            ckptr.save(path, new)
+        gate, entered = _gate_writes(monkeypatch)
+        try:
+            ckptr.save(path, new, force=True)  # returns while its write is held
+            assert entered.wait(30)
+            # The old checkpoint is still there, whole, while the new one is written.
+            _assert_equal(_orbax_restore(path, _abstract(old)), _values(old))
+            # restore() of the path waits for its save.
+            result = {}
+            reader = threading.Thread(
+                target=lambda: result.setdefault("got", ckptr.restore(path, _abstract(new))))
+            reader.start()
+            reader.join(0.5)
+            assert reader.is_alive()
+        finally:
+            gate.set()
+        reader.join(60)
+        _assert_equal(result["got"], _values(new))
+    _assert_equal(_orbax_restore(path, _abstract(new)), _values(new))
+    assert os.listdir(tmp_path) == ["ckpt"]  # the replaced one is gone, no temporaries
+
+
+class _DiskFullWriter(files_lib.DurableWriter):
+    """The real writer, except that chunk files of the array `w` hit a full disk."""
+
+    def write(self, name, chunks):
+        if name.startswith("w/"):
+            raise OSError(errno.ENOSPC, "No space left on device", name)
+        return super().write(name, chunks)
+
+
+def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(_job, "DurableWriter", _DiskFullWriter)
+    ckptr = aj.StandardCheckpointer()
+    ckptr.save(tmp_path / "ckpt", {"w": jnp.arange(64.0), "n": 1})  # staging succeeds
+    with pytest.raises(OSError) as err:
+        ckptr.wait_until_finished()
+    assert err.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError):
+        ckptr.restore(tmp_path / "ckpt")
+    monkeypatch.setattr(_job, "DurableWriter", files_lib.DurableWriter)
+    ckptr.save(tmp_path / "ckpt", {"w": jnp.arange(64.0), "n": 1})  # the path is free
+    ckptr.close()
+    assert ckptr.restore(tmp_path / "ckpt")["n"] == 1
+
+
+def test_a_damaged_file_fails_the_restore_naming_it(tmp_path):
+    from asyncckpt.errors import CorruptCheckpointError
+
+    state = {"w": jnp.arange(64.0), "v": jnp.ones(4)}
+    with aj.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "a", state)
+        ckptr.save(tmp_path / "b", state)
+    # Array metadata that still parses, but describes other bytes (float32 -> int32).
+    zarray = tmp_path / "a" / "w" / ".zarray"
+    zarray.write_text(zarray.read_text().replace('"<f4"', '"<i4"'))
+    chunk = tmp_path / "b" / "v" / "0"
+    chunk.write_bytes(b"\xff" + chunk.read_bytes()[1:])
+    with aj.StandardCheckpointer() as ckptr:
+        for name, damaged in (("a", zarray), ("b", chunk)):
+            with pytest.raises(CorruptCheckpointError) as err:
+                ckptr.restore(tmp_path / name, _abstract(state))
+            assert str(damaged) in str(err.value)
+        # A partial restore reads and checks only what it restores.
+        part = ckptr.restore(tmp_path / "b", args=ocp.args.PyTreeRestore(
+            {"w": jax.ShapeDtypeStruct((64,), jnp.float32)}, partial_restore=True))
+        _assert_equal(part, {"w": np.arange(64.0, dtype=np.float32)})
+
+
+def test_orbax_checkpointer_spellings(tmp_path):
+    tree = {"a": jnp.arange(6.0), "b": {"c": np.arange(3, dtype=np.int32), "d": 4}}
+    want = _values(tree)
+
+    with aj.AsyncCheckpointer(ocp.StandardCheckpointHandler(), timeout_secs=60) as c:
+        c.save(tmp_path / "std", args=ocp.args.StandardSave(tree))
+        got = c.restore(tmp_path / "std", args=ocp.args.StandardRestore(_abstract(tree)))
+        _assert_equal(got, want)
+        assert type(c.handler).__name__ == "StandardCheckpointHandler"
+
+    # A PyTree handler: partial restores and restore_args, in orbax's forms.
+    with aj.AsyncCheckpointer(ocp.PyTreeCheckpointHandler()) as c:
+        c.save(tmp_path / "pytree", tree)
+        part = c.restore(tmp_path / "pytree", args=ocp.args.PyTreeRestore(
+            {"b": {"c": np.zeros(3, np.int32)}}, partial_restore=True))
+        _assert_equal(part, {"b": {"c": want["b"]["c"]}})
+        by_args = c.restore(tmp_path / "pytree", item=None, restore_args=jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+        _assert_equal(by_args, jax.tree.map(np.asarray, want))
+
+    # The synchronous ones return once the checkpoint is durable and published.
+    with aj.PyTreeCheckpointer() as c:
+        c.save(tmp_path / "sync", tree)
+        assert (tmp_path / "sync" / layout.JAX_MANIFEST_NAME).exists()
+        assert c.engine.pending == 0
+    with aj.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+        c.save(tmp_path / "sync2", item=tree)
+        assert (tmp_path / "sync2" / layout.JAX_MANIFEST_NAME).exists()
+        _assert_equal(c.restore(tmp_path / "sync2", _abstract(tree)), want)
+
+    for name in ("std", "pytree", "sync", "sync2"):
+        _assert_equal(_orbax_restore(tmp_path / name, _abstract(tree)), want)
+
+    # A NumPy scalar leaf: a 0-d array on disk, as orbax writes it; a target leaf here too.
+    with aj.StandardCheckpointer() as c:
+        c.save(tmp_path / "np", {"s": np.float32(1.5)})
+        assert c.restore(tmp_path / "np", {"s": np.float32(0)}) == {"s": np.float32(1.5)}
+    _assert_equal(_orbax_restore(tmp_path / "np", {"s": np.zeros((), np.float32)}),
+                  {"s": np.array(1.5, np.float32)})
+    handlers = {name: json.loads((tmp_path / name / "_CHECKPOINT_METADATA").read_text())[
+        "item_handlers"].rsplit(".", 1)[1] for name in ("std", "pytree")}
+    assert handlers == {"std": "StandardCheckpointHandler", "pytree": "PyTreeCheckpointHandler"}
+
+
+def test_orbax_options_honoured_or_refused_at_construction(tmp_path):
+    calls = []
+    opts = ocp.AsyncOptions(timeout_secs=30, post_finalization_callback=lambda: calls.append(1))
+    commit_file = ocp.path.atomicity.CommitFileTemporaryPath
+    with aj.StandardCheckpointer(async_options=opts, temporary_path_class=commit_file) as c:
+        c.save(tmp_path / "a", {"w": jnp.ones(3)})
+        c.wait_until_finished()
+        assert calls == [1]  # once the checkpoint is published
+    with ocp.StandardCheckpointer(temporary_path_class=commit_file) as c:
+        _assert_equal(c.restore(tmp_path / "a", {"w": jnp.zeros(3)}), {"w": np.ones(3, "f4")})
+
+    refused = {
+        "use_ocdbt": lambda: aj.StandardCheckpointer(use_ocdbt=True),
+        "use_ocdbt=True": lambda: aj.PyTreeCheckpointer(use_ocdbt=True),
+        "use_zarr3": lambda: aj.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)),
+        "JsonCheckpointHandler": lambda: aj.AsyncCheckpointer(ocp.JsonCheckpointHandler()),
+        "primary_host": lambda: aj.StandardCheckpointer(
+            multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=1)),
+        "temporary_path_class": lambda: aj.StandardCheckpointer(
+            temporary_path_class=type("MyPath", (commit_file,), {})),
+        "barrier_sync_fn": lambda: aj.StandardCheckpointer(
+            async_options=ocp.AsyncOptions(barrier_sync_fn=lambda **kw: None)),
+    }
+    for name, make in refused.items():
+        with pytest.raises(ValueError, match=name):
+            make()
+    with aj.StandardCheckpointer() as c:
+        with pytest.raises(ValueError, match="strict=False"):
+            c.restore(tmp_path / "a", {"w": jnp.zeros(3)}, strict=False)
+        with pytest.raises(ValueError, match="CheckpointManager"):
+            c.save("gs://bucket/x", {"w": jnp.ones(3)})
+        with pytest.raises(ValueError, match="Composite"):
+            c.save(tmp_path / "b", args=ocp.args.Composite(w=ocp.args.StandardSave({})))
+
+
+WORKER = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+pid, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                           initialization_timeout=120)
+import asyncckpt.jax as aj
+
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+w = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+state = {"w": jax.make_array_from_callback(w.shape, NamedSharding(mesh, P("a", "b")),
+                                           lambda idx: w[idx]),
+         "host": np.arange(5, dtype=np.int64), "step": 3}
+out = {}
+with aj.StandardCheckpointer(coordination_timeout_s=60) as ckptr:
+    ckptr.save(os.path.join(root, "ckpt"), state)
+    try:
+        ckptr.save(os.path.join(root, "ckpt"), state)  # in flight or published: refused
+    except ValueError as e:
+        out["exists"] = "already exists" in str(e)
+    ckptr.wait_until_finished()  # on process 1 too: returns once process 0 has committed
+    out["published"] = os.path.isdir(os.path.join(root, "ckpt"))
+    mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    target = {"w": jax.ShapeDtypeStruct(w.shape, jnp.float32,
+                                        sharding=NamedSharding(mesh2, P(("x", "y")))),
+              "host": np.zeros(5, np.int64), "step": 0}
+    got = ckptr.restore(os.path.join(root, "ckpt"), target)
+    out["restored"] = bool(got["step"] == 3 and all(
+        np.array_equal(np.asarray(s.data), w[s.index]) for s in got["w"].addressable_shards))
+    out["nbytes"] = ckptr.last_save.result().nbytes
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_save_one_checkpoint_each_its_own_shards(tmp_path):
+    from asyncckpt.storage.servers import free_port
+    from tests.helpers import run_workers, subprocess_env, write_script
+
+    script = write_script(tmp_path, "worker.py", WORKER)
+    port = str(free_port())
+    root = tmp_path / "shared"
+    results = run_workers(script, [[str(i), port, str(root)] for i in range(2)],
+                          env=subprocess_env(JAX_PLATFORMS="cpu"))
+    for r in results:
+        assert r["exists"] and r["published"] and r["restored"], results
+    assert results[1]["nbytes"] < 16 * 8 * 4  # process 1 staged only its half of "w"
+    assert os.listdir(root) == ["ckpt"]
+    manifest = json.loads((root / "ckpt" / layout.JAX_MANIFEST_NAME).read_text())
+    assert {f"w/{i}.{j}" for i in range(4) for j in range(2)} <= {
+        f["name"] for f in manifest["files"]}
+    assert manifest["extra"]["num_processes"] == 2
+    target = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32,
+                                        sharding=NamedSharding(_mesh((8,), ("d",)), P("d"))),
+              "host": np.zeros(5, np.int64), "step": 0}
+    want = {"w": np.arange(16 * 8, dtype=np.float32).reshape(16, 8),
+            "host": np.arange(5, dtype=np.int64), "step": 3}
+    with aj.StandardCheckpointer() as ckptr:
+        _assert_equal(ckptr.restore(root / "ckpt", target), want)
+    _assert_equal(_orbax_restore(root / "ckpt", target), want)
