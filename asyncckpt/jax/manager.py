@@ -551,7 +551,7 @@ class CheckpointManager(ClosingContext):
         checked against the manifest (sizes, and CRC32s unless
         ``RestoreOptions`` turns them off); only the arrays asked for are read.
         Without ``step``, a checkpoint that fails the check is skipped with a
-        warning naming it and the file at fault, and the next newer is tried.
+        warning naming it and the file at fault, and the next older is tried.
 
         Args:
             step: The step to restore, or None for the newest valid one.
