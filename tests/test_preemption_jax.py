@@ -184,9 +184,11 @@ def test_multi_step_loop_saves_the_given_state_and_restores_the_run_count(tmp_pa
         assert handler.restore({"w": np.zeros(4, np.float32)}) is None
         state = {"w": jnp.zeros(4), "step": 0}
         while not handler.preempted:
+            handler.save_checkpoint_if_preempted(state)  # before the chunk, as TensorFlow's
+            if handler.preempted:
+                break
             for _ in range(steps_per_call):
                 state = {"w": state["w"] + 1, "step": state["step"] + 1}
-            handler.save_checkpoint_if_preempted(state)
             if handler.total_run_calls == 3:
                 notice.set()
         (save,) = handler.saves

@@ -124,13 +124,91 @@ def test_sigterm_saves_at_the_next_step_exits_and_resumes(tmp_path):
     (save,) = _json_line(out, "SAVES")
     assert save["final"] and save["run"] - save["run_at_notice"] <= 1
     run = save["run"]
-    assert tf.train.latest_checkpoint(str(directory)).endswith(f"ckpt-{run}")
+    # Named by the manager's save counter, as TensorFlow's handler names it.
+    assert save["checkpoint"] == str(directory / "ckpt-1")
+    assert tf.train.latest_checkpoint(str(directory)) == save["checkpoint"]
 
     restarted = run_python(script, str(directory), str(run + 5), str(marker), env=_env())
     assert restarted.returncode == 0, restarted.stderr[-4000:]
     lines = restarted.stdout.splitlines()
     assert f"start {run} {run} True" in lines  # same step, same state, same run count
     assert f"done {run + 5}" in lines
+
+
+# -- resuming after a save made through each entry point ---------------------------
+
+RESUME = """
+import sys, time
+import tensorflow as tf
+import asyncckpt.tf as at
+from asyncckpt.preemption import PreemptionCheckpointHandler
+
+directory, entry, total, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+applied = tf.Variable(0, dtype=tf.int64)  # counts the steps applied to the state
+mgr = at.CheckpointManager(tf.train.Checkpoint(applied=applied), directory, max_to_keep=2)
+handler = PreemptionCheckpointHandler(None, mgr)  # TensorFlow's call: no cluster resolver
+print("start", handler.total_run_calls, int(applied.numpy()), flush=True)
+
+
+def step(index):
+    applied.assign_add(1)
+    with open(log, "a") as f:
+        f.write(f"{index}\\n")
+    time.sleep(0.02)
+    print("step", index, flush=True)
+
+
+with handler:
+    while handler.total_run_calls < total:  # until preempted
+        if entry == "run":
+            handler.run(lambda: step(handler.total_run_calls))
+        else:  # TensorFlow's loop: the call before the step, then the step
+            handler.save_checkpoint_if_preempted()
+            step(handler.total_run_calls - 1)
+print("done", handler.total_run_calls, int(applied.numpy()), flush=True)
+"""
+
+
+def test_resume_after_a_save_through_run_or_save_checkpoint_if_preempted_skips_no_step(
+        tmp_path):
+    """SIGTERM, exit, restart: each step index is applied exactly once across the runs.
+
+    The job is preempted through ``save_checkpoint_if_preempted`` (called
+    before the step, as TensorFlow's contract has it), resumed in a new
+    process that is preempted through ``run``. Each checkpoint's run count is
+    the number of steps its state holds (read by TensorFlow; the resumed
+    process's asyncckpt restore agrees), and the steps applied before it are
+    exactly the indices below it: resuming there skips and repeats nothing.
+    """
+    from tests.helpers import LineWatcher
+
+    script = write_script(tmp_path, "resume.py", RESUME)
+    directory, log = tmp_path / "ckpt", tmp_path / "steps.log"
+    runs_key = "_asyncckpt_preemption/total_run_calls/.ATTRIBUTES/VARIABLE_VALUE"
+    resumed_at = 0
+    for number, entry in enumerate(["save_checkpoint_if_preempted", "run"], start=1):
+        proc = start_python(script, str(directory), entry, "1000000", str(log), env=_env())
+        lines = LineWatcher(proc.stdout)
+        try:
+            # asyncckpt's restore: the run count and the state agree.
+            assert lines.wait_for("start").split() == ["start", str(resumed_at), str(resumed_at)]
+            lines.wait_for(f"step {resumed_at + 4}")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == EXIT_CODE_OTHER, proc.stderr.read()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+        # TensorFlow reads the preemption checkpoint, named by the save counter.
+        prefix = tf.train.latest_checkpoint(str(directory))
+        assert prefix == str(directory / f"ckpt-{number}"), entry
+        runs = int(tf.train.load_variable(prefix, runs_key))
+        assert int(tf.train.load_variable(prefix, "applied/.ATTRIBUTES/VARIABLE_VALUE")) == runs
+        assert runs > resumed_at + 4, entry
+        indices = [int(x) for x in log.read_text().split()]
+        assert indices == list(range(runs)), f"{entry}: a step was skipped or repeated"
+        resumed_at = runs
 
 
 # -- the deadline, with a slow writer -----------------------------------------------
@@ -212,8 +290,9 @@ def test_final_checkpoint_is_durable_before_the_deadline_with_a_slow_writer(tmp_
         assert final["durable_at"] <= final["deadline"], context  # every trial in time
         assert final["deadline"] == pytest.approx(final["notice_time"] + grace), context
         assert final["run"] > r["run_at_notice"] + 1, context  # trained in the grace period
-        prefix = os.path.join(r["directory"], f"ckpt-{final['run']}")
-        assert tf.train.load_variable(prefix, "step/.ATTRIBUTES/VARIABLE_VALUE") == final["run"]
+        assert os.path.dirname(final["checkpoint"]) == r["directory"], context
+        assert tf.train.load_variable(final["checkpoint"],
+                                      "step/.ATTRIBUTES/VARIABLE_VALUE") == final["run"]
 
 
 # -- two TensorFlow workers (MultiWorkerMirroredStrategy on 127.0.0.1) ---------------
@@ -309,7 +388,7 @@ def test_two_tf_workers_save_at_the_same_step_on_sigterm_to_one_and_resume(tmp_p
     assert saved[0] == saved[1] and len(saved[0]) == 1, saved  # the same step on both
     run = saved[0][0]
     assert run >= 8
-    assert tf.train.latest_checkpoint(str(directory)).endswith(f"ckpt-{run}")
+    assert tf.train.latest_checkpoint(str(directory)) == str(directory / "ckpt-1")
     assert not (directory / "workertemp_1").exists()
 
     results = _finish(_start_workers(script, directory, run + 3))
@@ -345,6 +424,8 @@ def _in_process_handler(manager, **config):
 
 
 def test_save_checkpoint_if_preempted_in_a_multi_step_loop(ckpt_dir):
+    """Called before each chunk (TensorFlow's contract): the checkpoint holds the state
+    of ``total_run_calls`` chunks, and a new handler resumes with the next chunk."""
     import threading
 
     import asyncckpt.tf as at
@@ -357,15 +438,19 @@ def test_save_checkpoint_if_preempted_in_a_multi_step_loop(ckpt_dir):
     with _in_process_handler(mgr, termination_watcher_fn=notice.is_set,
                              exit_fn=lambda: exits.append(1)) as handler:
         while not handler.preempted:
+            handler.save_checkpoint_if_preempted()
+            if handler.preempted:
+                break
             for _ in range(steps_per_call):
                 v.assign_add(1)
-            handler.save_checkpoint_if_preempted()
             if handler.total_run_calls == 4:
                 notice.set()
         (save,) = handler.saves
     mgr.close()
     assert exits == [1] and save.final and save.run >= 4
-    assert int(tf.train.load_variable(f"{ckpt_dir}/ckpt-{save.run}",
+    # Named by the save counter, as TensorFlow names it; the state of save.run chunks.
+    assert save.checkpoint == f"{ckpt_dir}/ckpt-1"
+    assert int(tf.train.load_variable(save.checkpoint,
                                       "v/.ATTRIBUTES/VARIABLE_VALUE")) == steps_per_call * save.run
     # A new handler on the same directory resumes the count with the state.
     v2 = tf.Variable(0, dtype=tf.int64)
