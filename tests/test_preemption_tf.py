@@ -504,3 +504,186 @@ def test_checkpoint_of_the_earlier_estimates_layout_still_resumes(ckpt_dir):
         assert handler.total_run_calls == 3
         assert int(v2.numpy()) == 7
     mgr.close()
+
+
+# -- TensorFlow's spellings ------------------------------------------------------------
+
+
+def _resolver(cluster: dict, task_type: str = "worker", task_id: int = 0):
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id)
+
+
+def test_handler_and_config_take_tensorflows_signatures(ckpt_dir):
+    """``(cluster_resolver, checkpoint_or_checkpoint_manager, checkpoint_dir,
+    termination_config)`` by position and by keyword, TensorFlow's own
+    ``TerminationConfig``, and asyncckpt's shorter call, all mean the same."""
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    v = tf.Variable(3.0)
+    ckpt = tf.train.Checkpoint(v=v)
+    exits = []
+
+    def exit_fn():
+        exits.append(1)
+
+    def watcher():
+        return False
+
+    config = TerminationConfig(watcher, exit_fn, 2.5, None, platform="other")
+    assert (config.termination_watcher_fn, config.exit_fn, config.grace_period) == (
+        watcher, exit_fn, 2.5)
+    with pytest.raises(TypeError):
+        TerminationConfig(watcher, exit_fn, 2.5, None, "other")  # asyncckpt's fields: keywords
+    tf_config = tf.distribute.experimental.TerminationConfig(exit_fn=exit_fn, grace_period=4)
+    local = _resolver({})  # local training: an empty cluster, as MirroredStrategy's
+    calls = [
+        lambda: PreemptionCheckpointHandler(local, ckpt, str(ckpt_dir), config),
+        lambda: PreemptionCheckpointHandler(
+            cluster_resolver=local, checkpoint_or_checkpoint_manager=ckpt,
+            checkpoint_dir=str(ckpt_dir), termination_config=config),
+        lambda: PreemptionCheckpointHandler(None, ckpt, str(ckpt_dir), config),
+        lambda: PreemptionCheckpointHandler(ckpt, checkpoint_dir=str(ckpt_dir),
+                                            termination_config=config),
+        lambda: PreemptionCheckpointHandler(checkpoint_or_manager=ckpt,
+                                            checkpoint_dir=str(ckpt_dir),
+                                            termination_config=config),
+    ]
+    for make in calls:
+        with make() as handler:
+            assert handler.coordinator.kind == "in-process"
+            assert handler.config.grace_period == 2.5 and handler.config.exit_fn is exit_fn
+            assert handler.config.termination_watcher_fn is watcher
+            assert float(v.numpy()) == 3.0 and handler.total_run_calls == 0
+    with PreemptionCheckpointHandler(local, ckpt, str(ckpt_dir), tf_config) as handler:
+        # TensorFlow's config is read field by field (the platform is still detected).
+        assert handler.config.grace_period == 4 and handler.config.exit_fn is exit_fn
+    assert exits == []
+
+    with pytest.raises(TypeError, match="given twice"):
+        PreemptionCheckpointHandler(local, ckpt, checkpoint_or_manager=ckpt)
+    with pytest.raises(TypeError, match="needs a checkpoint"):
+        PreemptionCheckpointHandler(local)
+    with pytest.raises(TypeError, match="checkpoint_dir=") as e:
+        PreemptionCheckpointHandler(ckpt, str(ckpt_dir))  # asyncckpt's call, dir by position
+    assert "cluster_resolver, checkpoint, checkpoint_dir" in str(e.value)
+    with pytest.raises(TypeError, match="termination_config must be"):
+        PreemptionCheckpointHandler(local, ckpt, str(ckpt_dir), {"grace_period": 1})
+
+
+def test_the_cluster_resolver_says_which_worker_and_needs_its_coordination_service(ckpt_dir):
+    """The resolver's cluster spec and task are used: several workers need the
+    coordination service MultiWorkerMirroredStrategy starts; parameter servers and
+    evaluators are refused as TensorFlow's handler refuses them."""
+    from asyncckpt._coordination import CoordinationError
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    ckpt = tf.train.Checkpoint(v=tf.Variable(1.0))
+    config = TerminationConfig(platform="other")
+    workers = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    with pytest.raises(CoordinationError, match="names 3 workers"):
+        PreemptionCheckpointHandler(_resolver(workers, "worker", 1), ckpt, str(ckpt_dir), config)
+    with pytest.raises(NotImplementedError, match="ParameterServerStrategy"):
+        PreemptionCheckpointHandler(_resolver({**workers, "ps": ["127.0.0.1:4"]}), ckpt,
+                                    str(ckpt_dir), config)
+    with pytest.raises(ValueError, match="evaluator:0 is not a chief or worker"):
+        PreemptionCheckpointHandler(_resolver({**workers, "evaluator": ["127.0.0.1:5"]},
+                                              "evaluator", 0), ckpt, str(ckpt_dir), config)
+    # One worker: nothing to agree with.
+    with PreemptionCheckpointHandler(_resolver({"worker": ["127.0.0.1:2"]}), ckpt,
+                                     str(ckpt_dir), config) as handler:
+        assert handler.coordinator.kind == "in-process"
+
+
+def test_watch_preemption_scope_reports_an_error_to_the_cluster_and_reraises(ckpt_dir):
+    from asyncckpt._coordination import InProcessCoordinator
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    class Recording(InProcessCoordinator):
+        """The real in-process store; records what the handler reports to the framework."""
+
+        reported: list = []
+
+        def report_error(self, exc):
+            self.reported.append(exc)
+
+    coordinator = Recording()
+    handler = PreemptionCheckpointHandler(
+        None, tf.train.Checkpoint(v=tf.Variable(1.0)), str(ckpt_dir),
+        TerminationConfig(platform="other"), coordinator=coordinator)
+    error = tf.errors.ResourceExhaustedError(None, None, "Running out of resources")
+    with handler, pytest.raises(tf.errors.ResourceExhaustedError), \
+            handler.watch_preemption_scope():
+        handler.run(lambda: None)
+        raise error
+    assert coordinator.reported == [error]
+    with handler.watch_preemption_scope():  # no error: nothing reported
+        pass
+    assert coordinator.reported == [error]
+
+
+def test_an_adopted_save_in_flight_reports_the_run_count_it_holds(ckpt_dir, monkeypatch):
+    """With no time for a new final save, the save in flight becomes the final
+    checkpoint; its run count is read back from it, not taken from its number
+    (the manager names it by its save counter)."""
+    import asyncckpt.tf as at
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+    from asyncckpt.tf import checkpoint as checkpoint_module
+    from asyncckpt.tf._job import TFSaveJob
+
+    class SlowDiskJob(TFSaveJob):  # the real job, on a disk that takes 1.5 s per checkpoint
+        def write(self):
+            time.sleep(1.5)
+            super().write()
+
+    monkeypatch.setattr(checkpoint_module, "TFSaveJob", SlowDiskJob)
+    v = tf.Variable(0.0)
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=5)
+    exits = []
+    config = TerminationConfig(grace_period=0.3, exit_fn=lambda: exits.append(1),
+                               platform="other")
+    with mgr, PreemptionCheckpointHandler(mgr, termination_config=config) as handler:
+        handler.run(v.assign_add, 1.0)
+        mgr.save()  # ckpt-1, measured: the margin is known
+        mgr.sync()
+        for _ in range(3):
+            handler.run(v.assign_add, 1.0)
+        mgr.save()  # ckpt-2, at run 4, still writing at the notice two steps later
+        handler.run(v.assign_add, 1.0)
+        handler.run(v.assign_add, 1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while not handler.preempted:
+            handler.run(v.assign_add, 1.0)
+    (final,) = handler.saves
+    assert final.adopted and exits == [1], final
+    assert (final.run, final.checkpoint) == (4, f"{ckpt_dir}/ckpt-2")
+    assert tf.train.load_variable(final.checkpoint, "v/.ATTRIBUTES/VARIABLE_VALUE") == 4.0
+
+
+def test_a_peers_tensorflow_error_is_raised_as_its_own_class_on_every_worker():
+    """TensorFlow's handler lets every worker raise the failing worker's error; a
+    worker told of it at a step boundary raises a ``PeerFailedError`` that is also an
+    instance of that ``tf.errors`` class (``except tf.errors.OpError`` catches it)."""
+    import json
+    import pickle
+
+    from asyncckpt._coordination import InProcessCoordinator, PeerFailedError, TFCoordinator
+    from asyncckpt.preemption.agreement import StepAgreement
+
+    coordinators = InProcessCoordinator.group(2)
+    agreement = StepAgreement(coordinators[1], namespace="t", runs=0, margin_fn=lambda: None)
+    error = tf.errors.ResourceExhaustedError(None, None, "Running out of resources")
+    assert agreement.report_error(error)
+    published = json.loads(coordinators[0].try_get("t/error"))
+    assert (published["worker"], published["code"]) == (1, tf.errors.RESOURCE_EXHAUSTED)
+
+    peer = TFCoordinator(worker_id=0, num_workers=2).peer_failed(
+        published["worker"], published["error"], published["code"])
+    assert isinstance(peer, PeerFailedError) and isinstance(peer, tf.errors.ResourceExhaustedError)
+    assert peer.error_code == tf.errors.RESOURCE_EXHAUSTED and peer.worker == 1
+    assert "Running out of resources" in str(peer) and "worker 1 failed" in peer.message
+    again = pickle.loads(pickle.dumps(peer))
+    assert type(again) is type(peer) and str(again) == str(peer)
+    # Not a TensorFlow error (or an unknown code): a plain PeerFailedError.
+    assert type(TFCoordinator(worker_id=0, num_workers=2).peer_failed(1, "x", None)) is (
+        PeerFailedError)

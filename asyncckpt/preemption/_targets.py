@@ -240,13 +240,14 @@ class TFTarget(Target):
         return path
 
     def adopted(self, stats: Any) -> tuple[int | None, str | None]:
+        path = os.path.join(os.fspath(self._write.directory), os.path.basename(stats.label))
         key = f"{TRACKER_NAME}/total_run_calls/.ATTRIBUTES/VARIABLE_VALUE"
         try:
-            runs = int(self._tf.train.load_variable(stats.label, key))
+            runs = int(self._tf.train.load_variable(path, key))
         except Exception as e:  # not readable by TensorFlow here (a URL), or no tracker
-            logger.info("could not read the run count of %s: %s", stats.label, e)
+            logger.info("could not read the run count of %s: %s", path, e)
             runs = None
-        return runs, stats.label
+        return runs, path
 
     def prepare(self, state: Any) -> None:
         del state
