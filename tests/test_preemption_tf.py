@@ -569,6 +569,10 @@ def test_handler_and_config_take_tensorflows_signatures(ckpt_dir):
     assert "cluster_resolver, checkpoint, checkpoint_dir" in str(e.value)
     with pytest.raises(TypeError, match="termination_config must be"):
         PreemptionCheckpointHandler(local, ckpt, str(ckpt_dir), {"grace_period": 1})
+    # TensorFlow's own manager is refused at construction, naming the drop-in.
+    with pytest.raises(TypeError, match=r"asyncckpt\.tf\.CheckpointManager\(checkpoint, "):
+        PreemptionCheckpointHandler(
+            local, tf.train.CheckpointManager(ckpt, str(ckpt_dir / "tf"), max_to_keep=1))
 
 
 def test_the_cluster_resolver_says_which_worker_and_needs_its_coordination_service(ckpt_dir):

@@ -173,6 +173,13 @@ class TFTarget(Target):
                 self._write = at.CheckpointManager(ckpt, self._temp_dir, max_to_keep=1)
                 self._owned.insert(0, self._write)
             self._owned.insert(0, self._read)
+        elif isinstance(obj, tf.train.CheckpointManager):
+            # Its saves are synchronous and unmeasured: the grace margin and the
+            # asynchronous final save need asyncckpt's engine.
+            raise TypeError(
+                "a tf.train.CheckpointManager saves synchronously; give the handler "
+                "asyncckpt.tf.CheckpointManager(checkpoint, directory, max_to_keep=...) "
+                "(the same arguments), or the tf.train.Checkpoint with checkpoint_dir")
         else:
             raise TypeError(f"not a TensorFlow checkpoint or manager: {type(obj).__name__}")
         tf_ckpt = self._read.checkpoint
