@@ -208,3 +208,20 @@ def test_multi_step_loop_saves_the_given_state_and_restores_the_run_count(tmp_pa
         meta = handler.checkpoint_metadata()["asyncckpt_preemption"]
         assert meta["total_run_calls"] == run and "save_s" in meta["estimates"]
         assert handler.grace_clock.final_samples()[0][0] == final_cost
+
+
+def test_a_cluster_resolver_with_a_jax_manager_is_refused(tmp_path):
+    """A cluster resolver describes a TensorFlow cluster; JAX processes agree through
+    jax.distributed, so TensorFlow's call with a JAX manager is refused at once."""
+    import asyncckpt.jax as aj
+    from asyncckpt.preemption import PreemptionCheckpointHandler
+
+    class Resolver:  # the interface of tf.distribute.cluster_resolver.ClusterResolver
+        task_type, task_id = "worker", 0
+
+        def cluster_spec(self):
+            raise AssertionError("not to be asked")
+
+    with aj.CheckpointManager(tmp_path / "ckpt") as manager, \
+            pytest.raises(TypeError, match=r"through jax\.distributed"):
+        PreemptionCheckpointHandler(Resolver(), manager)
