@@ -101,6 +101,15 @@ class Coordinator(abc.ABC):
     def delete(self, key: str) -> None:
         """Removes ``key`` (and keys below ``key/``); no error if absent."""
 
+    def peer_failed(self, worker: int, error: str, code: int | None) -> PeerFailedError:
+        """The error to raise for another worker's failure (``code``: its framework's code).
+
+        Default: a ``PeerFailedError``. TensorFlow's coordinator makes it an
+        instance of the peer's own ``tf.errors.OpError`` class as well.
+        """
+        del code
+        return PeerFailedError(worker, error)
+
     def report_error(self, exc: BaseException) -> None:
         """Makes ``exc`` visible to the framework's own failure handling.
 
@@ -206,6 +215,29 @@ def _ms(timeout_s: float) -> int:
     return max(1, int(timeout_s * 1000))
 
 
+def _worker_layout(cluster: dict, task_type: str | None,
+                   task_id: int) -> tuple[int, int] | None:
+    """``(worker_id, num_workers)`` of a task among a cluster's chief and worker tasks.
+
+    The chief comes first, then the workers in order (TensorFlow's
+    ``id_in_cluster``). None when the cluster has fewer than two such tasks
+    or the task is not one of them.
+
+    Raises:
+        NotImplementedError: The cluster has parameter servers.
+    """
+    if cluster.get("ps"):
+        raise NotImplementedError(
+            "the preemption handler does not support ParameterServerStrategy"
+        )
+    tasks = [("chief", i) for i in range(len(cluster.get("chief", [])))]
+    tasks += [("worker", i) for i in range(len(cluster.get("worker", [])))]
+    me = (task_type, task_id)
+    if len(tasks) < 2 or me not in tasks:
+        return None
+    return tasks.index(me), len(tasks)
+
+
 class TFCoordinator(Coordinator):
     """TensorFlow's coordination service (multi-worker TensorFlow).
 
@@ -241,18 +273,52 @@ class TFCoordinator(Coordinator):
         if context.context().coordination_service is None:
             return None
         tf_config = json.loads(os.environ["TF_CONFIG"])
-        cluster = tf_config.get("cluster", {})
-        if cluster.get("ps"):
-            raise NotImplementedError(
-                "the preemption handler does not support ParameterServerStrategy"
-            )
-        tasks = [("chief", i) for i in range(len(cluster.get("chief", [])))]
-        tasks += [("worker", i) for i in range(len(cluster.get("worker", [])))]
         task = tf_config.get("task", {})
-        me = (task.get("type"), int(task.get("index", 0)))
-        if len(tasks) < 2 or me not in tasks:
+        layout = _worker_layout(tf_config.get("cluster", {}), task.get("type"),
+                                int(task.get("index", 0)))
+        return None if layout is None else cls(worker_id=layout[0], num_workers=layout[1])
+
+    @classmethod
+    def from_cluster_resolver(cls, resolver) -> TFCoordinator | None:
+        """The coordinator of the cluster a ``tf.distribute`` cluster resolver describes.
+
+        Its cluster spec, task type and task id say which worker this is
+        (the chief first, then the workers, as TensorFlow counts them); None
+        when the spec names fewer than two chief or worker tasks (local
+        training: ``MirroredStrategy``, ``OneDeviceStrategy``, a
+        ``MultiWorkerMirroredStrategy`` without a cluster).
+
+        Raises:
+            NotImplementedError: The cluster has parameter servers.
+            ValueError: The task is not one of the cluster's chief or worker
+                tasks (an evaluator takes no part in preemption saves).
+            CoordinationError: Several workers, but TensorFlow's coordination
+                service is not running (the strategy is created after the
+                handler, or without the cluster).
+        """
+        cluster = resolver.cluster_spec().as_dict()
+        if not cluster:
             return None
-        return cls(worker_id=tasks.index(me), num_workers=len(tasks))
+        task_type = resolver.task_type
+        task_id = int(resolver.task_id or 0)
+        layout = _worker_layout(cluster, task_type, task_id)
+        if layout is None:
+            tasks = len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+            if tasks < 2:
+                return None
+            raise ValueError(
+                f"task {task_type}:{task_id} is not a chief or worker task of the cluster "
+                f"{sorted(cluster)}; only those take part in preemption saves"
+            )
+        from tensorflow.python.eager import context
+
+        if context.context().coordination_service is None:
+            raise CoordinationError(
+                f"the cluster resolver names {layout[1]} workers but TensorFlow's coordination "
+                "service is not running: create the MultiWorkerMirroredStrategy (which "
+                "starts it) before the preemption handler"
+            )
+        return cls(worker_id=layout[0], num_workers=layout[1])
 
     def claim(self, key: str, value: str) -> bool:
         try:
@@ -290,12 +356,55 @@ class TFCoordinator(Coordinator):
         except self._errors.OpError as e:
             raise CoordinationError(f"barrier {name!r}: {e}") from e
 
+    def peer_failed(self, worker: int, error: str, code: int | None) -> PeerFailedError:
+        """A ``PeerFailedError`` that is also the peer's ``tf.errors.OpError`` class.
+
+        TensorFlow's handler lets every worker raise the error the failing one
+        raised (``except tf.errors.ResourceExhaustedError`` catches it on every
+        worker); a worker told of it at a step boundary does the same.
+        """
+        if code is None:
+            return PeerFailedError(worker, error)
+        try:
+            op_error = self._errors.exception_type_from_error_code(int(code))
+        except (KeyError, TypeError, ValueError):
+            return PeerFailedError(worker, error)
+        return _tf_peer_failed_class(op_error)(worker, error)
+
     def report_error(self, exc: BaseException) -> None:
         code = getattr(exc, "error_code", None) or self._errors.UNKNOWN
         try:
             self._context.report_error_to_cluster(code, f"{type(exc).__name__}: {exc}")
         except Exception as e:
             logger.info("could not report the error to the TensorFlow cluster: %r", e)
+
+
+_TF_PEER_FAILED: dict[type, type] = {}
+
+
+def _tf_peer_failed_class(op_error: type) -> type:
+    """``PeerFailedError`` combined with one ``tf.errors.OpError`` class (cached)."""
+    cls = _TF_PEER_FAILED.get(op_error)
+    if cls is None:
+
+        def __init__(self, worker: int, error: str) -> None:
+            op_error.__init__(self, None, None, f"worker {worker} failed: {error}")
+            self.worker = worker
+            self.error = error
+
+        def __reduce__(self):
+            return (_tf_peer_failed, (op_error, self.worker, self.error))
+
+        cls = type(f"PeerFailedError_{op_error.__name__}", (PeerFailedError, op_error),
+                   {"__init__": __init__, "__reduce__": __reduce__,
+                    "__module__": __name__, "__doc__": PeerFailedError.__doc__})
+        _TF_PEER_FAILED[op_error] = cls
+    return cls
+
+
+def _tf_peer_failed(op_error: type, worker: int, error: str) -> PeerFailedError:
+    """Unpickles a ``PeerFailedError`` of a ``tf.errors.OpError`` class."""
+    return _tf_peer_failed_class(op_error)(worker, error)
 
 
 def _jax_status(e: BaseException, status: str) -> bool:

@@ -260,15 +260,16 @@ def run_trial(framework: str, grace: float, step_s: float, write_s: float, direc
             loop.train()
             step_times.append(time.perf_counter() - t)
         timer.join()
-        stats = {s.step: s for s in engine.history}
+        # By name: TensorFlow's preemption saves are numbered by the save counter.
+        stats = {os.path.basename(s.label): s for s in engine.history}
     finally:
         loop.close()
 
     first, final = handler.saves[0], handler.saves[-1]
     notice, deadline = final.notice_time, final.deadline
     # None: the final save found its step saved already (reused, durable before).
-    final_stats = stats.get(final.run)
-    first_stats = stats.get(first.run) if not first.final else None
+    final_stats = stats.get(os.path.basename(final.checkpoint or ""))
+    first_stats = stats.get(os.path.basename(first.checkpoint or "")) if not first.final else None
     mean_step = statistics.fmean(step_times)
     final_s = final.durable_at - final.started_at
     usable = grace - final_s - mean_step

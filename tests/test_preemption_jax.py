@@ -184,9 +184,11 @@ def test_multi_step_loop_saves_the_given_state_and_restores_the_run_count(tmp_pa
         assert handler.restore({"w": np.zeros(4, np.float32)}) is None
         state = {"w": jnp.zeros(4), "step": 0}
         while not handler.preempted:
+            handler.save_checkpoint_if_preempted(state)  # before the chunk, as TensorFlow's
+            if handler.preempted:
+                break
             for _ in range(steps_per_call):
                 state = {"w": state["w"] + 1, "step": state["step"] + 1}
-            handler.save_checkpoint_if_preempted(state)
             if handler.total_run_calls == 3:
                 notice.set()
         (save,) = handler.saves
@@ -206,3 +208,20 @@ def test_multi_step_loop_saves_the_given_state_and_restores_the_run_count(tmp_pa
         meta = handler.checkpoint_metadata()["asyncckpt_preemption"]
         assert meta["total_run_calls"] == run and "save_s" in meta["estimates"]
         assert handler.grace_clock.final_samples()[0][0] == final_cost
+
+
+def test_a_cluster_resolver_with_a_jax_manager_is_refused(tmp_path):
+    """A cluster resolver describes a TensorFlow cluster; JAX processes agree through
+    jax.distributed, so TensorFlow's call with a JAX manager is refused at once."""
+    import asyncckpt.jax as aj
+    from asyncckpt.preemption import PreemptionCheckpointHandler
+
+    class Resolver:  # the interface of tf.distribute.cluster_resolver.ClusterResolver
+        task_type, task_id = "worker", 0
+
+        def cluster_spec(self):
+            raise AssertionError("not to be asked")
+
+    with aj.CheckpointManager(tmp_path / "ckpt") as manager, \
+            pytest.raises(TypeError, match=r"through jax\.distributed"):
+        PreemptionCheckpointHandler(Resolver(), manager)

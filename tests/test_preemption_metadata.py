@@ -8,13 +8,11 @@ tests run a real TensorFlow training subprocess pointed at it through
 
 from __future__ import annotations
 
-import http.server
 import json
 import signal
 import socket
 import threading
 import time
-import urllib.parse
 
 import pytest
 
@@ -23,8 +21,7 @@ from asyncckpt.preemption import platform as platform_lib
 from asyncckpt.preemption import watchers as watchers_lib
 from asyncckpt.preemption.config import Platform
 from tests.helpers import start_python, subprocess_env, write_script
-
-ROOT = "/computeMetadata/v1/"
+from tests.metadata_server import FakeMetadataServer, gce_values
 
 
 @pytest.fixture
@@ -33,129 +30,6 @@ def unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class FakeMetadataServer:
-    """A GCE metadata server on 127.0.0.1 with scripted values and failures.
-
-    Args:
-        values: Initial ``path -> value`` (paths below ``computeMetadata/v1/``).
-        google: Answer with ``Metadata-Flavor: Google`` (False plays an
-            unrelated web server).
-    """
-
-    def __init__(self, values: dict[str, str] | None = None, *, google: bool = True):
-        self.values = dict(values or {})
-        self.etags = dict.fromkeys(self.values, 1)
-        self.google = google
-        self.fail = {}  # path -> number of 503 answers still to give
-        self.requests: list[tuple[str, dict, bool]] = []  # (path, query, had header)
-        self.cond = threading.Condition()
-        self.closing = False
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                server._answer(self)
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    @property
-    def host(self) -> str:
-        return f"127.0.0.1:{self.httpd.server_address[1]}"
-
-    def __enter__(self) -> FakeMetadataServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def set(self, path: str, value: str) -> None:
-        with self.cond:
-            self.values[path] = value
-            self.etags[path] = self.etags.get(path, 0) + 1
-            self.cond.notify_all()
-
-    def fail_next(self, path: str, count: int) -> None:
-        with self.cond:
-            self.fail[path] = count
-
-    def count(self, path: str, *, waiting: bool | None = None) -> int:
-        with self.cond:
-            return sum(1 for p, q, _ in self.requests if p == path
-                       and (waiting is None or ("wait_for_change" in q) == waiting))
-
-    def wait_count(self, path: str, n: int, *, waiting: bool | None = None,
-                   timeout: float = 60) -> None:
-        """Waits until the server has received ``n`` such requests (long-polls with
-        ``waiting=True``), or fails after ``timeout`` seconds."""
-        with self.cond:
-            ok = self.cond.wait_for(
-                lambda: sum(1 for p, q, _ in self.requests if p == path
-                            and (waiting is None or ("wait_for_change" in q) == waiting)) >= n,
-                timeout=timeout)
-        assert ok, f"fewer than {n} requests for {path} within {timeout} s"
-
-    def _send(self, h, status: int, body: str = "", etag: int | None = None) -> None:
-        data = body.encode()
-        h.send_response(status)
-        if self.google:
-            h.send_header("Metadata-Flavor", "Google")
-        if etag is not None:
-            h.send_header("ETag", f"etag-{etag}")
-        h.send_header("Content-Type", "application/text")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-
-    def _answer(self, h) -> None:
-        url = urllib.parse.urlsplit(h.path)
-        query = dict(urllib.parse.parse_qsl(url.query))
-        path = url.path[len(ROOT):] if url.path.startswith(ROOT) else url.path
-        had_header = h.headers.get("Metadata-Flavor") == "Google"
-        with self.cond:
-            self.requests.append((path, query, had_header))
-            self.cond.notify_all()  # wakes tests waiting in wait_count
-            if not had_header:
-                status = 403
-            elif self.fail.get(path, 0) > 0:
-                self.fail[path] -= 1
-                status = 503
-            elif path not in self.values:
-                status = 404
-            else:
-                status = 200
-                if query.get("wait_for_change") == "true":
-                    last = query.get("last_etag")
-                    limit = time.monotonic() + float(query.get("timeout_sec", 30))
-                    while (not self.closing and f"etag-{self.etags[path]}" == last
-                           and time.monotonic() < limit):
-                        self.cond.wait(limit - time.monotonic())
-                value, etag = self.values[path], self.etags[path]
-        if status == 200:
-            self._send(h, 200, value, etag)
-        else:
-            self._send(h, status, "error")
-
-
-def _gce(machine_type: str, **extra: str) -> dict[str, str]:
-    values = {
-        "instance/machine-type": f"projects/123/machineTypes/{machine_type}",
-        "instance/maintenance-event": "NONE",
-        "instance/preempted": "FALSE",
-    }
-    values.update({k.replace("__", "/").replace("_", "-"): v for k, v in extra.items()})
-    return values
 
 
 # -- client -------------------------------------------------------------------
@@ -190,11 +64,12 @@ def test_metadata_host_follows_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
-        (_gce("a3-highgpu-8g"), Platform.GCE_GPU),
-        (_gce("g2-standard-4"), Platform.GCE_GPU),
-        (_gce("n1-standard-8", instance__attributes__accelerator_type="v4-8"), Platform.GCE_TPU),
-        (_gce("ct5lp-hightpu-4t"), Platform.GCE_TPU),
-        (_gce("n2-standard-8"), Platform.GCE_CPU),
+        (gce_values("a3-highgpu-8g"), Platform.GCE_GPU),
+        (gce_values("g2-standard-4"), Platform.GCE_GPU),
+        (gce_values("n1-standard-8", instance__attributes__accelerator_type="v4-8"),
+         Platform.GCE_TPU),
+        (gce_values("ct5lp-hightpu-4t"), Platform.GCE_TPU),
+        (gce_values("n2-standard-8"), Platform.GCE_CPU),
     ],
 )
 def test_detect_platform_from_the_metadata_server(monkeypatch, values, expected):
@@ -204,11 +79,11 @@ def test_detect_platform_from_the_metadata_server(monkeypatch, values, expected)
         assert platform_lib.detect_platform(framework="none", refresh=True) is expected
 
 
-def test_detect_platform_off_gce(monkeypatch, unused_port):
+def test_detect_platform_offgce_values(monkeypatch, unused_port):
     monkeypatch.delenv(platform_lib.PLATFORM_ENV, raising=False)
     monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{unused_port}")  # refused
     assert platform_lib.detect_platform(framework="none", refresh=True) is Platform.OTHER
-    with FakeMetadataServer(_gce("a3-highgpu-8g"), google=False) as server:
+    with FakeMetadataServer(gce_values("a3-highgpu-8g"), google=False) as server:
         monkeypatch.setenv("GCE_METADATA_HOST", server.host)
         assert platform_lib.detect_platform(framework="none", refresh=True) is Platform.OTHER
     monkeypatch.setenv(platform_lib.PLATFORM_ENV, "gce-tpu")
@@ -253,7 +128,7 @@ def _collect():
 
 
 def test_maintenance_watcher_long_polls_with_etags_and_survives_503s():
-    with FakeMetadataServer(_gce("a3-highgpu-8g")) as server:
+    with FakeMetadataServer(gce_values("a3-highgpu-8g")) as server:
         server.fail_next("instance/maintenance-event", 3)
         got, event, sink = _collect()
         watcher = watchers_lib.MetadataWatcher(
@@ -282,7 +157,7 @@ def test_maintenance_watcher_long_polls_with_etags_and_survives_503s():
 
 
 def test_spot_watcher_reports_preemption():
-    with FakeMetadataServer(_gce("n2-standard-8")) as server:
+    with FakeMetadataServer(gce_values("n2-standard-8")) as server:
         got, event, sink = _collect()
         watcher = watchers_lib.spot_watcher(sink, platform_lib.MetadataClient(server.host))
         watcher.start()
@@ -296,7 +171,7 @@ def test_spot_watcher_reports_preemption():
 
 
 def test_watchers_stop_promptly_while_a_long_poll_is_open(unused_port):
-    with FakeMetadataServer(_gce("n2-standard-8")) as server:
+    with FakeMetadataServer(gce_values("n2-standard-8")) as server:
         got, _, sink = _collect()
         ws = [watchers_lib.maintenance_watcher(sink, platform_lib.MetadataClient(server.host)),
               watchers_lib.spot_watcher(sink, platform_lib.MetadataClient(server.host)),
@@ -410,8 +285,8 @@ def _read_until(proc, prefix: str, timeout: float = 120) -> str:
 @pytest.mark.parametrize(
     ("values", "platform", "grace"),
     [
-        (_gce("a3-highgpu-8g"), "gce-gpu", "preset"),
-        (_gce("ct5lp-hightpu-4t", instance__attributes__accelerator_type="v5litepod-4"),
+        (gce_values("a3-highgpu-8g"), "gce-gpu", "preset"),
+        (gce_values("ct5lp-hightpu-4t", instance__attributes__accelerator_type="v5litepod-4"),
          "gce-tpu", "2.0"),
     ],
     ids=["gpu", "tpu"],
@@ -446,5 +321,8 @@ def test_gce_preset_saves_within_one_step_of_a_maintenance_notice(tmp_path, valu
     assert first["run"] - first["run_at_notice"] <= 1  # saved at the next step boundary
     assert not first["final"] and final["final"] and final["run"] > first["run"]
     assert final["durable_at"] <= final["deadline"] or grace == "preset"
+    # Numbered by the save counter, as TensorFlow's handler names them.
+    assert (first["checkpoint"], final["checkpoint"]) == (
+        str(tmp_path / "ckpt" / "ckpt-1"), str(tmp_path / "ckpt" / "ckpt-2"))
     mgr_state = (tmp_path / "ckpt" / "checkpoint").read_text()
-    assert f"ckpt-{final['run']}" in mgr_state
+    assert 'model_checkpoint_path: "ckpt-2"' in mgr_state

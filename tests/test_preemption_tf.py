@@ -124,13 +124,91 @@ def test_sigterm_saves_at_the_next_step_exits_and_resumes(tmp_path):
     (save,) = _json_line(out, "SAVES")
     assert save["final"] and save["run"] - save["run_at_notice"] <= 1
     run = save["run"]
-    assert tf.train.latest_checkpoint(str(directory)).endswith(f"ckpt-{run}")
+    # Named by the manager's save counter, as TensorFlow's handler names it.
+    assert save["checkpoint"] == str(directory / "ckpt-1")
+    assert tf.train.latest_checkpoint(str(directory)) == save["checkpoint"]
 
     restarted = run_python(script, str(directory), str(run + 5), str(marker), env=_env())
     assert restarted.returncode == 0, restarted.stderr[-4000:]
     lines = restarted.stdout.splitlines()
     assert f"start {run} {run} True" in lines  # same step, same state, same run count
     assert f"done {run + 5}" in lines
+
+
+# -- resuming after a save made through each entry point ---------------------------
+
+RESUME = """
+import sys, time
+import tensorflow as tf
+import asyncckpt.tf as at
+from asyncckpt.preemption import PreemptionCheckpointHandler
+
+directory, entry, total, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+applied = tf.Variable(0, dtype=tf.int64)  # counts the steps applied to the state
+mgr = at.CheckpointManager(tf.train.Checkpoint(applied=applied), directory, max_to_keep=2)
+handler = PreemptionCheckpointHandler(None, mgr)  # TensorFlow's call: no cluster resolver
+print("start", handler.total_run_calls, int(applied.numpy()), flush=True)
+
+
+def step(index):
+    applied.assign_add(1)
+    with open(log, "a") as f:
+        f.write(f"{index}\\n")
+    time.sleep(0.02)
+    print("step", index, flush=True)
+
+
+with handler:
+    while handler.total_run_calls < total:  # until preempted
+        if entry == "run":
+            handler.run(lambda: step(handler.total_run_calls))
+        else:  # TensorFlow's loop: the call before the step, then the step
+            handler.save_checkpoint_if_preempted()
+            step(handler.total_run_calls - 1)
+print("done", handler.total_run_calls, int(applied.numpy()), flush=True)
+"""
+
+
+def test_resume_after_a_save_through_run_or_save_checkpoint_if_preempted_skips_no_step(
+        tmp_path):
+    """SIGTERM, exit, restart: each step index is applied exactly once across the runs.
+
+    The job is preempted through ``save_checkpoint_if_preempted`` (called
+    before the step, as TensorFlow's contract has it), resumed in a new
+    process that is preempted through ``run``. Each checkpoint's run count is
+    the number of steps its state holds (read by TensorFlow; the resumed
+    process's asyncckpt restore agrees), and the steps applied before it are
+    exactly the indices below it: resuming there skips and repeats nothing.
+    """
+    from tests.helpers import LineWatcher
+
+    script = write_script(tmp_path, "resume.py", RESUME)
+    directory, log = tmp_path / "ckpt", tmp_path / "steps.log"
+    runs_key = "_asyncckpt_preemption/total_run_calls/.ATTRIBUTES/VARIABLE_VALUE"
+    resumed_at = 0
+    for number, entry in enumerate(["save_checkpoint_if_preempted", "run"], start=1):
+        proc = start_python(script, str(directory), entry, "1000000", str(log), env=_env())
+        lines = LineWatcher(proc.stdout)
+        try:
+            # asyncckpt's restore: the run count and the state agree.
+            assert lines.wait_for("start").split() == ["start", str(resumed_at), str(resumed_at)]
+            lines.wait_for(f"step {resumed_at + 4}")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == EXIT_CODE_OTHER, proc.stderr.read()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+        # TensorFlow reads the preemption checkpoint, named by the save counter.
+        prefix = tf.train.latest_checkpoint(str(directory))
+        assert prefix == str(directory / f"ckpt-{number}"), entry
+        runs = int(tf.train.load_variable(prefix, runs_key))
+        assert int(tf.train.load_variable(prefix, "applied/.ATTRIBUTES/VARIABLE_VALUE")) == runs
+        assert runs > resumed_at + 4, entry
+        indices = [int(x) for x in log.read_text().split()]
+        assert indices == list(range(runs)), f"{entry}: a step was skipped or repeated"
+        resumed_at = runs
 
 
 # -- the deadline, with a slow writer -----------------------------------------------
@@ -212,8 +290,9 @@ def test_final_checkpoint_is_durable_before_the_deadline_with_a_slow_writer(tmp_
         assert final["durable_at"] <= final["deadline"], context  # every trial in time
         assert final["deadline"] == pytest.approx(final["notice_time"] + grace), context
         assert final["run"] > r["run_at_notice"] + 1, context  # trained in the grace period
-        prefix = os.path.join(r["directory"], f"ckpt-{final['run']}")
-        assert tf.train.load_variable(prefix, "step/.ATTRIBUTES/VARIABLE_VALUE") == final["run"]
+        assert os.path.dirname(final["checkpoint"]) == r["directory"], context
+        assert tf.train.load_variable(final["checkpoint"],
+                                      "step/.ATTRIBUTES/VARIABLE_VALUE") == final["run"]
 
 
 # -- two TensorFlow workers (MultiWorkerMirroredStrategy on 127.0.0.1) ---------------
@@ -309,7 +388,7 @@ def test_two_tf_workers_save_at_the_same_step_on_sigterm_to_one_and_resume(tmp_p
     assert saved[0] == saved[1] and len(saved[0]) == 1, saved  # the same step on both
     run = saved[0][0]
     assert run >= 8
-    assert tf.train.latest_checkpoint(str(directory)).endswith(f"ckpt-{run}")
+    assert tf.train.latest_checkpoint(str(directory)) == str(directory / "ckpt-1")
     assert not (directory / "workertemp_1").exists()
 
     results = _finish(_start_workers(script, directory, run + 3))
@@ -345,6 +424,8 @@ def _in_process_handler(manager, **config):
 
 
 def test_save_checkpoint_if_preempted_in_a_multi_step_loop(ckpt_dir):
+    """Called before each chunk (TensorFlow's contract): the checkpoint holds the state
+    of ``total_run_calls`` chunks, and a new handler resumes with the next chunk."""
     import threading
 
     import asyncckpt.tf as at
@@ -357,15 +438,19 @@ def test_save_checkpoint_if_preempted_in_a_multi_step_loop(ckpt_dir):
     with _in_process_handler(mgr, termination_watcher_fn=notice.is_set,
                              exit_fn=lambda: exits.append(1)) as handler:
         while not handler.preempted:
+            handler.save_checkpoint_if_preempted()
+            if handler.preempted:
+                break
             for _ in range(steps_per_call):
                 v.assign_add(1)
-            handler.save_checkpoint_if_preempted()
             if handler.total_run_calls == 4:
                 notice.set()
         (save,) = handler.saves
     mgr.close()
     assert exits == [1] and save.final and save.run >= 4
-    assert int(tf.train.load_variable(f"{ckpt_dir}/ckpt-{save.run}",
+    # Named by the save counter, as TensorFlow names it; the state of save.run chunks.
+    assert save.checkpoint == f"{ckpt_dir}/ckpt-1"
+    assert int(tf.train.load_variable(save.checkpoint,
                                       "v/.ATTRIBUTES/VARIABLE_VALUE")) == steps_per_call * save.run
     # A new handler on the same directory resumes the count with the state.
     v2 = tf.Variable(0, dtype=tf.int64)
@@ -419,3 +504,190 @@ def test_checkpoint_of_the_earlier_estimates_layout_still_resumes(ckpt_dir):
         assert handler.total_run_calls == 3
         assert int(v2.numpy()) == 7
     mgr.close()
+
+
+# -- TensorFlow's spellings ------------------------------------------------------------
+
+
+def _resolver(cluster: dict, task_type: str = "worker", task_id: int = 0):
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id)
+
+
+def test_handler_and_config_take_tensorflows_signatures(ckpt_dir):
+    """``(cluster_resolver, checkpoint_or_checkpoint_manager, checkpoint_dir,
+    termination_config)`` by position and by keyword, TensorFlow's own
+    ``TerminationConfig``, and asyncckpt's shorter call, all mean the same."""
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    v = tf.Variable(3.0)
+    ckpt = tf.train.Checkpoint(v=v)
+    exits = []
+
+    def exit_fn():
+        exits.append(1)
+
+    def watcher():
+        return False
+
+    config = TerminationConfig(watcher, exit_fn, 2.5, None, platform="other")
+    assert (config.termination_watcher_fn, config.exit_fn, config.grace_period) == (
+        watcher, exit_fn, 2.5)
+    with pytest.raises(TypeError):
+        TerminationConfig(watcher, exit_fn, 2.5, None, "other")  # asyncckpt's fields: keywords
+    tf_config = tf.distribute.experimental.TerminationConfig(exit_fn=exit_fn, grace_period=4)
+    local = _resolver({})  # local training: an empty cluster, as MirroredStrategy's
+    calls = [
+        lambda: PreemptionCheckpointHandler(local, ckpt, str(ckpt_dir), config),
+        lambda: PreemptionCheckpointHandler(
+            cluster_resolver=local, checkpoint_or_checkpoint_manager=ckpt,
+            checkpoint_dir=str(ckpt_dir), termination_config=config),
+        lambda: PreemptionCheckpointHandler(None, ckpt, str(ckpt_dir), config),
+        lambda: PreemptionCheckpointHandler(ckpt, checkpoint_dir=str(ckpt_dir),
+                                            termination_config=config),
+        lambda: PreemptionCheckpointHandler(checkpoint_or_manager=ckpt,
+                                            checkpoint_dir=str(ckpt_dir),
+                                            termination_config=config),
+    ]
+    for make in calls:
+        with make() as handler:
+            assert handler.coordinator.kind == "in-process"
+            assert handler.config.grace_period == 2.5 and handler.config.exit_fn is exit_fn
+            assert handler.config.termination_watcher_fn is watcher
+            assert float(v.numpy()) == 3.0 and handler.total_run_calls == 0
+    with PreemptionCheckpointHandler(local, ckpt, str(ckpt_dir), tf_config) as handler:
+        # TensorFlow's config is read field by field (the platform is still detected).
+        assert handler.config.grace_period == 4 and handler.config.exit_fn is exit_fn
+    assert exits == []
+
+    with pytest.raises(TypeError, match="given twice"):
+        PreemptionCheckpointHandler(local, ckpt, checkpoint_or_manager=ckpt)
+    with pytest.raises(TypeError, match="needs a checkpoint"):
+        PreemptionCheckpointHandler(local)
+    with pytest.raises(TypeError, match="checkpoint_dir=") as e:
+        PreemptionCheckpointHandler(ckpt, str(ckpt_dir))  # asyncckpt's call, dir by position
+    assert "cluster_resolver, checkpoint, checkpoint_dir" in str(e.value)
+    with pytest.raises(TypeError, match="termination_config must be"):
+        PreemptionCheckpointHandler(local, ckpt, str(ckpt_dir), {"grace_period": 1})
+    # TensorFlow's own manager is refused at construction, naming the drop-in.
+    with pytest.raises(TypeError, match=r"asyncckpt\.tf\.CheckpointManager\(checkpoint, "):
+        PreemptionCheckpointHandler(
+            local, tf.train.CheckpointManager(ckpt, str(ckpt_dir / "tf"), max_to_keep=1))
+
+
+def test_the_cluster_resolver_says_which_worker_and_needs_its_coordination_service(ckpt_dir):
+    """The resolver's cluster spec and task are used: several workers need the
+    coordination service MultiWorkerMirroredStrategy starts; parameter servers and
+    evaluators are refused as TensorFlow's handler refuses them."""
+    from asyncckpt._coordination import CoordinationError
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    ckpt = tf.train.Checkpoint(v=tf.Variable(1.0))
+    config = TerminationConfig(platform="other")
+    workers = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    with pytest.raises(CoordinationError, match="names 3 workers"):
+        PreemptionCheckpointHandler(_resolver(workers, "worker", 1), ckpt, str(ckpt_dir), config)
+    with pytest.raises(NotImplementedError, match="ParameterServerStrategy"):
+        PreemptionCheckpointHandler(_resolver({**workers, "ps": ["127.0.0.1:4"]}), ckpt,
+                                    str(ckpt_dir), config)
+    with pytest.raises(ValueError, match="evaluator:0 is not a chief or worker"):
+        PreemptionCheckpointHandler(_resolver({**workers, "evaluator": ["127.0.0.1:5"]},
+                                              "evaluator", 0), ckpt, str(ckpt_dir), config)
+    # One worker: nothing to agree with.
+    with PreemptionCheckpointHandler(_resolver({"worker": ["127.0.0.1:2"]}), ckpt,
+                                     str(ckpt_dir), config) as handler:
+        assert handler.coordinator.kind == "in-process"
+
+
+def test_watch_preemption_scope_reports_an_error_to_the_cluster_and_reraises(ckpt_dir):
+    from asyncckpt._coordination import InProcessCoordinator
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+
+    class Recording(InProcessCoordinator):
+        """The real in-process store; records what the handler reports to the framework."""
+
+        reported: list = []
+
+        def report_error(self, exc):
+            self.reported.append(exc)
+
+    coordinator = Recording()
+    handler = PreemptionCheckpointHandler(
+        None, tf.train.Checkpoint(v=tf.Variable(1.0)), str(ckpt_dir),
+        TerminationConfig(platform="other"), coordinator=coordinator)
+    error = tf.errors.ResourceExhaustedError(None, None, "Running out of resources")
+    with handler, pytest.raises(tf.errors.ResourceExhaustedError), \
+            handler.watch_preemption_scope():
+        handler.run(lambda: None)
+        raise error
+    assert coordinator.reported == [error]
+    with handler.watch_preemption_scope():  # no error: nothing reported
+        pass
+    assert coordinator.reported == [error]
+
+
+def test_an_adopted_save_in_flight_reports_the_run_count_it_holds(ckpt_dir, monkeypatch):
+    """With no time for a new final save, the save in flight becomes the final
+    checkpoint; its run count is read back from it, not taken from its number
+    (the manager names it by its save counter)."""
+    import asyncckpt.tf as at
+    from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
+    from asyncckpt.tf import checkpoint as checkpoint_module
+    from asyncckpt.tf._job import TFSaveJob
+
+    class SlowDiskJob(TFSaveJob):  # the real job, on a disk that takes 1.5 s per checkpoint
+        def write(self):
+            time.sleep(1.5)
+            super().write()
+
+    monkeypatch.setattr(checkpoint_module, "TFSaveJob", SlowDiskJob)
+    v = tf.Variable(0.0)
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=5)
+    exits = []
+    config = TerminationConfig(grace_period=0.3, exit_fn=lambda: exits.append(1),
+                               platform="other")
+    with mgr, PreemptionCheckpointHandler(mgr, termination_config=config) as handler:
+        handler.run(v.assign_add, 1.0)
+        mgr.save()  # ckpt-1, measured: the margin is known
+        mgr.sync()
+        for _ in range(3):
+            handler.run(v.assign_add, 1.0)
+        mgr.save()  # ckpt-2, at run 4, still writing at the notice two steps later
+        handler.run(v.assign_add, 1.0)
+        handler.run(v.assign_add, 1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while not handler.preempted:
+            handler.run(v.assign_add, 1.0)
+    (final,) = handler.saves
+    assert final.adopted and exits == [1], final
+    assert (final.run, final.checkpoint) == (4, f"{ckpt_dir}/ckpt-2")
+    assert tf.train.load_variable(final.checkpoint, "v/.ATTRIBUTES/VARIABLE_VALUE") == 4.0
+
+
+def test_a_peers_tensorflow_error_is_raised_as_its_own_class_on_every_worker():
+    """TensorFlow's handler lets every worker raise the failing worker's error; a
+    worker told of it at a step boundary raises a ``PeerFailedError`` that is also an
+    instance of that ``tf.errors`` class (``except tf.errors.OpError`` catches it)."""
+    import json
+    import pickle
+
+    from asyncckpt._coordination import InProcessCoordinator, PeerFailedError, TFCoordinator
+    from asyncckpt.preemption.agreement import StepAgreement
+
+    coordinators = InProcessCoordinator.group(2)
+    agreement = StepAgreement(coordinators[1], namespace="t", runs=0, margin_fn=lambda: None)
+    error = tf.errors.ResourceExhaustedError(None, None, "Running out of resources")
+    assert agreement.report_error(error)
+    published = json.loads(coordinators[0].try_get("t/error"))
+    assert (published["worker"], published["code"]) == (1, tf.errors.RESOURCE_EXHAUSTED)
+
+    peer = TFCoordinator(worker_id=0, num_workers=2).peer_failed(
+        published["worker"], published["error"], published["code"])
+    assert isinstance(peer, PeerFailedError) and isinstance(peer, tf.errors.ResourceExhaustedError)
+    assert peer.error_code == tf.errors.RESOURCE_EXHAUSTED and peer.worker == 1
+    assert "Running out of resources" in str(peer) and "worker 1 failed" in peer.message
+    again = pickle.loads(pickle.dumps(peer))
+    assert type(again) is type(peer) and str(again) == str(peer)
+    # Not a TensorFlow error (or an unknown code): a plain PeerFailedError.
+    assert type(TFCoordinator(worker_id=0, num_workers=2).peer_failed(1, "x", None)) is (
+        PeerFailedError)

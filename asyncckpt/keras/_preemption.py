@@ -83,11 +83,13 @@ class KerasTarget(Target):
     def track(self, runs: int, estimates: dict | None) -> None:
         self._backup._preemption_track(runs, estimates)
 
-    def save(self, runs: int, estimates: dict, state: Any, args: tuple, kwargs: dict) -> None:
+    def save(self, runs: int, estimates: dict, state: Any, args: tuple,
+             kwargs: dict) -> str | None:
         if state is not None or args or kwargs:
             raise TypeError(f"unexpected save arguments for a Keras backup: {args} {kwargs}")
         self.track(runs, estimates)
         self._backup._preemption_save()
+        return None
 
     def sync(self) -> None:
         self._backup.store.sync()

@@ -263,10 +263,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._save(*self._at)
 
     def _preemption_boundary(self) -> None:
-        """Tells the handler of each batch trained since the last boundary; it may save/exit."""
+        """Tells the handler of each batch trained since the last boundary; it may save/exit.
+
+        The handler is called before each batch (as TensorFlow's is before each
+        step): the call at ``total_run_calls == self._global`` decides here,
+        with the model holding that many batches, and counts the next one.
+        """
         handler = self._handler
         try:
-            while handler.total_run_calls < self._global:
+            while handler.total_run_calls <= self._global:
                 handler.save_checkpoint_if_preempted()
         except BaseException:  # exit_fn's SystemExit, or a peer's failure
             self.preempted = handler.preempted

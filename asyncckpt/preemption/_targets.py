@@ -46,8 +46,18 @@ class Target:
     def track(self, runs: int, estimates: dict | None) -> None:
         """Keeps the bookkeeping that every save will carry up to date."""
 
-    def save(self, runs: int, estimates: dict, state: Any, args: tuple, kwargs: dict) -> None:
+    def save(self, runs: int, estimates: dict, state: Any, args: tuple,
+             kwargs: dict) -> str | None:
+        """Saves with the bookkeeping; returns the checkpoint's path or name (None: unknown)."""
         raise NotImplementedError
+
+    def adopted(self, stats: Any) -> tuple[int | None, str | None]:
+        """``(total_run_calls, checkpoint)`` of a committed save (``SaveStats``).
+
+        For a save in flight adopted as the final checkpoint: the run count
+        it holds, read back from it (None if it cannot be read).
+        """
+        return stats.step, stats.label
 
     def prepare(self, state: Any) -> None:
         """Builds the staging memory of the saves to come in the background (``prepare()``)."""
@@ -172,6 +182,13 @@ class TFTarget(Target):
                 self._write = at.CheckpointManager(ckpt, self._temp_dir, max_to_keep=1)
                 self._owned.insert(0, self._write)
             self._owned.insert(0, self._read)
+        elif isinstance(obj, tf.train.CheckpointManager):
+            # Its saves are synchronous and unmeasured: the grace margin and the
+            # asynchronous final save need asyncckpt's engine.
+            raise TypeError(
+                "a tf.train.CheckpointManager saves synchronously; give the handler "
+                "asyncckpt.tf.CheckpointManager(checkpoint, directory, max_to_keep=...) "
+                "(the same arguments), or the tf.train.Checkpoint with checkpoint_dir")
         else:
             raise TypeError(f"not a TensorFlow checkpoint or manager: {type(obj).__name__}")
         tf_ckpt = self._read.checkpoint
@@ -222,13 +239,31 @@ class TFTarget(Target):
         if estimates is not None:
             self._tracker.grace_samples.assign(encode_estimates(estimates))
 
-    def save(self, runs: int, estimates: dict, state: Any, args: tuple, kwargs: dict) -> None:
+    def save(self, runs: int, estimates: dict, state: Any, args: tuple,
+             kwargs: dict) -> str | None:
+        """Saves through the manager, numbered as it numbers saves: ``ckpt-<save_counter>``.
+
+        As TensorFlow's handler names its checkpoints; ``args``/``kwargs``
+        (from ``save_checkpoint_if_preempted``) go to ``save`` unchanged.
+        Without them, ``checkpoint_interval`` does not skip a preemption save.
+        """
         del state
         self.track(runs, estimates)
         if not args and not kwargs:
-            kwargs = {"checkpoint_number": runs, "check_interval": False}
+            kwargs = {"check_interval": False}
         path = self._write.save(*args, **kwargs)
         logger.info("preemption checkpoint %s staged at run %d", path, runs)
+        return path
+
+    def adopted(self, stats: Any) -> tuple[int | None, str | None]:
+        path = os.path.join(os.fspath(self._write.directory), os.path.basename(stats.label))
+        key = f"{TRACKER_NAME}/total_run_calls/.ATTRIBUTES/VARIABLE_VALUE"
+        try:
+            runs = int(self._tf.train.load_variable(path, key))
+        except Exception as e:  # not readable by TensorFlow here (a URL), or no tracker
+            logger.info("could not read the run count of %s: %s", path, e)
+            runs = None
+        return runs, path
 
     def prepare(self, state: Any) -> None:
         del state
@@ -307,7 +342,8 @@ class JaxTarget(Target):
     def metadata(runs: int, estimates: dict) -> dict:
         return {METADATA_KEY: {"total_run_calls": runs, "estimates": estimates}}
 
-    def save(self, runs: int, estimates: dict, state: Any, args: tuple, kwargs: dict) -> None:
+    def save(self, runs: int, estimates: dict, state: Any, args: tuple,
+             kwargs: dict) -> str | None:
         if state is None:
             raise TypeError(
                 "with a JAX checkpoint manager the handler needs the training state: pass it "
@@ -324,8 +360,14 @@ class JaxTarget(Target):
             if "already saved" not in str(e):
                 raise
             logger.info("step %d is already saved; the preemption save reuses it", step)
-            return
+            return self._mgr.step_dir(step)
         logger.info("preemption checkpoint step %d staged", step)
+        return self._mgr.step_dir(step)
+
+    def adopted(self, stats: Any) -> tuple[int | None, str | None]:
+        if stats.step is None:
+            return None, None
+        return self._bookkeeping(stats.step)[0], self._mgr.step_dir(stats.step)
 
     def prepare(self, state: Any) -> None:
         if state is not None:

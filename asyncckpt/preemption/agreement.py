@@ -452,7 +452,8 @@ class StepAgreement:
             return
         error = json.loads(value)
         if error.get("worker") != self.me:
-            raise PeerFailedError(int(error["worker"]), str(error.get("error")))
+            raise self.coordinator.peer_failed(int(error["worker"]), str(error.get("error")),
+                                               error.get("code"))
 
     # -- errors -----------------------------------------------------------------
 
@@ -462,8 +463,10 @@ class StepAgreement:
             return False
         text = f"{type(exc).__name__}: {exc}"[:2000]
         try:
-            first = self.coordinator.claim_json(self._key("error"),
-                                                {"worker": self.me, "error": text})
+            code = getattr(exc, "error_code", None)  # a tf.errors.OpError's
+            first = self.coordinator.claim_json(
+                self._key("error"), {"worker": self.me, "error": text,
+                                     "code": code if isinstance(code, int) else None})
         except Exception as e:
             logger.warning("[worker %d] could not publish error %s: %r", self.me, text, e)
             return False

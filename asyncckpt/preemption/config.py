@@ -21,7 +21,8 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 from asyncckpt.preemption.platform import Platform, detect_platform
 
@@ -120,12 +121,15 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class TerminationConfig:
     """How a job learns of, and reacts to, an upcoming termination.
 
     Every field left as None is filled from the preset of the detected
-    platform (see ``docs/preemption.md``).
+    platform (see ``docs/preemption.md``). The first four fields are
+    TensorFlow's ``tf.distribute.experimental.TerminationConfig`` arguments,
+    in its order, so ``TerminationConfig(watcher, exit_fn, 60)`` means the same
+    in both; the fields asyncckpt adds are keyword-only.
 
     Attributes:
         termination_watcher_fn: Called about once a second on a background
@@ -151,6 +155,7 @@ class TerminationConfig:
     exit_fn: Callable[[], object] | None = None
     grace_period: float | None = None
     save_fn: Callable[..., object] | None = None
+    _: KW_ONLY
     platform: Platform | str | None = None
     poll_interval_s: float = 1.0
 
@@ -161,6 +166,29 @@ class TerminationConfig:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s!r}")
         if self.platform is not None:
             object.__setattr__(self, "platform", Platform.parse(self.platform))
+
+
+def termination_config_of(config: Any) -> TerminationConfig:
+    """``config`` as a ``TerminationConfig``; TensorFlow's own is read field by field.
+
+    A ``tf.distribute.experimental.TerminationConfig`` (or any object with
+    its four attributes) keeps its meaning: its watcher, exit function, grace
+    period and save function are taken as they are. None is the default config.
+
+    Raises:
+        TypeError: ``config`` is neither.
+    """
+    if config is None:
+        return TerminationConfig()
+    if isinstance(config, TerminationConfig):
+        return config
+    fields = ("termination_watcher_fn", "exit_fn", "grace_period", "save_fn")
+    if all(hasattr(config, name) for name in fields):
+        return TerminationConfig(*(getattr(config, name) for name in fields))
+    raise TypeError(
+        "termination_config must be an asyncckpt.preemption.TerminationConfig or "
+        f"TensorFlow's tf.distribute.experimental.TerminationConfig, got {type(config)!r}"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +215,7 @@ class ResolvedTermination:
 
 
 def resolve_termination_config(
-    config: TerminationConfig | None,
+    config: Any,
     *,
     framework: str | None = None,
     detect: Callable[..., Platform] | None = None,
@@ -195,12 +223,13 @@ def resolve_termination_config(
     """Completes ``config`` from the preset of the platform it runs on.
 
     Args:
-        config: What the user set; None takes every default.
+        config: What the user set (``TerminationConfig``, or TensorFlow's:
+            see ``termination_config_of``); None takes every default.
         framework: ``"tensorflow"`` or ``"jax"``: where detection asks for the
             device kind when the metadata server cannot tell.
         detect: Platform detection (default: ``platform.detect_platform``).
     """
-    config = config or TerminationConfig()
+    config = termination_config_of(config)
     if config.platform is not None:
         platform = Platform.parse(config.platform)
     else:

@@ -9,6 +9,7 @@ the checkpoint is durable on every worker and calls ``exit_fn``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -16,7 +17,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from asyncckpt._closing import ClosingContext
 from asyncckpt._coordination import (
     CoordinationTimeoutError,
     Coordinator,
+    InProcessCoordinator,
+    TFCoordinator,
     auto_coordinator,
 )
 from asyncckpt.preemption._remote import (
@@ -68,8 +71,12 @@ class PreemptionSave:
         deadline: The deadline the save was made for.
         margin_s: The margin when the save began (None: unknown).
         adopted: No new save was made: the save in flight at the final
-            boundary became the final checkpoint (``run`` is its step), as a
-            new one could not be durable in time.
+            boundary became the final checkpoint (``run`` is the run count
+            it holds), as a new one could not be durable in time.
+        checkpoint: The checkpoint saved (TensorFlow: its path prefix,
+            numbered by the manager's save counter, ``ckpt-1``, ``ckpt-2``
+            ... as TensorFlow's handler names them; JAX: the step's
+            directory); None when ``save_fn`` saved, and for a Keras backup.
         tier: Final saves: the tier the checkpoint reached, ``"remote"``
             (committed to the manager's remote tier or URL directory) or
             ``"local"`` (the local directory only).
@@ -86,6 +93,7 @@ class PreemptionSave:
     deadline: float | None
     margin_s: float | None
     adopted: bool = False
+    checkpoint: str | None = None
     tier: str | None = None
     location: str | None = None
     remote_error: str | None = None
@@ -111,14 +119,51 @@ def _jax_sync_point() -> Callable[[int], bool] | None:
     return multihost_utils.reached_preemption_sync_point
 
 
+def _is_cluster_resolver(obj: Any) -> bool:
+    """A ``tf.distribute.cluster_resolver.ClusterResolver`` (by its interface)."""
+    return callable(getattr(obj, "cluster_spec", None)) and hasattr(obj, "task_type")
+
+
+def _split_arguments(first: Any, second: Any, keyword: Any) -> tuple[Any, Any]:
+    """``(cluster_resolver, checkpoint_or_manager)`` from either spelling of the call.
+
+    TensorFlow's ``(cluster_resolver, checkpoint_or_checkpoint_manager, ...)``
+    and asyncckpt's ``(checkpoint_or_manager, ...)`` differ in their first
+    argument; a checkpoint given second (or by keyword) makes the first one
+    the resolver, else the first one is the checkpoint.
+    """
+    given = [x for x in (second, keyword) if x is not None]
+    if len(given) > 1:
+        raise TypeError("the checkpoint is given twice: pass checkpoint_or_checkpoint_manager "
+                        "(TensorFlow's name) or checkpoint_or_manager, not both")
+    if given:
+        resolver, checkpoint = first, given[0]
+        if resolver is not None and not _is_cluster_resolver(resolver):
+            if isinstance(checkpoint, (str, os.PathLike)):
+                raise TypeError(
+                    "the second positional argument is the checkpoint (TensorFlow's order: "
+                    "cluster_resolver, checkpoint_or_checkpoint_manager, checkpoint_dir); "
+                    "write PreemptionCheckpointHandler(checkpoint, checkpoint_dir=...) or "
+                    "PreemptionCheckpointHandler(cluster_resolver, checkpoint, checkpoint_dir)")
+            raise TypeError("cluster_resolver must be a tf.distribute.cluster_resolver."
+                            f"ClusterResolver or None, got {type(resolver)!r}")
+        return resolver, checkpoint
+    if first is None or _is_cluster_resolver(first):
+        raise TypeError("PreemptionCheckpointHandler needs a checkpoint or checkpoint manager "
+                        "(checkpoint_or_checkpoint_manager)")
+    return None, first
+
+
 class PreemptionCheckpointHandler(ClosingContext):
     """Saves a checkpoint at an agreed step when termination is near, then exits.
 
-    TensorFlow::
+    TensorFlow (its own call, ``tf.distribute.experimental``'s, works unchanged)::
 
-        handler = PreemptionCheckpointHandler(manager)   # restores the newest checkpoint
-        while handler.total_run_calls < num_steps:
+        handler = PreemptionCheckpointHandler(strategy.cluster_resolver, manager)
+        while handler.total_run_calls < num_steps:     # restored from the checkpoint
             handler.run(train_step, iterator)
+
+    or, without a cluster resolver, ``PreemptionCheckpointHandler(manager)``.
 
     JAX (the state is a pytree, passed explicitly; ``train_fn`` takes it as its
     first argument and the handler saves *that* state, the one before the step)::
@@ -130,34 +175,59 @@ class PreemptionCheckpointHandler(ClosingContext):
             state, metrics = handler.run(train_step, state, batch)
 
     Every worker must create its handlers in the same order and call ``run``
-    (or ``save_checkpoint_if_preempted``) once per step.
+    (or ``save_checkpoint_if_preempted``) once per step, *before* the step:
+    a checkpoint saved there holds ``total_run_calls`` steps, and a job
+    resumed from it runs the next one.
 
     Args:
-        checkpoint_or_manager: ``asyncckpt.tf.CheckpointManager``, an
-            ``asyncckpt.tf.Checkpoint`` or ``tf.train.Checkpoint`` (then
-            ``checkpoint_dir`` is required and the handler keeps one checkpoint
-            there), or ``asyncckpt.jax.CheckpointManager``.
+        cluster_resolver: TensorFlow's first argument, the strategy's
+            ``cluster_resolver`` (None for local training): its cluster spec,
+            task type and task id say which worker this is and which is the
+            chief; with several workers they agree through the coordination
+            service ``MultiWorkerMirroredStrategy`` runs. In asyncckpt's
+            shorter call the first argument is the checkpoint or manager
+            instead (then the worker comes from ``TF_CONFIG`` or
+            ``jax.distributed``).
+        checkpoint_or_checkpoint_manager: ``asyncckpt.tf.CheckpointManager``,
+            an ``asyncckpt.tf.Checkpoint`` or ``tf.train.Checkpoint`` (then
+            ``checkpoint_dir`` is required and the handler keeps one
+            checkpoint there; the chief writes it, the other workers write
+            into ``checkpoint_dir/workertemp_<i>``, removed after their final
+            save), or ``asyncckpt.jax.CheckpointManager``.
         checkpoint_dir: Directory for a checkpoint given without a manager.
-        termination_config: Watchers, grace period, exit and save functions;
-            unset fields come from the platform preset.
-        coordinator: How workers agree; default: TensorFlow's coordination
-            service under ``MultiWorkerMirroredStrategy``, the
-            ``jax.distributed`` key-value store, else in-process.
+        termination_config: Watchers, grace period, exit and save functions
+            (asyncckpt's ``TerminationConfig`` or TensorFlow's); unset fields
+            come from the platform preset.
+        checkpoint_or_manager: asyncckpt's keyword for
+            ``checkpoint_or_checkpoint_manager``.
+        coordinator: How workers agree; default: from ``cluster_resolver``
+            when given, else TensorFlow's coordination service under
+            ``MultiWorkerMirroredStrategy``, the ``jax.distributed`` key-value
+            store, else in-process.
         grace_options: Tuning of the grace-period margin.
         agreement_options: Timeouts of the protocol.
     """
 
     def __init__(
         self,
-        checkpoint_or_manager: Any,
-        *,
-        checkpoint_dir: str | None = None,
+        cluster_resolver: Any = None,
+        checkpoint_or_checkpoint_manager: Any = None,
+        checkpoint_dir: str | os.PathLike | None = None,
         termination_config: TerminationConfig | None = None,
+        *,
+        checkpoint_or_manager: Any = None,
         coordinator: Coordinator | None = None,
         grace_options: GraceOptions | None = None,
         agreement_options: AgreementOptions | None = None,
     ):
+        resolver, checkpoint_or_manager = _split_arguments(
+            cluster_resolver, checkpoint_or_checkpoint_manager, checkpoint_or_manager)
         framework = _framework_of(checkpoint_or_manager)
+        if coordinator is None and resolver is not None:
+            if framework == "jax":
+                raise TypeError("a cluster resolver describes a TensorFlow cluster; JAX "
+                                "processes agree through jax.distributed: pass the manager alone")
+            coordinator = TFCoordinator.from_cluster_resolver(resolver) or InProcessCoordinator()
         self._coordinator = coordinator or auto_coordinator(framework)
         self._target: Target = make_target(
             checkpoint_or_manager,
@@ -360,18 +430,42 @@ class PreemptionCheckpointHandler(ClosingContext):
         return result
 
     def save_checkpoint_if_preempted(self, *args, **kwargs) -> None:
-        """Marks the end of one ``run``-worth of steps; saves/exits if agreed.
+        """Called before each step (or chunk of steps): saves/exits if agreed, then counts it.
 
-        For loops that run several steps per call. Arguments go to the
-        manager's ``save`` (TensorFlow) or are the state to save (JAX:
+        For loops that do not hand the step to ``run`` (several steps per
+        call, a step that is not a function). As TensorFlow's: the
+        checkpoint saved here holds the state as it is now, before the step
+        that follows, with ``total_run_calls`` as it is now; the call is then
+        counted. A job resumed from it runs that step next, none is skipped
+        or repeated. Arguments go to the manager's ``save`` (TensorFlow, e.g.
+        ``checkpoint_number=``) or are the state to save (JAX:
         ``save_checkpoint_if_preempted(state)``).
         """
-        self._step_done()
         if self._target.needs_state:
             state, args = (args[0] if args else None), args[1:]
         else:
             state = None
         self._boundary(state, args, kwargs)
+        self._step_done()
+
+    @contextlib.contextmanager
+    def watch_preemption_scope(self) -> Iterator[None]:
+        """Reports an error raised inside to every worker, then re-raises it.
+
+        TensorFlow's spelling for the loop around ``run`` (needed there with
+        ``TPUStrategy``): the other workers stop at their next step boundary
+        with ``PeerFailedError`` (or, blocked in a collective, with the
+        error TensorFlow's coordination service aborts it with), instead of
+        waiting for this one. ``run`` does the same for errors of the step
+        itself. Saving and exiting at a notice need no scope.
+        """
+        try:
+            yield
+        except (SystemExit, GeneratorExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            self._agreement.report_error(e)
+            raise
 
     def checkpoint_metadata(self) -> dict:
         """Custom metadata for the user's own JAX saves, so they carry the run count."""
@@ -458,7 +552,7 @@ class PreemptionCheckpointHandler(ClosingContext):
                                       None if self._remote is None
                                       else self._remote.uploader_thread_id])
         adopted = final and self._clock.adopt_in_flight()
-        upload_error = None
+        upload_error = checkpoint = None
         if adopted:
             pass  # the save in flight becomes the final checkpoint
         elif self._config.save_fn is not None:
@@ -466,8 +560,8 @@ class PreemptionCheckpointHandler(ClosingContext):
             save_args = ((state,) if self._target.needs_state else ()) + tuple(args)
             self._config.save_fn(*save_args, **kwargs)
         else:
-            upload_error = self._save_despite_upload_failure(runs, estimates, state, args,
-                                                             kwargs)
+            checkpoint, upload_error = self._save_despite_upload_failure(
+                runs, estimates, state, args, kwargs)
         durable = tier = location = remote_error = None
         if final:
             try:
@@ -478,14 +572,17 @@ class PreemptionCheckpointHandler(ClosingContext):
             self._record_final()
         if adopted:
             last = self._target.engine.last_stats
-            runs = last.step if last is not None and last.step is not None else runs
-            logger.warning("[worker %d] no time for a new save: the save in flight (step %d) "
-                           "is the final checkpoint", self._coordinator.worker_id, runs)
+            if last is not None:
+                adopted_runs, checkpoint = self._target.adopted(last)
+                runs = adopted_runs if adopted_runs is not None else runs
+            logger.warning("[worker %d] no time for a new save: the save in flight (%s, run "
+                           "%d) is the final checkpoint", self._coordinator.worker_id,
+                           checkpoint, runs)
         record = PreemptionSave(
             run=runs, final=final, started_at=started, durable_at=durable,
             notice_time=notice.get("time"), deadline=self._agreement.deadline(),
-            margin_s=margin, adopted=adopted, tier=tier, location=location,
-            remote_error=remote_error or upload_error,
+            margin_s=margin, adopted=adopted, checkpoint=checkpoint, tier=tier,
+            location=location, remote_error=remote_error or upload_error,
         )
         self.saves.append(record)
         if not final:
@@ -530,7 +627,7 @@ class PreemptionCheckpointHandler(ClosingContext):
         return "local", local, why, local_at
 
     def _save_despite_upload_failure(self, runs: int, estimates: dict, state: Any,
-                                     args: tuple, kwargs: dict) -> str | None:
+                                     args: tuple, kwargs: dict) -> tuple[str | None, str | None]:
         """Saves; an earlier background upload's failure does not cost this checkpoint.
 
         With two tiers, ``save()`` re-raises a failed background upload (once).
@@ -539,19 +636,18 @@ class PreemptionCheckpointHandler(ClosingContext):
         reported with the save. A URL directory has no local tier: it raises.
 
         Returns:
-            The upload failure, as text, or None.
+            ``(the checkpoint saved, the upload failure as text or None)``.
         """
         try:
-            self._target.save(runs, estimates, state, args, dict(kwargs))
-            return None
+            return self._target.save(runs, estimates, state, args, dict(kwargs)), None
         except StorageError as e:
             if self._remote is None or self._remote.every_save:
                 raise
             logger.warning("[worker %d] an earlier upload to %s failed (%s); saving run %d "
                            "on the local tier", self._coordinator.worker_id, self._remote.url,
                            e, runs)
-            self._target.save(runs, estimates, state, args, dict(kwargs))
-            return f"an earlier upload to {self._remote.url} failed: {e}"
+            checkpoint = self._target.save(runs, estimates, state, args, dict(kwargs))
+            return checkpoint, f"an earlier upload to {self._remote.url} failed: {e}"
 
     def _record_final(self) -> None:
         """Keeps the final save's cost for the next run's margin (worker 0 writes it)."""
