@@ -111,7 +111,7 @@ if pid == 1:
 
 out = {}
 mgr = aj.CheckpointManager(url, max_to_keep=2, coordination_timeout_s=60)
-out["scratch"] = mgr.directory
+out["scratch"] = os.fspath(mgr.directory)
 for step in (1, 2, 3):
     mgr.save(step, state(step), custom_metadata={"by": "two processes"})
     FaultyStore.saved_1.set()  # uploads are part of the background commit
