@@ -192,11 +192,6 @@ class ManagerConfig:
             raise TypeError(f"post_finalization_callback {self.post_finalization_callback!r} "
                             "is not callable")
 
-    @property
-    def retains(self) -> bool:
-        """Whether a save can condemn older steps (a count or a preservation policy)."""
-        return self.max_to_keep is not None or self.preservation_policy is not None
-
     def metric(self, metrics: Any) -> float | None:
         """``best_fn(metrics)``; None without ``best_fn`` or metrics, or if it fails."""
         if self.best_fn is None or not metrics:
@@ -292,6 +287,31 @@ def from_orbax(options: Any) -> ManagerConfig:
         post_finalization_callback=callback,
         create_directories_asynchronously=dirs_async,
     )
+
+
+def with_checkpointers(config: ManagerConfig, *, use_async: bool | None,
+                       timeout_s: float | None, async_options_given: bool) -> ManagerConfig:
+    """``config`` with what orbax takes from its older positional ``checkpointers``.
+
+    Only synchronous ``Checkpointer``s: synchronous saves (and directories made
+    in ``save()``). An ``AsyncCheckpointer``: its timeout, unless orbax's
+    ``AsyncOptions`` gave one. ``use_async`` None: no checkpointers were given.
+
+    Raises:
+        ValueError: a post-finalization callback with synchronous checkpointers
+            only (orbax refuses it too).
+    """
+    if use_async is None:
+        return config
+    if not use_async:
+        if config.post_finalization_callback is not None:
+            raise ValueError("AsyncOptions.post_finalization_callback needs an "
+                             "AsyncCheckpointer, as in orbax")
+        return dataclasses.replace(config, enable_async=False,
+                                   create_directories_asynchronously=False)
+    if not async_options_given and timeout_s is not None:
+        return dataclasses.replace(config, save_timeout_s=timeout_s)
+    return config
 
 
 def _commit_mode(path_class: Any, atomicity: Any) -> tuple[str | None, bool]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import operator
@@ -151,7 +150,9 @@ class CheckpointManager(ClosingContext):
         if logger is not None and not callable(getattr(logger, "log_entry", None)):
             raise TypeError(f"logger {logger!r} has no log_entry method (orbax's AbstractLogger)")
         setup = _compat.item_setup(checkpointers, item_names, item_handlers)
-        self._config = _from_checkpointers(self._config, setup, options)
+        self._config = _options.with_checkpointers(
+            self._config, use_async=setup.use_async, timeout_s=setup.timeout_s,
+            async_options_given=getattr(options, "async_options", None) is not None)
         self._setup = setup
         self._logger = logger
         self._item_names = None if setup.names is None else tuple(
@@ -704,20 +705,3 @@ class CheckpointManager(ClosingContext):
         return restore_listed(root, steps, step, requests, named, names=names,
                               checksums=checksums, open_remote=None, tried=tried)
 
-
-def _from_checkpointers(config: _options.ManagerConfig, setup: _compat.ItemSetup,
-                        options: Any) -> _options.ManagerConfig:
-    """``config`` with what orbax takes from positional ``checkpointers``: synchronous
-    saves for ``Checkpointer``s only; an ``AsyncCheckpointer``'s timeout unless
-    ``AsyncOptions`` gave one."""
-    if setup.use_async is None:
-        return config
-    if not setup.use_async:
-        if config.post_finalization_callback is not None:
-            raise ValueError("AsyncOptions.post_finalization_callback needs an "
-                             "AsyncCheckpointer, as in orbax")
-        return dataclasses.replace(config, enable_async=False,
-                                   create_directories_asynchronously=False)
-    if getattr(options, "async_options", None) is None and setup.timeout_s is not None:
-        return dataclasses.replace(config, save_timeout_s=setup.timeout_s)
-    return config

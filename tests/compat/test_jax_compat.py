@@ -601,26 +601,27 @@ def test_a_user_save_decision_policy_gets_orbaxs_inputs(tmp_path):
                                  "MultiprocessingOptions")]
 
 
-def test_decision_context_tells_whether_a_save_is_in_flight(ckpt_dir, monkeypatch):
+def test_decision_context_tells_whether_a_save_is_in_flight(tmp_path, monkeypatch):
     """ContinuousCheckpointingPolicy saves only while no save is in flight; with
     enable_should_save_is_saving_in_progress_check=False it is not told."""
     monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
     _GatedJob.gate.clear()
     policy = _cm.ContinuousCheckpointingPolicy()
+    managers = {check: aj.CheckpointManager(tmp_path / str(check), options=_opts(
+        save_decision_policy=policy, enable_should_save_is_saving_in_progress_check=check))
+        for check in (True, False)}
     try:
-        with aj.CheckpointManager(ckpt_dir, options=_opts(save_decision_policy=policy)) as mgr:
-            assert mgr.save(1, _state(1))
-            assert not mgr.should_save(2)  # step 1 is still being written
-            unchecked = aj.CheckpointManager(ckpt_dir, options=_opts(
-                save_decision_policy=policy,
-                enable_should_save_is_saving_in_progress_check=False))
-            assert unchecked.should_save(2)
-            unchecked.close()
-            _GatedJob.gate.set()
+        for check, mgr in managers.items():
+            assert mgr.save(1, _state(1))  # held before its write: in flight
+            assert mgr.should_save(2) is not check
+        _GatedJob.gate.set()
+        for mgr in managers.values():
             mgr.wait_until_finished()
             assert mgr.should_save(2)
     finally:
         _GatedJob.gate.set()
+        for mgr in managers.values():
+            mgr.close()
 
 
 # -- how a step is committed: temporary_path_class, atomicity_options --------------------
@@ -757,11 +758,11 @@ def test_async_options_post_finalization_callback_runs_after_each_commit(ckpt_di
 def test_async_options_timeout_fails_a_save_not_finished_in_time(ckpt_dir, monkeypatch):
     monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
     _GatedJob.gate.clear()
-    opts = _opts(async_options=ocp.AsyncOptions(timeout_secs=1))
+    opts = _opts(async_options=ocp.AsyncOptions(timeout_secs=2))
     try:
         with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
             mgr.save(1, _state(1))
-            threading.Timer(1.5, _GatedJob.gate.set).start()  # the write is held past it
+            threading.Timer(2.5, _GatedJob.gate.set).start()  # the write is held past it
             with pytest.raises(TimeoutError, match="timeout_secs"):
                 mgr.wait_until_finished()
             assert not (ckpt_dir / "1").exists()  # never committed
