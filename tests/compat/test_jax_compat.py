@@ -444,8 +444,11 @@ import jax, jax.numpy as jnp
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 import orbax.checkpoint as ocp
 import asyncckpt.jax as aj
-mgr = aj.CheckpointManager(sys.argv[1], options=ocp.CheckpointManagerOptions(
-    save_interval_steps=10**9))
+policies = ocp.checkpoint_managers
+options = (ocp.CheckpointManagerOptions(save_interval_steps=10**9) if sys.argv[2] == "interval"
+           else ocp.CheckpointManagerOptions(save_decision_policy=policies.AnySavePolicy([
+               policies.InitialSavePolicy(), policies.PreemptionCheckpointingPolicy()])))
+mgr = aj.CheckpointManager(sys.argv[1], options=options)
 mgr.save(0, args=ocp.args.StandardSave({"w": jnp.zeros(2)}))
 print("before", mgr.reached_preemption(1), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier takes it; its sync point follows
@@ -460,9 +463,11 @@ os._exit(0)
 """
 
 
-def test_saves_at_jax_preemption_sync_point_off_interval(tmp_path):
+@pytest.mark.parametrize("rules", ["interval", "PreemptionCheckpointingPolicy"])
+def test_saves_at_jax_preemption_sync_point_off_interval(tmp_path, rules):
+    """With orbax's policy object too: its DecisionContext says reached_preemption."""
     script = write_script(tmp_path, "preempt.py", _PREEMPT)
-    done = run_python(script, str(tmp_path / "ckpts"), timeout=180)
+    done = run_python(script, str(tmp_path / "ckpts"), rules, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "before False" in done.stdout
     line = next(x for x in done.stdout.splitlines() if x.startswith("saved"))
