@@ -9,6 +9,11 @@ a checkpoint (``.asyncckpt-tmp-*``), flushed, and then published by rename:
   checkpoint only when ``<prefix>.index`` exists, so the data files and the
   manifest are moved first and the index last: that last rename is the commit.
 
+A directory checkpoint can instead be written in place and committed by a
+marker file created last (``make_dir_in_place`` / ``commit_in_place``), for
+file systems whose directory rename is not atomic (orbax's commit-file mode):
+readers then list a directory only once its marker exists.
+
 A process killed at any moment leaves either the old state or the new
 checkpoint, plus at most a temporary directory that ``cleanup_stale_temps``
 removes on the next start (re-saving an existing TensorFlow prefix keeps the
@@ -57,7 +62,8 @@ def forget_temp(path: str) -> None:
     _settle(path)
 
 
-def _is_live(path: str) -> bool:
+def is_live(path: str) -> bool:
+    """Whether this process is writing the temporary (or in-place checkpoint) at ``path``."""
     with _live_lock:
         return os.path.abspath(path) in _live
 
@@ -149,6 +155,49 @@ def publish_dir(tmp_dir: str, final_dir: str, *, fsync: bool, replace: bool = Fa
         fsync_path(parent)
     if aside is not None:
         remove_tree(aside)
+
+
+def make_dir_in_place(final_dir: str, *, replace_stale: bool) -> str:
+    """Creates a directory checkpoint at its final name, to be committed by a marker.
+
+    Args:
+        final_dir: The checkpoint's directory.
+        replace_stale: Remove what is there first (an uncommitted directory a
+            killed save left: the caller has checked it holds no marker). False
+            when several processes write into it: it is then only created.
+    """
+    with directory_guard(os.path.dirname(os.path.abspath(final_dir))):
+        if replace_stale and os.path.lexists(final_dir):
+            logger.warning("removing %s: a save of it was interrupted before its commit",
+                           final_dir)
+            remove_tree(final_dir)
+        os.makedirs(final_dir, exist_ok=not replace_stale)
+        return _claim(final_dir)
+
+
+def commit_in_place(directory: str, marker: str, text: str, *, fsync: bool) -> None:
+    """Commits a directory written in place: creates ``marker`` in it, last.
+
+    The marker is created exclusively (``O_EXCL``: a directory is committed
+    once), after the directory's entries are durable, and is itself made
+    durable before this returns.
+
+    Raises:
+        FileExistsError: the directory was committed already.
+    """
+    if fsync:
+        fsync_path(directory)  # every entry durable before the marker
+    path = os.path.join(directory, marker)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, text.encode())
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if fsync:
+        fsync_path(directory)
+    _settle(directory)
 
 
 def publish_files(
@@ -362,11 +411,11 @@ def _cleanup_stale_temps(directory: str) -> list[str]:
         return removed
     # First put back (or finish replacing) checkpoints a killed re-save left.
     for name in entries:
-        if name.startswith(_BACKUP_PREFIX) and not _is_live(os.path.join(directory, name)):
+        if name.startswith(_BACKUP_PREFIX) and not is_live(os.path.join(directory, name)):
             _recover_backup(os.path.join(directory, name), directory)
     for name in entries:
         path = os.path.join(directory, name)
-        if is_temp_name(name) and not name.startswith(_BACKUP_PREFIX) and not _is_live(path):
+        if is_temp_name(name) and not name.startswith(_BACKUP_PREFIX) and not is_live(path):
             remove_tree(path)
             removed.append(path)
     if removed:

@@ -11,11 +11,15 @@ name and read by attribute, so the short forms work without orbax installed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
+from asyncckpt.jax import _compat, _tree
 from asyncckpt.jax import _format as fmt
 
 PLACEHOLDER = ...  # orbax's PLACEHOLDER: a target leaf that is not restored
@@ -32,11 +36,77 @@ _PLAIN_TREES = frozenset((dict, list, tuple))
 
 @dataclass(frozen=True)
 class SaveItem:
-    """One item of a save: a pytree (``kind="pytree"``) or a JSON value (``"json"``)."""
+    """One item of a save: a pytree (``kind="pytree"``) or a JSON value (``"json"``).
+
+    ``layout``: for a pytree saved with ``SaveArgs(chunk_byte_size=...)`` or
+    ``shard_axes``, one ``(chunk_byte_size, shard_axes, itemsize)`` (or None)
+    per leaf in ``_tree.flatten`` order, ``itemsize`` the element size before a
+    ``dtype`` cast (orbax chooses the chunks by it); None when every leaf is
+    written as it is.
+    """
 
     name: str
     kind: Literal["pytree", "json"]
     value: Any
+    layout: tuple | None = None
+
+
+# SaveArgs fields asyncckpt honours; any other one set is refused.
+_SAVE_ARGS_FIELDS = frozenset({"aggregate", "dtype", "chunk_byte_size", "shard_axes"})
+
+
+def _apply_save_args(name: str, tree: Any, save_args: Any) -> tuple[Any, tuple | None]:
+    """``tree`` with orbax's per-leaf ``SaveArgs`` applied, and the chunk layout they ask for.
+
+    ``dtype`` casts the leaf before it is staged (as orbax casts it before
+    writing); ``chunk_byte_size`` and ``shard_axes`` choose the zarr chunks the
+    leaf is written in (``_format.sub_chunk_shape``). Default ``SaveArgs()``
+    change nothing.
+
+    Raises:
+        ValueError: ``save_args`` does not have the item's structure, or asks
+            for something asyncckpt does not write (``aggregate=True``, as
+            orbax's ``StandardCheckpointHandler`` refuses it too).
+    """
+    leaves, treedef = _tree.flatten(tree)
+    args, args_def = _tree.flatten(save_args)
+    if args_def != treedef:
+        raise ValueError(f"item {name!r}: save_args must have the structure of the saved "
+                         f"tree, one SaveArgs per leaf ({len(args)} given for {len(leaves)})")
+    layout: list[tuple[int | None, tuple[int, ...], int] | None] = []
+    cast = False
+    for i, (leaf, arg) in enumerate(zip(leaves, args, strict=True)):
+        if arg is None or _tree.is_empty_leaf(leaf):
+            layout.append(None)
+            continue
+        if not dataclasses.is_dataclass(arg) or type(arg).__name__ != "SaveArgs":
+            raise TypeError(f"item {name!r}: save_args holds {arg!r}, not orbax's SaveArgs")
+        for f in dataclasses.fields(arg):
+            if f.name not in _SAVE_ARGS_FIELDS and getattr(arg, f.name) != f.default:
+                raise ValueError(f"item {name!r}: SaveArgs.{f.name} is not supported by "
+                                 "asyncckpt (dtype, chunk_byte_size and shard_axes are)")
+        if arg.aggregate:
+            raise ValueError(f"item {name!r}: SaveArgs(aggregate=True) is not supported (orbax "
+                             "deprecated it; its StandardCheckpointHandler refuses it too): "
+                             "leave aggregate=False")
+        itemsize = np.dtype(getattr(leaf, "dtype", type(leaf))).itemsize
+        if arg.dtype is not None and np.dtype(arg.dtype) != np.dtype(getattr(leaf, "dtype",
+                                                                             type(leaf))):
+            leaves[i] = _cast(leaf, arg.dtype)
+            cast = True
+        size, axes = arg.chunk_byte_size, tuple(arg.shard_axes or ())
+        layout.append(None if size is None and not axes else (size, axes, itemsize))
+    if cast:
+        tree = treedef.unflatten(leaves)
+    return tree, (tuple(layout) if any(e is not None for e in layout) else None)
+
+
+def _cast(leaf: Any, dtype: Any) -> Any:
+    """``leaf`` as ``dtype`` (a jax.Array stays one, on its devices)."""
+    astype = getattr(leaf, "astype", None)
+    if astype is not None:
+        return astype(dtype)
+    return np.asarray(leaf, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -88,38 +158,93 @@ def _unsupported(what: Any, why: str) -> TypeError:
 def _one_save(name: str, arg: Any) -> SaveItem:
     kind = _orbax_name(arg)
     if kind in _PYTREE_SAVE:
-        if getattr(arg, "save_args", None) is not None:
-            raise ValueError(f"item {name!r}: save_args (per-leaf dtype casts, aggregation) are "
-                             "not supported; cast the arrays before saving")
-        if getattr(arg, "ocdbt_target_data_file_size", None) is not None:
-            raise ValueError(f"item {name!r}: ocdbt_target_data_file_size does not apply "
-                             "(asyncckpt writes orbax's zarr layout without OCDBT)")
+        _compat.check_format(f"item {name!r}",
+                             ocdbt_target_data_file_size=getattr(
+                                 arg, "ocdbt_target_data_file_size", None))
         if getattr(arg, "custom_metadata", None) is not None:
             raise ValueError(f"item {name!r}: per-item custom_metadata is not supported; pass "
                              "custom_metadata= to save() (stored for the step)")
-        return SaveItem(name, "pytree", arg.item)
+        save_args = getattr(arg, "save_args", None)
+        if save_args is None:
+            return SaveItem(name, "pytree", arg.item)
+        return SaveItem(name, "pytree", *_apply_save_args(name, arg.item, save_args))
     if kind in _JSON_SAVE:
-        try:
-            json.dumps(arg.item)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"item {name!r}: JsonSave needs a JSON-serializable value: {e}") from e
-        return SaveItem(name, "json", arg.item)
+        return _json_item(name, arg.item)
     raise _unsupported(arg, "asyncckpt.jax saves StandardSave, PyTreeSave and JsonSave items "
                             "(alone or in a Composite)")
 
 
-def save_items(state: Any, args: Any) -> tuple[list[SaveItem], bool]:
+def _legacy_save(name: str, value: Any, kind: str | None, kwargs: Any) -> SaveItem:
+    """One item of orbax's older ``save(step, items, save_kwargs)`` spelling."""
+    kwargs = dict(kwargs or {})
+    save_args = kwargs.pop("save_args", None)
+    if kwargs:
+        raise TypeError(f"item {name!r}: save_kwargs {sorted(kwargs)} are not supported "
+                        "(save_args is)")
+    if kind == "json":
+        if save_args is not None:
+            raise TypeError(f"item {name!r}: a JSON item takes no save_args")
+        return _json_item(name, value)
+    if save_args is None:
+        return SaveItem(name, "pytree", value)
+    return SaveItem(name, "pytree", *_apply_save_args(name, value, save_args))
+
+
+def _json_item(name: str, value: Any) -> SaveItem:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"item {name!r}: JsonSave needs a JSON-serializable value: {e}") from e
+    return SaveItem(name, "json", value)
+
+
+def save_items(state: Any, args: Any, *, save_kwargs: Any = None, named_items: bool = False,
+               kinds: Mapping[str, str] | None = None) -> tuple[list[SaveItem], bool]:
     """The items of a save and whether they were named (a ``Composite``).
+
+    Args:
+        state: The short spelling's state (or orbax's older ``items``).
+        args: orbax's ``args=``.
+        save_kwargs: orbax's older ``save_kwargs`` (``{"save_args": tree}``,
+            by item name with ``named_items``).
+        named_items: ``state`` is a dict of items by name (a manager made
+            with a dict of checkpointers, orbax's older spelling).
+        kinds: The handler kind of each item whose handler was given.
 
     Raises:
         TypeError: neither or both of ``state`` and ``args``, or an argument
             type asyncckpt does not save.
-        ValueError: an option of the arguments that asyncckpt cannot honour.
+        ValueError: an option of the arguments that asyncckpt cannot honour,
+            or an item saved with arguments its handler does not take.
     """
+    items, named = _save_items(state, args, save_kwargs, named_items, kinds or {})
+    for item in items:
+        want = (kinds or {}).get(item.name)
+        if want is not None and want != item.kind:
+            spelling = "StandardSave/PyTreeSave" if want == "pytree" else "JsonSave"
+            raise ValueError(f"item {item.name!r} has a {want} handler: save it with "
+                             f"ocp.args.{spelling}")
+    return items, named
+
+
+def _save_items(state: Any, args: Any, save_kwargs: Any, named_items: bool,
+                kinds: Mapping[str, str]) -> tuple[list[SaveItem], bool]:
     if state is not None and args is not None:
         raise TypeError("give either the state or args=, not both")
     if state is None and args is None:
         raise TypeError("save() needs the state: save(step, state) or save(step, args=...)")
+    if save_kwargs is not None and state is None:
+        raise TypeError("save_kwargs go with the state (orbax's older save(step, items, "
+                        "save_kwargs)); with args= put save_args in the args")
+    if args is None and named_items:
+        if not isinstance(state, Mapping) or not state:
+            raise TypeError("this manager was given a dict of checkpointers: save a dict of "
+                            "its items by name")
+        per_item = save_kwargs or {}
+        return [_legacy_save(_check_item_name(str(k)), v, kinds.get(str(k)), per_item.get(k))
+                for k, v in state.items()], True
+    if args is None and save_kwargs is not None:
+        return [_legacy_save(fmt.ITEM, state, kinds.get(fmt.ITEM), save_kwargs)], False
     if args is None:
         if type(state) in _PLAIN_TREES or not is_orbax_args(state):
             return [SaveItem(fmt.ITEM, "pytree", state)], False
@@ -168,8 +293,12 @@ def _one_restore(name: str, arg: Any) -> RestoreItem:
                             "JsonRestore items (alone or in a Composite)")
 
 
-def restore_items(target: Any, args: Any) -> tuple[list[RestoreItem] | None, bool]:
+def restore_items(target: Any, args: Any, restore_kwargs: Any = None
+                  ) -> tuple[list[RestoreItem] | None, bool]:
     """What to restore: items (None: every item on disk) and whether a Composite was asked.
+
+    ``restore_kwargs`` is orbax's older spelling, ``{"restore_args": tree}``
+    with ``target`` as ``items``.
 
     Raises:
         TypeError: both ``target`` and ``args``, or an unknown argument type.
@@ -177,6 +306,16 @@ def restore_items(target: Any, args: Any) -> tuple[list[RestoreItem] | None, boo
     """
     if target is not None and args is not None:
         raise TypeError("give either target= or args=, not both")
+    if restore_kwargs is not None:
+        if args is not None:
+            raise TypeError("restore_kwargs go with the target (orbax's older restore(step, "
+                            "items, restore_kwargs)); with args= put restore_args in the args")
+        kwargs = dict(restore_kwargs)
+        restore_args = kwargs.pop("restore_args", None)
+        if kwargs:
+            raise TypeError(f"restore_kwargs {sorted(kwargs)} are not supported "
+                            "(restore_args is)")
+        return [RestoreItem(fmt.ITEM, "pytree", target, restore_args)], False
     if args is None:
         if target is not None and is_orbax_args(target):
             args = target

@@ -1,12 +1,17 @@
-"""Small pieces of orbax compatibility: its error type, handlers, preemption sync point.
+"""Small pieces of orbax compatibility: its error type, handlers and checkpointers,
+format requests, the post-finalization callback, logger entries, preemption sync point.
 
 orbax is imported only when one of these is used, never at import time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncckpt.errors import AsyncCkptError
@@ -44,19 +49,190 @@ def json_checked(value: Any, what: str) -> Any:
         raise TypeError(f"{what} must be JSON-serializable: {e}") from e
 
 
-def handler_item_names(item_handlers: Any) -> tuple[str, ...] | None:
+# orbax's handlers asyncckpt writes items of, by class name: what the item holds.
+_HANDLER_KINDS = {"StandardCheckpointHandler": "pytree", "PyTreeCheckpointHandler": "pytree",
+                  "JsonCheckpointHandler": "json"}
+
+
+@dataclass(frozen=True)
+class ItemSetup:
+    """What the manager's item arguments say (``item_names``, ``item_handlers``,
+    the older positional ``checkpointers``).
+
+    Attributes:
+        names: The named items (``Composite`` saves), or None for the one
+            unnamed ``default`` item.
+        kinds: ``"pytree"`` or ``"json"`` by item name, for items whose handler
+            was given (a save of another kind is refused, as orbax does).
+        named_items: Saves take ``save(step, {name: value})`` (a dict of
+            checkpointers was given: orbax's legacy named items).
+        use_async: From ``checkpointers``: whether orbax would save
+            asynchronously (an ``AsyncCheckpointer`` among them); None when
+            none were given.
+        timeout_s: The longest ``AsyncCheckpointer`` timeout among them.
+    """
+
+    names: tuple[str, ...] | None = None
+    kinds: dict[str, str] = field(default_factory=dict)
+    named_items: bool = False
+    use_async: bool | None = None
+    timeout_s: float | None = None
+
+
+def _handler_kind(name: str, handler: Any) -> str:
+    """The kind of item ``handler`` saves, after checking asyncckpt can write it as asked.
+
+    Raises:
+        ValueError: a handler type asyncckpt does not write, or one asking for
+            a format it does not write (``use_ocdbt=True``, ``use_zarr3=True``).
+    """
+    kind = _HANDLER_KINDS.get(type(handler).__name__)
+    if kind is None or not type(handler).__module__.startswith("orbax."):
+        raise ValueError(f"item {name!r}: handler {type(handler).__name__} is not supported "
+                         "(orbax's StandardCheckpointHandler, PyTreeCheckpointHandler and "
+                         "JsonCheckpointHandler are)")
+    if kind == "pytree":
+        # orbax keeps the handler's constructor arguments on the handler or, for
+        # StandardCheckpointHandler, on the PyTreeCheckpointHandler it wraps.
+        impl = getattr(handler, "_impl", handler)
+        check_format(f"item {name!r}: {type(handler).__name__}",
+                     use_ocdbt=bool(getattr(impl, "_use_ocdbt", False)),
+                     use_zarr3=bool(getattr(impl, "_use_zarr3", False)))
+    return kind
+
+
+def check_format(what: str, *, use_ocdbt: bool = False, use_zarr3: bool = False,
+                 ocdbt_target_data_file_size: int | None = None) -> None:
+    """Refuses a format request asyncckpt cannot write yet (never writes another format).
+
+    asyncckpt writes orbax's zarr v2 layout without OCDBT; a handler or save
+    argument asking for OCDBT or zarr3 is refused here, the one place that
+    decides it, rather than written in the other format.
+
+    Raises:
+        ValueError: naming the spelling to use instead.
+    """
+    if use_ocdbt:
+        raise ValueError(f"{what} has use_ocdbt=True, which asyncckpt does not write yet "
+                         "(it writes orbax's zarr layout without OCDBT, which orbax restores): "
+                         "pass use_ocdbt=False, or leave item_handlers out")
+    if use_zarr3:
+        raise ValueError(f"{what} has use_zarr3=True; asyncckpt writes zarr v2 (which orbax "
+                         "restores): pass use_zarr3=False")
+    if ocdbt_target_data_file_size is not None:
+        raise ValueError(f"{what}: ocdbt_target_data_file_size applies to OCDBT, which "
+                         "asyncckpt does not write yet; leave it out (SaveArgs(chunk_byte_size="
+                         "...) bounds the size of each written chunk file)")
+
+
+def item_setup(checkpointers: Any, item_names: Any, item_handlers: Any) -> ItemSetup:
+    """The manager's items from orbax's three spellings of them.
+
+    ``item_handlers`` is one handler (the unnamed ``default`` item) or a dict
+    by item name; ``item_names`` adds names whose handler is decided by the
+    first save; ``checkpointers`` (orbax's older positional argument) is one
+    ``Checkpointer``/``AsyncCheckpointer`` or a dict of them, whose handlers
+    are taken as ``item_handlers`` and whose kind decides synchronous or
+    asynchronous saves, as in orbax.
+
+    Raises:
+        ValueError: combinations orbax refuses, or handlers asyncckpt does not write.
+    """
+    if checkpointers is not None:
+        if item_names is not None or item_handlers is not None:
+            raise ValueError("checkpointers and item_names/item_handlers are mutually "
+                             "exclusive, as in orbax")
+        return _from_checkpointers(checkpointers)
     if item_handlers is None:
-        return None
-    if not isinstance(item_handlers, dict):
-        raise ValueError("item_handlers must map item names to handlers (one unnamed handler "
-                         "is the default item: leave it out)")
-    for name, handler in item_handlers.items():
-        kind = type(handler).__name__
-        if kind not in ("StandardCheckpointHandler", "PyTreeCheckpointHandler",
-                        "JsonCheckpointHandler"):
-            raise ValueError(f"item {name!r}: handler {kind} is not supported (Standard, "
-                             "PyTree and Json checkpoint handlers are)")
-    return tuple(item_handlers)
+        names = None if item_names is None else tuple(item_names)
+        return ItemSetup(names=names)
+    if isinstance(item_handlers, Mapping):
+        kinds = {str(n): _handler_kind(n, h) for n, h in item_handlers.items()}
+        names = tuple(dict.fromkeys([*(item_names or ()), *kinds]))
+        return ItemSetup(names=names, kinds=kinds)
+    if item_names is not None:
+        raise ValueError("item_handlers as one handler (the unnamed default item) and "
+                         "item_names are mutually exclusive, as in orbax")
+    return ItemSetup(kinds={"default": _handler_kind("default", item_handlers)})
+
+
+def _from_checkpointers(checkpointers: Any) -> ItemSetup:
+    single = not isinstance(checkpointers, Mapping)
+    by_name = {"default": checkpointers} if single else dict(checkpointers)
+    kinds, asynchronous, timeouts = {}, [], []
+    for name, ckptr in by_name.items():
+        handler = getattr(ckptr, "handler", None)
+        if handler is None or not any(c.__name__ == "Checkpointer" for c in type(ckptr).__mro__):
+            raise ValueError(f"checkpointers[{name!r}] is not an orbax Checkpointer: "
+                             f"{type(ckptr).__name__}")
+        kinds[str(name)] = _handler_kind(name, handler)
+        is_async = any(c.__name__ == "AsyncCheckpointer" for c in type(ckptr).__mro__)
+        asynchronous.append(is_async)
+        if is_async:
+            timeouts.append(async_checkpointer_timeout(ckptr))
+    timeout = max((t for t in timeouts if t is not None), default=None)
+    return ItemSetup(names=None if single else tuple(kinds), kinds=kinds,
+                     named_items=not single, use_async=any(asynchronous), timeout_s=timeout)
+
+
+def async_checkpointer_timeout(ckptr: Any) -> float | None:
+    """An orbax ``AsyncCheckpointer``'s timeout, which orbax's manager applies to its saves.
+
+    orbax 0.12.8 keeps it on the checkpointer's private async manager and reads
+    it from there itself (``CheckpointManager`` with ``checkpointers=``); None
+    if a later orbax moved it.
+    """
+    manager = getattr(ckptr, "_async_manager", None)
+    timeout = getattr(manager, "_timeout_secs", None)
+    return None if timeout is None else float(timeout)
+
+
+class PostFinalization:
+    """orbax's ``AsyncOptions.post_finalization_callback``, run once a save is committed.
+
+    Called on the writer thread, by the process that commits (process 0), as
+    orbax calls it. The save is durable by then, so a failure of the callback
+    does not undo it: it is kept and raised by the manager's next call.
+    Holds the callback only, never the manager.
+    """
+
+    def __init__(self, callback: Any):
+        self._callback = callback
+        self._lock = threading.Lock()
+        self._errors: list[BaseException] = []
+
+    def __call__(self, step: int, stats: Any, extra: Any) -> None:
+        del stats, extra
+        try:
+            self._callback()
+        except Exception as e:
+            e.add_note(f"asyncckpt: raised by post_finalization_callback after step {step} "
+                       "was committed")
+            with self._lock:
+                self._errors.append(e)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._errors)
+
+    def raise_pending(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            error, self._errors = self._errors[0], self._errors[1:]
+        raise error
+
+
+def step_statistics(kind: str, **values: Any) -> dict:
+    """The entry orbax's manager gives its ``logger.log_entry`` for a save or restore.
+
+    orbax's own ``SaveStepStatistics`` / ``RestoreStepStatistics`` as a dict
+    (``dataclasses.asdict``), its fields set from ``values``.
+    """
+    from orbax.checkpoint.logging import step_statistics as stats
+
+    cls = stats.SaveStepStatistics if kind == "save" else stats.RestoreStepStatistics
+    return dataclasses.asdict(cls(**values))
 
 
 @functools.cache

@@ -88,6 +88,57 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def sub_chunk_shape(global_shape: Sequence[int], write_shape: Sequence[int], itemsize: int,
+                    chunk_byte_size: int | None, shard_axes: Sequence[int] = ()
+                    ) -> tuple[int, ...]:
+    """The zarr chunk shape orbax chooses for ``SaveArgs(chunk_byte_size, shard_axes)``.
+
+    The chunks tile each written shard (``write_shape``) exactly: every
+    dimension of the chunk divides the shard's. Axes in ``shard_axes`` are
+    split down to 1 first; then, while a chunk holds more than
+    ``chunk_byte_size`` bytes, the largest dimension among those already split
+    (the array's sharded ones, at first) is cut to its next smaller divisor,
+    the first such dimension on a tie; when none of those can be cut, every
+    dimension becomes a candidate. This is orbax 0.12.8's rule, so a
+    checkpoint has the chunk files orbax would write for the same arguments.
+
+    Raises:
+        ValueError: ``chunk_byte_size`` smaller than one element, or an axis
+            out of range.
+    """
+    write = [max(1, int(d)) for d in write_shape]
+    rank = len(write)
+    if chunk_byte_size is None and not shard_axes:
+        return tuple(write)
+    options = [_divisors(d) for d in write]  # options[i][-1] is the chunk's dimension i
+    split = [int(g) != w for g, w in zip(global_shape, write, strict=True)]
+    for axis in shard_axes:
+        if not 0 <= axis < rank:
+            raise ValueError(f"shard_axes {tuple(shard_axes)} must be in [0, {rank})")
+        del options[axis][1:]
+        split[axis] = True
+    if chunk_byte_size is not None:
+        if chunk_byte_size < itemsize:
+            raise ValueError(f"chunk_byte_size={chunk_byte_size} is smaller than one element "
+                             f"({itemsize} bytes)")
+        limit = chunk_byte_size // itemsize
+        while math.prod(o[-1] for o in options) > limit:
+            cuttable = [i for i in range(rank) if split[i] and options[i][-1] > 1]
+            if not cuttable:
+                split = [True] * rank
+                continue
+            largest = max(cuttable, key=lambda i: (options[i][-1], -i))
+            options[largest].pop()
+            split[largest] = True
+    return tuple(o[-1] for o in options)
+
+
 def chunk_name(coords: Sequence[int]) -> str:
     """zarr v2 chunk key with ``.`` separators; a 0-d array has the one chunk ``0``."""
     return ".".join(str(c) for c in coords) if coords else "0"

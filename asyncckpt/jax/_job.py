@@ -5,9 +5,10 @@ Runs on the engine's writer thread. ``write`` puts this process's chunk files
 directory, straight from the slot's buffers, with CRC32s computed as they are
 written; ``commit`` waits for the files to be durable, lets the processes
 agree (see ``_distributed``), writes the manifest and publishes the step
-directory with one rename; ``after_commit`` then runs the manager's callback
-(retention) and tells the other processes, where an error no longer fails
-the save.
+directory with one rename (or, in orbax's commit-file mode, writes the step
+directory in place and commits it by creating ``commit_success.txt`` last);
+``after_commit`` then runs the manager's callback and tells the other
+processes, where an error no longer fails the save.
 """
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ class JaxSaveJob:
             ``save()`` does not).
         replace: Publish over an existing checkpoint of the same name (orbax's
             ``force=True``); it is removed once the new one is in place.
+        commit_marker: Write the step directory in place and commit it by
+            creating this file in it last (orbax's ``CommitFileTemporaryPath``);
+            None: write a temporary directory and rename it.
+        deadline: ``time.monotonic()`` after which the save is not committed
+            but fails with ``TimeoutError`` (orbax's ``AsyncOptions.timeout_secs``).
+        make_dir_now: Create the (temporary or in-place) directory in the
+            constructor, on the saving thread (orbax's
+            ``create_directories_asynchronously=False``).
     """
 
     def __init__(
@@ -94,6 +103,9 @@ class JaxSaveJob:
         shards: ShardUploader | None = None,
         on_temp_made: Callable[[], None] | None = None,
         replace: bool = False,
+        commit_marker: str | None = None,
+        deadline: float | None = None,
+        make_dir_now: bool = False,
     ):
         self.label = dir_name or str(step)
         self.step = step
@@ -122,6 +134,11 @@ class JaxSaveJob:
         self._extra: dict = {}
         self._error: BaseException | None = None
         self._pause: Callable[[], None] | None = None
+        self._marker = commit_marker
+        self._deadline = deadline
+        self._timeout_s = None if deadline is None else deadline - time.monotonic()
+        if make_dir_now:
+            self._tmp = self._make_dir()
 
     def set_pause(self, pause: Callable[[], None]) -> None:
         """The engine's gate: ``write`` pauses between write pieces while a save copies."""
@@ -153,11 +170,26 @@ class JaxSaveJob:
             self._error = agreed
         return agreed
 
+    def _make_dir(self) -> str:
+        """The directory the files go in: a temporary, or the step itself (commit-file)."""
+        if self._marker is not None:
+            return commit_lib.make_dir_in_place(self.final_dir,
+                                                replace_stale=self._coord is None)
+        return commit_lib.make_temp_dir(self._directory, self.label, token=self._token)
+
+    def _check_deadline(self) -> None:
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise TimeoutError(
+                f"the save of step {self.step} did not finish within the timeout of "
+                f"{self._timeout_s:.0f} s (AsyncOptions.timeout_secs): it is not committed")
+
     def _write(self) -> None:
         staged = self._staged
         assert staged is not None
         try:
-            self._tmp = commit_lib.make_temp_dir(self._directory, self.label, token=self._token)
+            self._check_deadline()
+            if self._tmp is None:
+                self._tmp = self._make_dir()
             if self._on_temp_made is not None:
                 self._on_temp_made()
             writer = DurableWriter(
@@ -245,8 +277,14 @@ class JaxSaveJob:
             manifest.to_json(),
             fsync=self._options.fsync,
         )
-        commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync,
-                               replace=self._replace)
+        self._check_deadline()
+        if self._marker is not None:
+            commit_lib.commit_in_place(self._tmp, self._marker,
+                                       f"committed by asyncckpt: {self.final_dir}",
+                                       fsync=self._options.fsync)
+        else:
+            commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync,
+                                   replace=self._replace)
         self._tmp = None
         self._published = True
         if self._on_published is not None:

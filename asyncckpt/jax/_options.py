@@ -20,14 +20,13 @@ from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
-# Fields of orbax's CheckpointManagerOptions that change nothing asyncckpt
-# saves or lists (how orbax schedules its own work); any value is accepted.
+# Fields of orbax's CheckpointManagerOptions that only schedule orbax's own
+# work; asyncckpt's behaviour with any value is what orbax's is (why, for each,
+# in docs/compat.md), so any value is accepted.
 _HINTS = frozenset({
-    "cleanup_tmp_directories",  # asyncckpt always removes stale temporaries under its lock
-    "enable_background_delete",  # deletions already run on the writer thread
-    "num_deletion_threads",
-    "lightweight_initialize",
-    "enable_should_save_is_saving_in_progress_check",  # only for continuous checkpointing
+    "enable_background_delete",  # deletions already run off the training thread
+    "num_deletion_threads",  # the writer thread deletes
+    "lightweight_initialize",  # step records are read lazily, when a rule needs them
     "single_host_load_and_broadcast",  # listing is one local directory read
 })
 
@@ -36,25 +35,27 @@ _HONOURED = frozenset({
     "save_interval_steps", "max_to_keep", "keep_time_interval", "keep_period", "best_fn",
     "best_mode", "keep_checkpoints_without_metrics", "step_prefix", "step_format_fixed_length",
     "create", "save_on_steps", "todelete_subdir", "read_only", "enable_async_checkpointing",
-    "should_save_fn", "save_root_metadata", "prevent_write_metrics",
+    "should_save_fn", "save_root_metadata", "prevent_write_metrics", "save_decision_policy",
+    "preservation_policy", "enable_should_save_is_saving_in_progress_check", "async_options",
+    "temporary_path_class", "atomicity_options", "cleanup_tmp_directories",
 })
 
-# Why the others are refused when set.
+# Why the others are refused when set, and what to use instead.
 _REFUSED = {
     "step_name_format": "custom NameFormat classes (use step_prefix / step_format_fixed_length)",
-    "todelete_full_path": "soft deletion to a bucket path (GCS only)",
-    "async_options": "orbax's AsyncOptions (use asyncckpt's async_options=AsyncOptions(...))",
+    "todelete_full_path": "soft deletion to a bucket path (GCS only; use todelete_subdir)",
     "multiprocessing_options": "orbax's MultiprocessingOptions (asyncckpt coordinates all "
-                               "JAX processes itself)",
-    "file_options": "orbax's FileOptions (path permissions, sync validations)",
-    "atomicity_options": "orbax's atomicity modes (asyncckpt commits by rename)",
-    "temporary_path_class": "orbax's TemporaryPath classes (asyncckpt commits by rename)",
-    "save_decision_policy": "orbax's SaveDecisionPolicy objects (use save_interval_steps, "
-                            "save_on_steps or should_save_fn)",
-    "preservation_policy": "orbax's PreservationPolicy objects (use max_to_keep, keep_period, "
-                           "keep_time_interval or best_fn)",
-    "enable_per_process_directory_creation": "per-process step directories",
+                               "JAX processes itself, process 0 as primary: leave it default)",
+    "file_options": "orbax's FileOptions (path permissions, sync validations: leave it default)",
+    "enable_per_process_directory_creation": "per-process step directories (leave it False)",
 }
+
+# orbax's temporary path classes (``orbax.checkpoint.path.atomicity``) by name:
+# whether a step is committed by a marker file instead of a rename.
+_TEMPORARY_PATHS = {"AtomicRenameTemporaryPath": False, "CommitFileTemporaryPath": True}
+
+# The file that commits a step written in place (orbax's ``commit_success.txt``).
+COMMIT_FILE = "commit_success.txt"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +113,26 @@ class ManagerConfig:
         enable_async: False makes ``save`` return only once the step is durable.
         save_root_metadata: Write the manager-level ``metadata=`` once.
         write_metrics: Write the ``metrics`` item orbax's ``best_fn`` reads.
+        save_decision_policy: orbax ``SaveDecisionPolicy`` (or any object with
+            its ``should_save``); replaces the save rules above.
+        preservation_policy: orbax ``PreservationPolicy`` (or any object with
+            its ``should_preserve``); replaces the retention rules above.
+        multiprocessing_options: orbax's ``MultiprocessingOptions``, handed to
+            the save-decision policy in its ``DecisionContext``.
+        saving_in_progress_check: Tell the save-decision policy whether a save
+            is in flight (orbax's ``enable_should_save_is_saving_in_progress_check``).
+        commit_marker: Steps are written in place and committed by this file
+            (orbax's ``CommitFileTemporaryPath``); None: by a rename.
+        legacy_rename_ok: With ``commit_marker``, a step directory without the
+            marker counts as committed too (orbax's ``allow_legacy_atomic_rename``).
+        cleanup_tmp_directories: Before the first save, also remove orbax's
+            temporaries (and, with ``commit_marker``, uncommitted step directories).
+        save_timeout_s: A save not committed this long after its ``save()``
+            call fails with ``TimeoutError`` (orbax's ``AsyncOptions.timeout_secs``).
+        post_finalization_callback: Called with no argument on the writer
+            thread once each save is committed (orbax's ``AsyncOptions``).
+        create_directories_asynchronously: False makes ``save()`` create the
+            step's directory before it returns (orbax's ``AsyncOptions``).
     """
 
     max_to_keep: int | None = None
@@ -130,6 +151,16 @@ class ManagerConfig:
     enable_async: bool = True
     save_root_metadata: bool = True
     write_metrics: bool = True
+    save_decision_policy: Any = None
+    preservation_policy: Any = None
+    multiprocessing_options: Any = None
+    saving_in_progress_check: bool = True
+    commit_marker: str | None = None
+    legacy_rename_ok: bool = False
+    cleanup_tmp_directories: bool = False
+    save_timeout_s: float | None = None
+    post_finalization_callback: Callable[[], Any] | None = None
+    create_directories_asynchronously: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_to_keep", self.max_to_keep, minimum=0, optional=True)
@@ -146,6 +177,20 @@ class ManagerConfig:
         ):
             raise ValueError(f"todelete_subdir must be a name that is not a step, got "
                              f"{self.todelete_subdir!r}")
+        if self.save_decision_policy is not None and not callable(
+                getattr(self.save_decision_policy, "should_save", None)):
+            raise TypeError(f"save_decision_policy {self.save_decision_policy!r} has no "
+                            "should_save(step, previous_steps, *, context) method")
+        if self.preservation_policy is not None and not callable(
+                getattr(self.preservation_policy, "should_preserve", None)):
+            raise TypeError(f"preservation_policy {self.preservation_policy!r} has no "
+                            "should_preserve(checkpoints, *, context) method")
+        if self.save_timeout_s is not None and self.save_timeout_s <= 0:
+            raise ValueError(f"the save timeout must be positive, got {self.save_timeout_s} s")
+        if self.post_finalization_callback is not None and not callable(
+                self.post_finalization_callback):
+            raise TypeError(f"post_finalization_callback {self.post_finalization_callback!r} "
+                            "is not callable")
 
     def metric(self, metrics: Any) -> float | None:
         """``best_fn(metrics)``; None without ``best_fn`` or metrics, or if it fails."""
@@ -180,7 +225,8 @@ def from_orbax(options: Any) -> ManagerConfig:
 
     Raises:
         ValueError: a field asyncckpt cannot honour is set away from orbax's
-            default (the field is named, with what to use instead).
+            default (the field is named, with what to use instead), or
+            fields that orbax refuses together.
         TypeError: ``options`` is not orbax's options dataclass.
     """
     if not dataclasses.is_dataclass(options) or type(options).__name__ != (
@@ -200,11 +246,18 @@ def from_orbax(options: Any) -> ManagerConfig:
             f"CheckpointManagerOptions.{f.name}={value!r} is not supported by "
             f"asyncckpt.jax.CheckpointManager: {why}"
         )
+    if options.preservation_policy is not None and (
+            options.keep_time_interval or options.max_to_keep or options.keep_period):
+        raise ValueError("preservation_policy and the delete options (max_to_keep, "
+                         "keep_time_interval, keep_period) are mutually exclusive, as in orbax")
     interval = options.keep_time_interval
     if isinstance(interval, datetime.timedelta):
         interval_s: float | None = interval.total_seconds()
     else:
         interval_s = None if interval is None else float(interval)
+    marker, legacy = _commit_mode(options.temporary_path_class, options.atomicity_options)
+    timeout_s, callback, dirs_async = _async_options(options.async_options,
+                                                     options.enable_async_checkpointing)
     return ManagerConfig(
         max_to_keep=options.max_to_keep,
         keep_time_interval_s=interval_s,
@@ -223,7 +276,94 @@ def from_orbax(options: Any) -> ManagerConfig:
         enable_async=options.enable_async_checkpointing,
         save_root_metadata=options.save_root_metadata,
         write_metrics=not options.prevent_write_metrics,
+        save_decision_policy=options.save_decision_policy,
+        preservation_policy=options.preservation_policy,
+        multiprocessing_options=options.multiprocessing_options,
+        saving_in_progress_check=options.enable_should_save_is_saving_in_progress_check,
+        commit_marker=marker,
+        legacy_rename_ok=legacy,
+        cleanup_tmp_directories=options.cleanup_tmp_directories,
+        save_timeout_s=timeout_s,
+        post_finalization_callback=callback,
+        create_directories_asynchronously=dirs_async,
     )
+
+
+def with_checkpointers(config: ManagerConfig, *, use_async: bool | None,
+                       timeout_s: float | None, async_options_given: bool) -> ManagerConfig:
+    """``config`` with what orbax takes from its older positional ``checkpointers``.
+
+    Only synchronous ``Checkpointer``s: synchronous saves (and directories made
+    in ``save()``). An ``AsyncCheckpointer``: its timeout, unless orbax's
+    ``AsyncOptions`` gave one. ``use_async`` None: no checkpointers were given.
+
+    Raises:
+        ValueError: a post-finalization callback with synchronous checkpointers
+            only (orbax refuses it too).
+    """
+    if use_async is None:
+        return config
+    if not use_async:
+        if config.post_finalization_callback is not None:
+            raise ValueError("AsyncOptions.post_finalization_callback needs an "
+                             "AsyncCheckpointer, as in orbax")
+        return dataclasses.replace(config, enable_async=False,
+                                   create_directories_asynchronously=False)
+    if not async_options_given and timeout_s is not None:
+        return dataclasses.replace(config, save_timeout_s=timeout_s)
+    return config
+
+
+def _commit_mode(path_class: Any, atomicity: Any) -> tuple[str | None, bool]:
+    """How steps are committed: ``(marker file or None for a rename, legacy renames count)``.
+
+    orbax's ``temporary_path_class`` wins over ``atomicity_options.mode``, as in
+    orbax; ``AUTO`` is a rename (what orbax picks for a local directory).
+
+    Raises:
+        ValueError: a temporary path class other than orbax's two.
+    """
+    legacy = bool(getattr(atomicity, "allow_legacy_atomic_rename", False))
+    if path_class is not None:
+        name = getattr(path_class, "__name__", None)
+        if (name not in _TEMPORARY_PATHS
+                or not getattr(path_class, "__module__", "").startswith("orbax.")):
+            raise ValueError(
+                f"CheckpointManagerOptions.temporary_path_class={path_class!r} is not supported "
+                "by asyncckpt.jax.CheckpointManager: it commits steps as orbax's "
+                "AtomicRenameTemporaryPath (a rename) or CommitFileTemporaryPath (a "
+                f"{COMMIT_FILE} file) do; use one of those")
+        return (COMMIT_FILE if _TEMPORARY_PATHS[name] else None), legacy
+    mode = getattr(getattr(atomicity, "mode", None), "value", "auto")
+    if mode == "commit_file":
+        return COMMIT_FILE, legacy
+    if mode in ("auto", "atomic_rename"):
+        return None, legacy
+    raise ValueError(f"AtomicityOptions.mode={mode!r} is not supported (use AUTO, "
+                     "ATOMIC_RENAME or COMMIT_FILE)")
+
+
+def _async_options(async_options: Any, enable_async: bool
+                   ) -> tuple[float | None, Callable[[], Any] | None, bool]:
+    """orbax's ``AsyncOptions``: ``(timeout, post-finalization callback, dirs made async)``.
+
+    Raises:
+        ValueError: ``barrier_sync_fn`` is set, or a post-finalization
+            callback without asynchronous saves (orbax refuses that too).
+    """
+    if async_options is None:
+        return None, None, True
+    if getattr(async_options, "barrier_sync_fn", None) is not None:
+        raise ValueError("AsyncOptions.barrier_sync_fn is not supported by "
+                         "asyncckpt.jax.CheckpointManager: it synchronises JAX processes "
+                         "through jax.distributed's key-value store; leave it None")
+    callback = async_options.post_finalization_callback
+    if callback is not None and not enable_async:
+        raise ValueError("AsyncOptions.post_finalization_callback needs asynchronous saves "
+                         "(enable_async_checkpointing=True), as in orbax")
+    timeout = async_options.timeout_secs
+    return (None if timeout is None else float(timeout), callback,
+            bool(async_options.create_directories_asynchronously) and enable_async)
 
 
 def _steps(steps: Container[int] | None) -> frozenset[int]:

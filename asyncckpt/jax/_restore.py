@@ -264,9 +264,18 @@ def _target_from_restore_args(item_dir: str, entries: list[fmt.TreeEntry], targe
 
 def _match(step_dir: str, entries: list[fmt.TreeEntry], target: Any, *,
            partial: bool = False) -> list[fmt.TreeEntry]:
-    """The checkpoint entry of each target leaf, or a clear error."""
+    """The checkpoint entry of each target leaf, or a clear error.
+
+    An empty subtree of the target that the checkpoint does not record (an
+    empty NamedTuple such as optax's ``EmptyState()``, which earlier asyncckpt
+    versions left out of ``_METADATA``) matches as an empty entry: there is
+    nothing to read for it.
+    """
     paths = _tree.leaf_paths(target)
     by_param = {e.path.param: e for e in entries}
+    for p, leaf in zip(paths, _tree.flatten(target)[0], strict=True):
+        if p.param not in by_param and _tree.is_empty_leaf(leaf):
+            by_param[p.param] = fmt.TreeEntry(p, _tree.empty_type_name(leaf) or "None")
     missing = [p.display for p in paths if p.param not in by_param]
     wanted = {p.param for p in paths}
     extra = [] if partial else [e.path.display for e in entries if e.path.param not in wanted]
@@ -399,17 +408,21 @@ def restore_newest(steps: list[int], root: str, attempt: Callable[[int], Any]) -
 
 def restore_listed(root: str, steps: list[int], step: int | None,
                    requests: list[_args.RestoreItem] | None, named: bool, *, names: StepNames,
-                   checksums: bool, open_remote: Callable[[int], Any] | None) -> Any:
+                   checksums: bool, open_remote: Callable[[int], Any] | None,
+                   tried: list[int] | None = None) -> Any:
     """Restores ``step`` of the ``steps`` listed in ``root`` (None: the newest that verifies).
 
     ``open_remote(step)`` gives a step only a remote tier holds (a ``LazyStep``,
     read from as the restore reads), or None where the local copy is read.
+    ``tried``, if given, gets each step read, in order (the last one restored).
 
     Raises:
         CheckpointNotFoundError: ``step`` is not listed, or nothing is.
         CorruptCheckpointError: see ``restore_newest`` and ``restore_step``.
     """
     def one(s: int) -> Any:
+        if tried is not None:
+            tried.append(s)
         remote = None if open_remote is None else open_remote(s)
         where = os.path.join(root, names.name(s)) if remote is None else remote.path
         return restore_step(where, requests, named, checksums=checksums, remote=remote)

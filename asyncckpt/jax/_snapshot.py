@@ -22,6 +22,7 @@ new buffers that no later device computation touches.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import operator
@@ -64,12 +65,16 @@ class ChunkPlan:
         shape: Shape of the chunk on disk (zarr pads edge chunks to full size).
         region: Where the shard goes in the chunk when it is smaller (an
             uneven edge shard); None when it fills the chunk.
+        source: The part of the shard (or host value) this chunk holds, when
+            ``SaveArgs(chunk_byte_size=...)`` splits it into several chunks;
+            None for the whole of it.
     """
 
     shard: int
     file: str
     shape: tuple[int, ...]
     region: tuple[slice, ...] | None = None
+    source: tuple[slice, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,8 +162,8 @@ class Plan:
         """One entry per chunk file under ``item``, in leaf order, built once per item.
 
         ``(leaf index, chunk index in the leaf, shard index, file, chunk shape,
-        dtype, region, how it is staged)``: the stage loop reads each chunk's
-        facts from one flat tuple instead of walking leaf and chunk plans.
+        dtype, region, how it is staged, source)``: the stage loop reads each
+        chunk's facts from one flat tuple instead of walking leaf and chunk plans.
         """
         key = ("steps", item)
         steps = self._named.get(key)
@@ -172,7 +177,8 @@ class Plan:
                 else:
                     kind = _NUMPY if lp.kind == "numpy" else _SCALAR
                 for k, (c, name) in enumerate(zip(lp.chunks, names[i], strict=True)):
-                    out.append((i, k, c.shard, name, c.shape, lp.dtype, c.region, kind))
+                    out.append((i, k, c.shard, name, c.shape, lp.dtype, c.region, kind,
+                                c.source))
             steps = self._named[key] = tuple(out)
         return steps
 
@@ -186,7 +192,7 @@ class Plan:
         key = ("columns", item)
         if key not in self._named:
             steps, columns = self.steps(item), None
-            if steps and all(st[7] in (_WHOLE, _JAX) and st[6] is None
+            if steps and all(st[7] in (_WHOLE, _JAX) and st[6] is None and st[8] is None
                              and self.leaves[st[0]].host_view for st in steps):
                 cols = tuple(zip(*steps, strict=True))  # (leaf, k, shard, file, shape, ...)
                 whole = [st[7] == _WHOLE for st in steps]
@@ -334,8 +340,38 @@ def _pinned_sharding(leaf: jax.Array) -> Any:
         return None
 
 
+def _split(origin: Sequence[int], size: Sequence[int], write: Sequence[int],
+           disk: Sequence[int], shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple]]:
+    """The chunks of ``disk`` shape a shard at ``origin`` of ``size`` (in a
+    ``write``-shaped grid cell) is written as: ``(chunk coordinates, (lo, hi)
+    of the shard's part in it per dimension)``. Chunks past the array's end
+    are not written (zarr has none there)."""
+    per_dim = []
+    for a, n, w, c, dim in zip(origin, size, write, disk, shape, strict=True):
+        starts = range(a, min(a + w, dim), c)
+        per_dim.append([(s // c, (s - a, min(s + c, a + n) - a)) for s in starts])
+    return [(tuple(p[0] for p in combo), tuple(p[1] for p in combo))
+            for combo in itertools.product(*per_dim)]
+
+
+def _chunk_plans(shard: int, param: str, origin: Sequence[int], size: tuple[int, ...],
+                 write: tuple[int, ...], disk: tuple[int, ...], shape: Sequence[int]
+                 ) -> list[ChunkPlan]:
+    """The chunk files of one shard; with ``disk == write`` (no ``chunk_byte_size``) the one
+    chunk of the shard, as before."""
+    plans = []
+    for coords, parts in _split(origin, size, write, disk, shape):
+        extent = tuple(hi - lo for lo, hi in parts)
+        region = None if extent == disk else tuple(slice(0, n) for n in extent)
+        source = (None if extent == size
+                  else tuple(slice(lo, hi) for lo, hi in parts))
+        plans.append(ChunkPlan(shard, f"{param}/{fmt.chunk_name(coords)}", disk, region, source))
+    return plans
+
+
 def _plan_jax_leaf(
-    leaf: jax.Array, path: _tree.LeafPath, files: list, shardings: dict
+    leaf: jax.Array, path: _tree.LeafPath, files: list, shardings: dict,
+    sub: tuple[int | None, tuple[int, ...], int] | None = None,
 ) -> tuple[LeafPlan, fmt.TreeEntry]:
     display = path.display
     if leaf.is_deleted():
@@ -349,31 +385,34 @@ def _plan_jax_leaf(
     zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
     chunk = _chunk_grid(leaf, display)
     disk_chunk = tuple(max(1, c) for c in chunk)
-    chunks = []
+    if sub is not None and chunk:
+        size, axes, itemsize = sub
+        disk_chunk = fmt.sub_chunk_shape(leaf.shape, chunk, itemsize, size, axes)
+    chunks: list[ChunkPlan] = []
     if 0 not in leaf.shape:
         for i, shard in enumerate(leaf.addressable_shards):
             if shard.replica_id != 0:
                 continue  # another device (maybe another process) writes this data
             bounds = [s.indices(d)[:2] for s, d in zip(shard.index, leaf.shape, strict=True)]
-            coords = tuple(a // c for (a, _), c in zip(bounds, chunk, strict=True))
             size = tuple(b - a for a, b in bounds)
-            region = None if size == chunk else tuple(slice(0, n) for n in size)
-            file = f"{path.param}/{fmt.chunk_name(coords)}"
-            chunks.append(ChunkPlan(i, file, chunk, region))
+            chunks += _chunk_plans(i, path.param, [a for a, _ in bounds], size, chunk,
+                                   disk_chunk, leaf.shape)
     files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(leaf.shape, disk_chunk, zdtype)))
     shardings[path.param] = fmt.sharding_json(leaf.sharding)
     entry = fmt.TreeEntry(path, fmt.JAX_ARRAY, chunk)
     pinned = _pinned_sharding(leaf) if chunks else None
-    if any(c.region is not None for c in chunks):
-        pinned = None  # edge chunks need padding: copy into a slot buffer
+    if any(c.region is not None or c.source is not None for c in chunks):
+        pinned = None  # edge chunks need padding, parts need cutting: copy into slot buffers
     devices = leaf.sharding.device_set
     host_view = all(d.platform == "cpu" for d in devices)
-    whole = host_view and len(devices) == 1 and len(chunks) == 1 and chunks[0].region is None
+    whole = (host_view and len(devices) == 1 and len(chunks) == 1 and chunks[0].region is None
+             and chunks[0].source is None)
     return LeafPlan("jax", display, dtype, tuple(chunks), pinned, host_view, whole), entry
 
 
 def _plan_host_leaf(
-    leaf: Any, kind: str, path: _tree.LeafPath, files: list, primary: bool
+    leaf: Any, kind: str, path: _tree.LeafPath, files: list, primary: bool,
+    sub: tuple[int | None, tuple[int, ...], int] | None = None,
 ) -> tuple[LeafPlan, fmt.TreeEntry]:
     display = path.display
     if kind == "scalar":
@@ -381,17 +420,29 @@ def _plan_host_leaf(
     else:  # a NumPy array or NumPy scalar: orbax stores both as np.ndarray
         dtype, shape, value_type = np.dtype(leaf.dtype), tuple(leaf.shape), fmt.NUMPY_ARRAY
     zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
-    disk_chunk = tuple(max(1, d) for d in shape)
+    whole = tuple(max(1, d) for d in shape)
+    disk_chunk = whole
+    if sub is not None and shape:
+        size, axes, itemsize = sub
+        disk_chunk = fmt.sub_chunk_shape(shape, shape, itemsize, size, axes)
     chunks: tuple[ChunkPlan, ...] = ()
     # Host values are the same on every process; the primary writes them.
     if primary and 0 not in shape:
-        chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name((0,) * len(shape))}", shape),)
+        if disk_chunk == whole:
+            chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name((0,) * len(shape))}", shape),)
+        else:
+            chunks = tuple(_chunk_plans(-1, path.param, (0,) * len(shape), shape, shape,
+                                        disk_chunk, shape))
     files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(shape, disk_chunk, zdtype)))
     return LeafPlan(kind, display, dtype, chunks), fmt.TreeEntry(path, value_type)
 
 
-def build_plan(tree: Any, leaves: list[Any], *, primary: bool) -> Plan:
+def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
+               layout: tuple | None = None) -> Plan:
     """Plans the save of ``tree`` (whose flattened leaves are ``leaves``).
+
+    ``layout``: per leaf, ``(chunk_byte_size, shard_axes, itemsize)`` of its
+    ``SaveArgs`` or None (see ``_args.SaveItem``); None: every leaf written as it is.
 
     Raises:
         UnsupportedObjectError: a leaf's type, dtype, name or sharding cannot
@@ -401,12 +452,15 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool) -> Plan:
     files: list[tuple[str, str]] = []
     shardings: dict[str, str | None] = {}
     plans, entries = [], []
-    for leaf, path in zip(leaves, paths, strict=True):
+    subs = layout or (None,) * len(leaves)
+    if len(subs) != len(leaves):
+        raise ValueError(f"a chunk layout of {len(subs)} leaves for a tree of {len(leaves)}")
+    for leaf, path, sub in zip(leaves, paths, subs, strict=True):
         kind = _kind(leaf)
         if kind == "jax":
-            plan, entry = _plan_jax_leaf(leaf, path, files, shardings)
+            plan, entry = _plan_jax_leaf(leaf, path, files, shardings, sub)
         elif kind in ("numpy", "npscalar", "scalar"):
-            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary)
+            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary, sub)
         elif kind == "empty":
             plan = LeafPlan("empty", path.display, None, ())
             entry = fmt.TreeEntry(path, _tree.empty_type_name(leaf) or "None")
@@ -470,14 +524,17 @@ class Snapshotter:
             return *_tree.flatten(tree), True
         return leaves, treedef, False
 
-    def plan(self, tree: Any) -> tuple[Plan, list[Any]]:
+    def plan(self, tree: Any, layout: tuple | None = None) -> tuple[Plan, list[Any]]:
         """The plan for ``tree`` (cached) and its flattened leaves.
 
         The plan used last is checked first, comparing (not hashing) the tree
         definition and leaf signatures, mostly the same objects from save to
         save (a ``jit``'s outputs share aval and sharding objects). A tree with
         empty subtrees takes the general path (its full definition differs).
+        ``layout`` (``SaveArgs`` chunking, per leaf) is part of the plan's key.
         """
+        if layout is not None:
+            return self._plan_general(tree, layout)
         last = self._last
         if last is not None:
             leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -489,12 +546,15 @@ class Snapshotter:
                         return last[2], leaves
                 elif tuple(map(_signature, leaves)) == last[1]:
                     return last[2], leaves
+        return self._plan_general(tree, None)
+
+    def _plan_general(self, tree: Any, layout: tuple | None) -> tuple[Plan, list[Any]]:
         leaves, treedef, has_empty = self._flatten(tree)
         sigs = tuple(map(_signature, leaves))
-        key = (treedef, sigs)
+        key = (treedef, sigs) if layout is None else (treedef, sigs, layout)
         plan = self._cache.get(key)
         if plan is None:
-            plan = build_plan(tree, leaves, primary=self._primary)
+            plan = build_plan(tree, leaves, primary=self._primary, layout=layout)
             self._cache[key] = plan
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -505,10 +565,11 @@ class Snapshotter:
         arrays = None
         if _aval_sharding is not None and all(s[0] is _ArrayImpl for s in sigs):
             arrays = (tuple(map(type, leaves)), tuple(s[1:] for s in sigs))
-        self._last = None if has_empty else (treedef, sigs, plan, arrays)
+        self._last = None if has_empty or layout is not None else (treedef, sigs, plan, arrays)
         return plan, leaves
 
-    def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM) -> StagedTree:
+    def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM,
+              layout: tuple | None = None) -> StagedTree:
         """Copies this process's part of ``tree`` into ``slot``'s buffers.
 
         Returns once every value is in host memory that nothing else
@@ -519,8 +580,9 @@ class Snapshotter:
             slot: Staging buffers, reused from save to save by file name.
             item: The item directory the files go in (several items share a
                 slot); ``""`` puts them at the checkpoint's root.
+            layout: ``SaveArgs`` chunking per leaf (see ``plan``).
         """
-        plan, leaves = self.plan(tree)
+        plan, leaves = self.plan(tree) if layout is None else self.plan(tree, layout)
         slot.reserve(plan.nbytes)  # over the host memory budget: raises, nothing allocated
         plan_leaves = plan.leaves
         live = plan.live
@@ -560,7 +622,7 @@ class Snapshotter:
         chunks: list[tuple[str, np.ndarray]] = []
         buffer = slot.buffer
         last, sources, by_chunk = -1, None, False
-        for i, k, shard, name, shape, dtype, region, kind in plan.steps(item):
+        for i, k, shard, name, shape, dtype, region, kind, part in plan.steps(item):
             if kind == _PINNED:  # written from the pinned host copy itself
                 if i != last:
                     last, sources, by_chunk = i, pinned[i].addressable_shards, False
@@ -577,10 +639,11 @@ class Snapshotter:
                     by_chunk = sources is not None
                     if not by_chunk:  # host memory already (CPU): views, no transfer
                         sources = _shard_arrays(leaves[i])
-                data = sources[k] if by_chunk else sources[shard]
-                pairs.append((buf if region is None else buf[region], np.asarray(data)))
+                data = np.asarray(sources[k] if by_chunk else sources[shard])
+                pairs.append((buf if region is None else buf[region],
+                              data if part is None else data[part]))
             elif kind == _NUMPY:
-                pairs.append((buf, leaves[i]))
+                pairs.append((buf, leaves[i] if part is None else leaves[i][part]))
             else:
                 _set_scalar(buf, leaves[i], plan_leaves[i])
         copy_arrays(pairs)

@@ -9,7 +9,7 @@ with orbax's, and checks that every name can be a directory name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +63,32 @@ class LeafPath:
 
 
 def is_empty_leaf(x: Any) -> bool:
-    """None and empty dicts/lists/tuples: subtrees orbax records as skipped leaves."""
-    return x is None or (type(x) in (dict, list, tuple) and not x)
+    """None and empty containers: subtrees orbax records as skipped leaves.
+
+    Containers as orbax counts them: dicts, lists, tuples and other mappings,
+    subclasses included, so an empty NamedTuple (optax's ``EmptyState()``) is one.
+    """
+    if x is None:
+        return True
+    if type(x) in EMPTY_TYPES:
+        return not x
+    return isinstance(x, (dict, list, tuple, Mapping)) and not x
 
 
 def empty_type_name(x: Any) -> str | None:
-    """orbax's name for an empty subtree, or None if ``x`` is not one."""
-    return EMPTY_TYPES.get(type(x)) if is_empty_leaf(x) else None
+    """orbax's name for an empty subtree, or None if ``x`` is not one.
+
+    An empty NamedTuple is ``None``, as orbax records it by default (its
+    ``PyTreeMetadataOptions`` without rich types).
+    """
+    if not is_empty_leaf(x):
+        return None
+    name = EMPTY_TYPES.get(type(x))
+    if name is not None:
+        return name
+    if isinstance(x, tuple):
+        return "None" if hasattr(x, "_fields") else "Tuple"
+    return "List" if isinstance(x, list) else "Dict"
 
 
 def empty_value(type_name: str) -> Any:

@@ -7,6 +7,7 @@ import functools
 import logging
 import operator
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from asyncckpt.errors import (
     CheckpointNotFoundError,
     EngineClosedError,
 )
-from asyncckpt.jax import _args, _compat, _metadata, _options, _view
+from asyncckpt.jax import _args, _compat, _metadata, _options, _policies, _view
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
@@ -66,13 +67,21 @@ class CheckpointManager(ClosingContext):
 
     Args:
         directory: Where step directories are written.
+        checkpointers: orbax's older spelling (second positional argument):
+            one orbax ``Checkpointer``/``AsyncCheckpointer`` (the unnamed item)
+            or a dict of them by item name. Their handlers are taken as
+            ``item_handlers``; saves are asynchronous if one is an
+            ``AsyncCheckpointer`` (with its timeout), else synchronous, as in orbax.
         options: orbax ``CheckpointManagerOptions``; excludes the keyword
             options below.
         metadata: Manager-level metadata, written once per directory
             (``metadata()`` reads it).
         item_names: Names of the items saved with ``args=Composite(...)``.
-        item_handlers: orbax handlers by item name (Standard, PyTree, Json);
-            taken as ``item_names``.
+        item_handlers: One orbax handler (the unnamed item) or handlers by
+            item name (Standard, PyTree, Json); names are added to ``item_names``.
+        logger: orbax's ``AbstractLogger``: ``log_entry`` gets the entry orbax
+            logs for each save and restore.
+        handler_registry: Not supported (refused): use ``item_handlers``.
         max_to_keep: Checkpoints to keep (None keeps all). With ``best_fn``,
             the best ones by metric; the newest is never deleted.
         save_interval_steps: ``should_save`` is true on multiples of this.
@@ -102,11 +111,14 @@ class CheckpointManager(ClosingContext):
     def __init__(
         self,
         directory: str | os.PathLike,
-        *,
+        checkpointers: Any = None,
         options: Any = None,
         metadata: dict | None = None,
         item_names: Sequence[str] | None = None,
         item_handlers: Any = None,
+        logger: Any = None,
+        handler_registry: Any = None,
+        *,
         max_to_keep: int | None = None,
         save_interval_steps: int = 1,
         keep_period: int | None = None,
@@ -131,11 +143,20 @@ class CheckpointManager(ClosingContext):
                 keep_period=keep_period, best_fn=best_fn, best_mode=best_mode,
                 keep_checkpoints_without_metrics=keep_checkpoints_without_metrics,
             )
-        if item_names is not None and item_handlers is not None:
-            raise ValueError("give either item_names or item_handlers, not both")
-        names = item_names if item_names is not None else _compat.handler_item_names(item_handlers)
-        self._item_names = None if names is None else tuple(
-            _args._check_item_name(n) for n in names)
+        if handler_registry is not None:
+            raise ValueError("handler_registry= is not supported by asyncckpt.jax."
+                             "CheckpointManager: give the handlers as item_handlers={name: "
+                             "handler} (Standard, PyTree and Json handlers)")
+        if logger is not None and not callable(getattr(logger, "log_entry", None)):
+            raise TypeError(f"logger {logger!r} has no log_entry method (orbax's AbstractLogger)")
+        setup = _compat.item_setup(checkpointers, item_names, item_handlers)
+        self._config = _options.with_checkpointers(
+            self._config, use_async=setup.use_async, timeout_s=setup.timeout_s,
+            async_options_given=getattr(options, "async_options", None) is not None)
+        self._setup = setup
+        self._logger = logger
+        self._item_names = None if setup.names is None else tuple(
+            _args._check_item_name(n) for n in setup.names)
         self._tiers = StepTiers(directory, remote=remote, remote_options=remote_options,
                                 config=self._config)
         self._directory = self._tiers.local_dir
@@ -148,13 +169,15 @@ class CheckpointManager(ClosingContext):
         self._primary = self._coord is None or self._coord.primary
         if self._config.create and not self._config.read_only:
             os.makedirs(self._directory, exist_ok=True)
-        self._view = _view.view_for(self._directory, self._config.names)
+        self._view = _view.view_for(self._directory, self._config.names,
+                                    self._config.commit_marker, self._config.legacy_rename_ok)
         name = "asyncckpt.jax" if self._coord is None else (
             f"asyncckpt.jax[p{self._coord.process_index}]"  # log lines name the process
         )
         self._engine = AsyncEngine(options=self._options, name=name)
         self._snapshotter = Snapshotter(primary=self._primary)
-        self._saves = Saves(self._coord, self._view.prepare)
+        self._saves = Saves(self._coord, functools.partial(
+            self._view.prepare, orbax_temps=self._config.cleanup_tmp_directories))
         # Fixed for the manager's life; made once rather than on every save.
         self._on_published = self._tiers.on_published()
         self._has_remote = self._tiers.has_remote
@@ -163,6 +186,10 @@ class CheckpointManager(ClosingContext):
         view, subdir = self._view, self._config.todelete_subdir
         self._delete = (lambda step: _view.delete_step_dir(view, step, subdir)
                         ) if self._primary else None
+        callback = self._config.post_finalization_callback
+        self._finalized = (_compat.PostFinalization(callback)
+                           if callback is not None and self._primary else None)
+        self._deadline: float | None = None  # of the last save (AsyncOptions.timeout_secs)
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
@@ -176,9 +203,12 @@ class CheckpointManager(ClosingContext):
     # -- properties -----------------------------------------------------------
 
     @property
-    def directory(self) -> str:
-        """The manager's directory (for ``s3://`` / ``gs://``, the URL, not the scratch)."""
-        return self._tiers.shown_dir
+    def directory(self) -> Any:
+        """The manager's directory, as orbax gives it: an ``etils.epath.Path`` (for
+        ``s3://`` / ``gs://``, the URL, not the local scratch directory)."""
+        from etils import epath
+
+        return epath.Path(self._tiers.shown_dir)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -256,6 +286,13 @@ class CheckpointManager(ClosingContext):
         latest = steps[-1] if steps else None
         if latest is not None and latest >= step:
             return False
+        policy = self._config.save_decision_policy
+        if policy is not None:  # orbax's object decides, from what orbax gives it
+            return _policies.should_save(
+                policy, step, self._view.policy_infos(steps),
+                saving=self._config.saving_in_progress_check and self.is_saving_in_progress(),
+                preempted=self.reached_preemption(step),
+                multiprocessing_options=self._config.multiprocessing_options)
         if self.reached_preemption(step):
             return True
         if latest is None and self._config.should_save_fn is None:
@@ -269,6 +306,8 @@ class CheckpointManager(ClosingContext):
     def check_for_errors(self) -> None:
         """Raises the failure of a background save not yet reported, if any."""
         self._engine.raise_pending_error()
+        if self._finalized is not None:
+            self._finalized.raise_pending()
 
     def step_dir(self, step: int) -> str:
         """The directory of a step's checkpoint (a URL in a URL directory)."""
@@ -319,10 +358,10 @@ class CheckpointManager(ClosingContext):
         self,
         step: int,
         state: Any = None,
-        *,
-        args: Any = None,
+        save_kwargs: Any = None,
         metrics: dict | None = None,
         force: bool = False,
+        args: Any = None,
         custom_metadata: dict | None = None,
     ) -> bool:
         """Snapshots the state and writes it as step ``step`` in the background.
@@ -334,11 +373,17 @@ class CheckpointManager(ClosingContext):
 
         Args:
             step: The step number (names the checkpoint's directory).
-            state: A pytree of ``jax.Array``s, NumPy arrays and scalars.
-            args: orbax's spelling instead of ``state``: ``StandardSave``,
-                ``PyTreeSave`` or ``JsonSave``, or a ``Composite`` of named items.
+            state: A pytree of ``jax.Array``s, NumPy arrays and scalars (with
+                a dict of ``checkpointers``: a dict of items by name).
+            save_kwargs: orbax's older spelling with ``state``:
+                ``{"save_args": tree of ocp.SaveArgs}`` (by item name with a
+                dict of checkpointers).
             metrics: JSON-serializable metrics, ranked by ``best_fn``.
             force: Save even if ``should_save(step)`` is false.
+            args: orbax's spelling instead of ``state``: ``StandardSave``,
+                ``PyTreeSave`` or ``JsonSave``, or a ``Composite`` of named
+                items; ``save_args`` of ``ocp.SaveArgs`` cast (``dtype``) and
+                chunk (``chunk_byte_size``, ``shard_axes``) each leaf.
             custom_metadata: JSON-serializable data stored with the checkpoint
                 (read back with ``metadata(step).custom_metadata``).
 
@@ -354,10 +399,13 @@ class CheckpointManager(ClosingContext):
         """
         if self._closed or self._engine.closed:
             raise EngineClosedError(f"{self._directory}: cannot save after close()")
+        t0 = time.time() if self._logger is not None else 0.0
         multi = self._coord is not None  # then earlier failures raise once staged
         if not multi:
             self._raise_pending()
-        items, named = _args.save_items(state, args)
+        setup = self._setup
+        items, named = _args.save_items(state, args, save_kwargs=save_kwargs,
+                                        named_items=setup.named_items, kinds=setup.kinds)
         if self._item_names is not None:
             _args.check_items(items, named, self._item_names)
         step = operator.index(step)
@@ -367,6 +415,7 @@ class CheckpointManager(ClosingContext):
         on_disk = None if multi else self._view.disk_steps()
         # should_save says (and logs) that a read-only manager never saves.
         started = (force and not self._config.read_only) or self._should_save(step, on_disk)
+        t1 = time.time() if self._logger is not None else 0.0
         if started and multi:
             with self._saves.attempt(step) as (seq, save_key):  # every process numbers it
                 self._start_save(step, items, metrics, custom_metadata, seq, save_key, None)
@@ -377,6 +426,15 @@ class CheckpointManager(ClosingContext):
             self._raise_pending()
         if started and not self._config.enable_async:
             self._engine.sync()
+        if started and self._logger is not None:
+            self._logger.log_entry(_compat.step_statistics(
+                "save", step=step, directory=self._directory,
+                reached_preemption=self.reached_preemption(step),
+                synchronous=not self._config.enable_async,
+                checkpointer_blocking_start_time=t1,
+                checkpointer_blocking_duration_secs=time.time() - t1,
+                checkpoint_manager_blocking_start_time=t0,
+                checkpoint_manager_blocking_duration_secs=time.time() - t0))
         return started
 
     def prepare(self, state: Any = None, *, args: Any = None) -> None:
@@ -402,9 +460,12 @@ class CheckpointManager(ClosingContext):
         if self._config.read_only:
             return  # it never saves
         layout: dict[str, int] = {}
-        for item in _args.save_items(state, args)[0]:
+        setup = self._setup
+        for item in _args.save_items(state, args, named_items=setup.named_items,
+                                     kinds=setup.kinds)[0]:
             if item.kind == "pytree":
-                layout.update(self._snapshotter.plan(item.value)[0].layout(item.name))
+                plan = self._snapshotter.plan(item.value, item.layout)[0]
+                layout.update(plan.layout(item.name))
         self._engine.prepare_staging(layout)
 
     def _raise_pending(self) -> None:  # a failed background upload surfaces here too
@@ -413,6 +474,8 @@ class CheckpointManager(ClosingContext):
             self._engine.raise_pending_error()
         if self._has_remote:
             self._tiers.raise_pending_error()
+        if self._finalized is not None and self._finalized.failed:
+            self._finalized.raise_pending()
 
     def _start_save(self, step: int, items: list[_args.SaveItem], metrics: Any,
                     custom_metadata: Any, seq: int, save_key: str | None,
@@ -442,8 +505,12 @@ class CheckpointManager(ClosingContext):
         handlers, extra = fmt.item_files(items, metrics if ranked else None,
                                          primary=self._primary)
 
+        config = self._config
+        timeout = config.save_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+
         def stage(slot):
-            trees = [self._snapshotter.stage(i.value, slot, item=i.name)
+            trees = [self._snapshotter.stage(i.value, slot, item=i.name, layout=i.layout)
                      for i in items if i.kind == "pytree"]
             if extra or not trees:  # one pytree alone is staged as it is, not re-joined
                 trees.append(StagedTree((), tuple(extra)))
@@ -457,19 +524,23 @@ class CheckpointManager(ClosingContext):
                 save_key=save_key,
                 metrics=metrics,
                 custom_metadata=custom_metadata,
-                on_committed=None,
+                on_committed=self._finalized,
                 # Upload as part of the commit (a URL directory: before it is durable).
                 on_published=self._on_published,
                 dir_name=view.names.name(step),
                 item_handlers=handlers,
                 shards=self._shards,
                 on_temp_made=view.refresh,
+                commit_marker=config.commit_marker,
+                deadline=deadline,
+                make_dir_now=not config.create_directories_asynchronously,
             )
 
         handle = self._engine.save(stage, label=str(step), step=step,
                                    raise_pending=self._coord is None)
         with view.lock:
             view.in_flight[step] = handle
+        self._deadline = deadline
         deleter = self._delete  # not self: a dropped manager's saves still finish
         handle.committed.add_done_callback(
             lambda f: view.settle(step, committed=f.exception() is None, deleter=deleter)
@@ -501,11 +572,32 @@ class CheckpointManager(ClosingContext):
     def wait_until_finished(self, timeout: float | None = None) -> None:
         """Waits until every save is durable (and, multi-process, committed).
 
+        With orbax's ``AsyncOptions(timeout_secs=...)``, waits at most until the
+        last save's timeout has passed (that save then fails, uncommitted).
+
         Raises:
+            TimeoutError: saves still in flight after ``timeout`` (or the saves' own).
             Exception: a background failure not yet reported.
         """
-        self._engine.sync(timeout)
+        own = False
+        if self._deadline is not None and self._engine.pending:
+            left = max(0.0, self._deadline - time.monotonic()) + 1.0  # the job fails by then
+            own = timeout is None or left < timeout
+            timeout = left if own else timeout
+        try:
+            self._engine.sync(timeout)
+        except TimeoutError as e:
+            # A save that failed (its own timeout included) carries the engine's
+            # note; only the engine's "still in flight" is this timeout's.
+            if not own or getattr(e, "__notes__", None):
+                raise
+            raise TimeoutError(  # a writer that makes no progress at all (orbax raises too)
+                f"the save of step {self._last_save.label if self._last_save else '?'} did "
+                f"not finish within the timeout of {self._config.save_timeout_s:.0f} s "
+                "(AsyncOptions.timeout_secs); it will not be committed") from e
         self._tiers.wait(timeout)
+        if self._finalized is not None:
+            self._finalized.raise_pending()
 
     def _wait_for(self, steps: Sequence[int] | None) -> None:
         """Waits for in-flight saves of these steps (None: all) of any manager here."""
@@ -541,9 +633,9 @@ class CheckpointManager(ClosingContext):
         self,
         step: int | None = None,
         target: Any = None,
-        *,
-        args: Any = None,
+        restore_kwargs: Any = None,
         directory: str | os.PathLike | None = None,
+        args: Any = None,
     ) -> Any:
         """Restores a step (default: the newest that verifies).
 
@@ -564,6 +656,8 @@ class CheckpointManager(ClosingContext):
                 ``PyTreeRestore`` (``restore_args``, ``partial_restore``),
                 ``JsonRestore``, or a ``Composite`` of them by item name
                 (returns a ``Composite``; items left out are not read).
+            restore_kwargs: orbax's older spelling with ``target``:
+                ``{"restore_args": tree of ocp.RestoreArgs}``.
             directory: Restore from this directory instead (same step names).
 
         Raises:
@@ -575,17 +669,26 @@ class CheckpointManager(ClosingContext):
         # Multi-process: integrity verdicts are shared, so all processes agree;
         # any other failure here is announced, so no process waits for this one.
         verdicts = None if self._coord is None else self._coord.restore_verdicts()
+        t0, tried = time.time(), []
         try:
-            requests, named = _args.restore_items(target, args)
+            requests, named = _args.restore_items(target, args, restore_kwargs)
             with shared_verdicts(verdicts):
-                return self._restore(step, requests, named, directory)
+                restored = self._restore(step, requests, named, directory, tried)
         except Exception as e:
             if verdicts is not None and not isinstance(e, PeerFailedError):
                 verdicts.abort(e)
             raise
+        if self._logger is not None:
+            self._logger.log_entry(_compat.step_statistics(
+                "restore", step=tried[-1] if tried else step,
+                directory=os.fspath(directory or self._directory),
+                checkpointer_start_time=t0, checkpointer_duration_secs=time.time() - t0,
+                checkpoint_manager_start_time=t0,
+                checkpoint_manager_duration_secs=time.time() - t0))
+        return restored
 
     def _restore(self, step: int | None, requests: Any, named: bool,
-                 directory: str | os.PathLike | None) -> Any:
+                 directory: str | os.PathLike | None, tried: list[int]) -> Any:
         names, checksums = self._config.names, self._restore_options.verify_checksums
         step = None if step is None else operator.index(step)
         if directory is None:
@@ -594,9 +697,13 @@ class CheckpointManager(ClosingContext):
             # [storage] A remote-only step is fetched file by file, as read, into a private cache.
             open_remote = functools.partial(self._tiers.open_remote, checksums=checksums)
             return restore_listed(root, steps, step, requests, named, names=names,
-                                  checksums=checksums, open_remote=open_remote)
+                                  checksums=checksums, open_remote=open_remote, tried=tried)
         root = os.path.abspath(os.fspath(directory))
+        marker = self._view.commit_marker  # commit-file mode: committed steps only
         steps = sorted(s for s in (names.parse(n) for n in os.listdir(root))
-                       if s is not None and os.path.isdir(os.path.join(root, names.name(s))))
+                       if s is not None and os.path.isdir(os.path.join(root, names.name(s)))
+                       and (marker is None or os.path.exists(
+                           os.path.join(root, names.name(s), marker))))
         return restore_listed(root, steps, step, requests, named, names=names,
-                              checksums=checksums, open_remote=None)
+                              checksums=checksums, open_remote=None, tried=tried)
+

@@ -312,7 +312,7 @@ class JaxTarget(Target):
 
     @property
     def directory(self) -> str:
-        return self._mgr.directory
+        return os.fspath(self._mgr.directory)
 
     def _bookkeeping(self, step: int) -> tuple[int, dict]:
         meta = self._mgr.metadata(step).custom_metadata or {}

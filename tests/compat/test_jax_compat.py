@@ -120,14 +120,20 @@ def test_options_object_and_refused_fields(ckpt_dir):
         for s in range(4):
             mgr.save(s, args=ocp.args.StandardSave(_state(s)))
         assert mgr.all_steps() == [2, 3]  # at once, as orbax
-    with pytest.raises(ValueError, match="step_name_format"):
+    with pytest.raises(ValueError, match=r"step_name_format.*use step_prefix"):
         aj.CheckpointManager(ckpt_dir, options=_opts(
             step_name_format=ocp.step.standard_name_format(step_prefix="x")))
-    with pytest.raises(ValueError, match="preservation_policy"):
+    with pytest.raises(ValueError, match="file_options"):
         aj.CheckpointManager(ckpt_dir, options=_opts(
-            preservation_policy=ocp.checkpoint_managers.LatestN(n=1)))
+            file_options=ocp.options.FileOptions(path_permission_mode=0o700)))
+    with pytest.raises(ValueError, match="mutually exclusive"):  # as orbax
+        aj.CheckpointManager(ckpt_dir, options=_opts(
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=1), max_to_keep=2))
     with pytest.raises(ValueError, match="either options= or the keyword"):
         aj.CheckpointManager(ckpt_dir, options=_opts(), max_to_keep=3)
+    with pytest.raises(ValueError, match="item_handlers="):
+        aj.CheckpointManager(ckpt_dir,
+                             handler_registry=ocp.handlers.DefaultCheckpointHandlerRegistry())
 
 
 def test_should_save_first_step_interval_save_on_steps_and_fn(tmp_path):
@@ -438,8 +444,11 @@ import jax, jax.numpy as jnp
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 import orbax.checkpoint as ocp
 import asyncckpt.jax as aj
-mgr = aj.CheckpointManager(sys.argv[1], options=ocp.CheckpointManagerOptions(
-    save_interval_steps=10**9))
+policies = ocp.checkpoint_managers
+options = (ocp.CheckpointManagerOptions(save_interval_steps=10**9) if sys.argv[2] == "interval"
+           else ocp.CheckpointManagerOptions(save_decision_policy=policies.AnySavePolicy([
+               policies.InitialSavePolicy(), policies.PreemptionCheckpointingPolicy()])))
+mgr = aj.CheckpointManager(sys.argv[1], options=options)
 mgr.save(0, args=ocp.args.StandardSave({"w": jnp.zeros(2)}))
 print("before", mgr.reached_preemption(1), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier takes it; its sync point follows
@@ -454,11 +463,581 @@ os._exit(0)
 """
 
 
-def test_saves_at_jax_preemption_sync_point_off_interval(tmp_path):
+@pytest.mark.parametrize("rules", ["interval", "PreemptionCheckpointingPolicy"])
+def test_saves_at_jax_preemption_sync_point_off_interval(tmp_path, rules):
+    """With orbax's policy object too: its DecisionContext says reached_preemption."""
     script = write_script(tmp_path, "preempt.py", _PREEMPT)
-    done = run_python(script, str(tmp_path / "ckpts"), timeout=180)
+    done = run_python(script, str(tmp_path / "ckpts"), rules, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "before False" in done.stdout
     line = next(x for x in done.stdout.splitlines() if x.startswith("saved"))
     step = int(line.split()[1])
     assert 0 < step < 10**9 and f"saved {step} True [0, {step}]" == line
+
+
+# -- orbax's policy objects --------------------------------------------------------------
+
+_cm = ocp.checkpoint_managers
+
+
+class _OddStepsAndNewest(_cm.PreservationPolicy):
+    """A user's own policy: odd steps, and the newest."""
+
+    def should_preserve(self, checkpoints, *, context):
+        return [c.step % 2 == 1 or i == len(checkpoints) - 1
+                for i, c in enumerate(checkpoints)]
+
+
+_PRESERVATION = {
+    "LatestN": _cm.LatestN(n=2),
+    "EveryNSteps": _cm.EveryNSteps(interval_steps=3),
+    "EveryNStepsClosest": _cm.EveryNStepsClosest(interval_steps=4, max_to_keep=2),
+    "EveryNSeconds": _cm.EveryNSeconds(interval_secs=3600),
+    "CustomSteps": _cm.CustomSteps(steps=[1, 4]),
+    "BestN": _cm.BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=2,
+                       keep_checkpoints_without_metrics=False),
+    "LatestDuration": _cm.LatestDuration(duration=datetime.timedelta(hours=1)),
+    "PreserveAll": _cm.preservation_policy.PreserveAll(),
+    "AnyPreservationPolicy": _cm.AnyPreservationPolicy([_cm.LatestN(n=1),
+                                                        _cm.EveryNSteps(interval_steps=4)]),
+    "subclass": _OddStepsAndNewest(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PRESERVATION))
+def test_orbax_preservation_policies_keep_what_orbax_keeps(tmp_path, name):
+    """Each policy orbax 0.12.8 ships (and a subclass), next to orbax's own manager:
+    the same steps listed after every save and left on disk."""
+    policy = _PRESERVATION[name]
+    seen = {}
+    for who, manager in (("ours", aj.CheckpointManager), ("orbax", ocp.CheckpointManager)):
+        with manager(tmp_path / who, options=_opts(preservation_policy=policy)) as mgr:
+            listed = []
+            for s in range(1, 7):  # metrics: 5 is the worst loss, the newest ranked last
+                mgr.save(s, args=ocp.args.StandardSave(_state(s)),
+                         metrics={"loss": 10 - s if s != 5 else 99})
+                listed.append(mgr.all_steps())
+            mgr.wait_until_finished()
+        on_disk = sorted(int(n) for n in os.listdir(tmp_path / who) if n.isdigit())
+        seen[who] = (listed, on_disk)
+    assert seen["ours"] == seen["orbax"]
+    kept = seen["ours"][1]
+    with ocp.CheckpointManager(tmp_path / "ours") as theirs:
+        _same(theirs.restore(kept[-1], args=ocp.args.StandardRestore(_abstract())),
+              _state(kept[-1]))
+    with aj.CheckpointManager(tmp_path / "ours") as mgr:
+        _same(mgr.restore(kept[0], args=ocp.args.StandardRestore(_abstract())), _state(kept[0]))
+
+
+def test_an_explicit_policy_may_delete_the_newest_step(ckpt_dir):
+    """BestN is followed as given: the newest step, ranked worst, goes (as in orbax);
+    without a policy the newest is never deleted (best_fn, docs/compat.md)."""
+    policy = _cm.BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=1)
+    with aj.CheckpointManager(ckpt_dir, options=_opts(preservation_policy=policy)) as mgr:
+        mgr.save(1, _state(1), metrics={"loss": 0.1})
+        mgr.save(2, _state(2), metrics={"loss": 0.9})
+        assert mgr.all_steps() == [1]
+        mgr.wait_until_finished()
+    assert sorted(n for n in os.listdir(ckpt_dir) if n.isdigit()) == ["1"]
+
+
+class _Recording(_cm.SaveDecisionPolicy):
+    """A user's own save-decision policy that records what the manager gives it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def should_save(self, step, previous_steps, *, context):
+        self.calls.append((step.step, step.metrics, [p.step for p in previous_steps],
+                           [p.metrics for p in previous_steps],
+                           all(isinstance(p.time, datetime.datetime) for p in previous_steps),
+                           context.reached_preemption,
+                           type(context.multiprocessing_options).__name__))
+        return step.step % 2 == 0
+
+
+_DECISION = {
+    "FixedIntervalPolicy": _cm.FixedIntervalPolicy(3),
+    "SpecificStepsPolicy": _cm.SpecificStepsPolicy(steps=[2, 5]),
+    "InitialSavePolicy": _cm.InitialSavePolicy(),
+    "PreemptionCheckpointingPolicy": _cm.PreemptionCheckpointingPolicy(),
+    "AnySavePolicy": _cm.AnySavePolicy([_cm.FixedIntervalPolicy(4), _cm.InitialSavePolicy(),
+                                        _cm.PreemptionCheckpointingPolicy()]),
+    "ContinuousCheckpointingPolicy": _cm.ContinuousCheckpointingPolicy(
+        minimum_interval_secs=3600),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DECISION))
+def test_orbax_save_decision_policies_save_where_orbax_saves(tmp_path, name):
+    saved = {}
+    for who, manager in (("ours", aj.CheckpointManager), ("orbax", ocp.CheckpointManager)):
+        opts = _opts(save_decision_policy=_DECISION[name])
+        with manager(tmp_path / who, options=opts) as mgr:
+            saved[who] = [s for s in range(1, 9)
+                          if mgr.save(s, args=ocp.args.StandardSave(_state(s)))]
+    assert saved["ours"] == saved["orbax"]
+    if name == "PreemptionCheckpointingPolicy":
+        assert saved["ours"] == []  # no preemption notice: never (the notice: test below)
+        return
+    with ocp.CheckpointManager(tmp_path / "ours") as theirs:
+        last = saved["ours"][-1]
+        _same(theirs.restore(last, args=ocp.args.StandardRestore(_abstract())), _state(last))
+
+
+def test_a_user_save_decision_policy_gets_orbaxs_inputs(tmp_path):
+    calls = {}
+    for who, manager in (("ours", aj.CheckpointManager), ("orbax", ocp.CheckpointManager)):
+        policy = _Recording()
+        opts = _opts(save_decision_policy=policy, max_to_keep=None)
+        with manager(tmp_path / who, options=opts) as mgr:
+            for s in range(1, 6):
+                mgr.save(s, args=ocp.args.StandardSave(_state(s)), metrics={"m": s})
+            assert mgr.all_steps() == [2, 4]
+        calls[who] = policy.calls
+    assert calls["ours"] == calls["orbax"]
+    assert calls["ours"][-1] == (5, None, [2, 4], [{"m": 2}, {"m": 4}], True, False,
+                                 "MultiprocessingOptions")
+    # After a restart the previous steps (times, metrics) come from the directory.
+    policy = _Recording()
+    with aj.CheckpointManager(tmp_path / "ours", options=_opts(save_decision_policy=policy)) as mgr:
+        assert not mgr.should_save(7)
+        assert policy.calls == [(7, None, [2, 4], [{"m": 2}, {"m": 4}], True, False,
+                                 "MultiprocessingOptions")]
+
+
+def test_decision_context_tells_whether_a_save_is_in_flight(tmp_path, monkeypatch):
+    """ContinuousCheckpointingPolicy saves only while no save is in flight; with
+    enable_should_save_is_saving_in_progress_check=False it is not told."""
+    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
+    _GatedJob.gate.clear()
+    policy = _cm.ContinuousCheckpointingPolicy()
+    managers = {check: aj.CheckpointManager(tmp_path / str(check), options=_opts(
+        save_decision_policy=policy, enable_should_save_is_saving_in_progress_check=check))
+        for check in (True, False)}
+    try:
+        for check, mgr in managers.items():
+            assert mgr.save(1, _state(1))  # held before its write: in flight
+            assert mgr.should_save(2) is not check
+        _GatedJob.gate.set()
+        for mgr in managers.values():
+            mgr.wait_until_finished()
+            assert mgr.should_save(2)
+    finally:
+        _GatedJob.gate.set()
+        for mgr in managers.values():
+            mgr.close()
+
+
+# -- how a step is committed: temporary_path_class, atomicity_options --------------------
+
+_atomicity = ocp.path.atomicity
+
+
+class _GatedCommit(manager_mod.JaxSaveJob):
+    """The real save job, held once its files are written, before its commit."""
+
+    gate = threading.Event()
+    written = threading.Event()
+
+    def commit(self, stats) -> None:
+        self.written.set()
+        self.gate.wait()
+        super().commit(stats)
+
+
+def test_commit_file_temporary_path_writes_in_place_and_commits_by_marker(ckpt_dir, monkeypatch):
+    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedCommit)
+    _GatedCommit.gate.clear()
+    opts = _opts(temporary_path_class=_atomicity.CommitFileTemporaryPath)
+    (ckpt_dir / "3").mkdir()  # a save of step 3 that was killed before its commit
+    (ckpt_dir / "3" / "half-written").write_text("x")
+    try:
+        with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
+            assert mgr.all_steps() == []  # not committed: not a step (as orbax)
+            mgr.save(1, _state(1))
+            _GatedCommit.gate.set()
+            mgr.wait_until_finished()
+            _GatedCommit.gate.clear()
+            _GatedCommit.written.clear()
+            mgr.save(2, _state(2))
+            assert _GatedCommit.written.wait(60)
+            # In place, under its final name, without the marker until committed.
+            assert (ckpt_dir / "2" / "default" / "_METADATA").exists()
+            assert not (ckpt_dir / "2" / "commit_success.txt").exists()
+            assert not any(n.startswith(".asyncckpt-tmp-2") for n in os.listdir(ckpt_dir))
+            _GatedCommit.gate.set()
+            mgr.save(3, _state(3))  # replaces the uncommitted directory
+            mgr.wait_until_finished()
+            assert (ckpt_dir / "2" / "commit_success.txt").exists()
+            assert not (ckpt_dir / "3" / "half-written").exists()
+            assert mgr.all_steps() == [1, 2, 3]
+    finally:
+        _GatedCommit.gate.set()
+    with ocp.CheckpointManager(ckpt_dir, options=opts) as theirs:
+        assert theirs.all_steps() == [1, 2, 3]
+        _same(theirs.restore(3, args=ocp.args.StandardRestore(_abstract())), _state(3))
+    # An uncommitted directory is not listed, by orbax nor by us.
+    (ckpt_dir / "9").mkdir()
+    with ocp.CheckpointManager(ckpt_dir, options=opts) as theirs:
+        assert theirs.all_steps() == [1, 2, 3]
+    with aj.CheckpointManager(ckpt_dir, options=_opts(
+            atomicity_options=ocp.options.AtomicityOptions(
+                mode=ocp.options.AtomicityMode.COMMIT_FILE))) as mgr:
+        assert mgr.all_steps() == [1, 2, 3]
+        _same(mgr.restore(2, args=ocp.args.StandardRestore(_abstract())), _state(2))
+
+
+def test_atomic_rename_temporary_path_publishes_by_rename(ckpt_dir, monkeypatch):
+    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
+    _GatedJob.gate.clear()
+    opts = _opts(temporary_path_class=_atomicity.AtomicRenameTemporaryPath)
+    try:
+        with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
+            mgr.save(1, _state(1))
+            assert not (ckpt_dir / "1").exists()  # only a temporary until the rename
+            _GatedJob.gate.set()
+            mgr.wait_until_finished()
+    finally:
+        _GatedJob.gate.set()
+    with ocp.CheckpointManager(ckpt_dir, options=opts) as theirs:
+        _same(theirs.restore(1, args=ocp.args.StandardRestore(_abstract())), _state(1))
+    with pytest.raises(ValueError, match="CommitFileTemporaryPath"):
+        aj.CheckpointManager(ckpt_dir, options=_opts(
+            temporary_path_class=type("Mine", (_atomicity.AtomicRenameTemporaryPath,), {})))
+
+
+def test_cleanup_tmp_directories_removes_orbaxs_leftovers(tmp_path):
+    def leftovers(d):
+        d.mkdir()
+        (d / "4.orbax-checkpoint-tmp-1700000000").mkdir()
+        (d / "6").mkdir()  # commit-file mode: never committed
+        return d
+
+    commit_file = dict(temporary_path_class=_atomicity.CommitFileTemporaryPath)
+    for cleanup in (False, True):
+        d = leftovers(tmp_path / str(cleanup))
+        with aj.CheckpointManager(d, options=_opts(cleanup_tmp_directories=cleanup,
+                                                   **commit_file)) as mgr:
+            mgr.save(1, _state(1))
+        names = set(os.listdir(d))
+        assert ({"4.orbax-checkpoint-tmp-1700000000", "6"} <= names) != cleanup
+        with ocp.CheckpointManager(d, options=_opts(**commit_file)) as theirs:
+            _same(theirs.restore(1, args=ocp.args.StandardRestore(_abstract())), _state(1))
+
+
+# -- orbax's AsyncOptions -----------------------------------------------------------------
+
+
+def test_async_options_post_finalization_callback_runs_after_each_commit(ckpt_dir):
+    calls = []
+
+    def callback():
+        committed = sorted(n for n in os.listdir(ckpt_dir) if n.isdigit())
+        calls.append((threading.current_thread() is threading.main_thread(), committed))
+
+    opts = _opts(async_options=ocp.AsyncOptions(post_finalization_callback=callback))
+    with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait_until_finished()
+    assert calls == [(False, ["1"]), (False, ["1", "2"])]  # on the writer, once committed
+    with ocp.CheckpointManager(ckpt_dir) as theirs:
+        _same(theirs.restore(2, args=ocp.args.StandardRestore(_abstract())), _state(2))
+
+    def failing():
+        raise RuntimeError("callback failed (injected)")
+
+    opts = _opts(async_options=ocp.AsyncOptions(post_finalization_callback=failing))
+    with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
+        mgr.save(3, _state(3))
+        with pytest.raises(RuntimeError, match="injected"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2, 3]  # the step itself is committed
+    with pytest.raises(ValueError, match="asynchronous saves"):  # as orbax
+        aj.CheckpointManager(ckpt_dir, options=_opts(
+            enable_async_checkpointing=False,
+            async_options=ocp.AsyncOptions(post_finalization_callback=callback)))
+
+
+def test_async_options_timeout_fails_a_save_not_finished_in_time(ckpt_dir, monkeypatch):
+    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
+    _GatedJob.gate.clear()
+    opts = _opts(async_options=ocp.AsyncOptions(timeout_secs=2))
+    try:
+        with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
+            mgr.save(1, _state(1))
+            threading.Timer(2.5, _GatedJob.gate.set).start()  # the write is held past it
+            with pytest.raises(TimeoutError, match="timeout_secs"):
+                mgr.wait_until_finished()
+            assert not (ckpt_dir / "1").exists()  # never committed
+            mgr.save(2, _state(2))
+            mgr.wait_until_finished()  # in time: committed
+    finally:
+        _GatedJob.gate.set()
+    with ocp.CheckpointManager(ckpt_dir) as theirs:
+        assert theirs.all_steps() == [2]
+    with pytest.raises(ValueError, match="barrier_sync_fn"):
+        aj.CheckpointManager(ckpt_dir, options=_opts(async_options=ocp.AsyncOptions(
+            barrier_sync_fn=lambda **kw: None)))
+
+
+def test_async_options_create_directories_synchronously(tmp_path, monkeypatch):
+    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
+    try:
+        for asynchronously in (True, False):
+            d = tmp_path / str(asynchronously)
+            _GatedJob.gate.clear()
+            opts = _opts(async_options=ocp.AsyncOptions(
+                create_directories_asynchronously=asynchronously))
+            with aj.CheckpointManager(d, options=opts) as mgr:
+                mgr.save(1, _state(1))
+                made = any(n.startswith(".asyncckpt-tmp-1") for n in os.listdir(d))
+                assert made != asynchronously  # False: made before save() returns
+                _GatedJob.gate.set()
+            with ocp.CheckpointManager(d) as theirs:
+                _same(theirs.restore(1, args=ocp.args.StandardRestore(_abstract())), _state(1))
+    finally:
+        _GatedJob.gate.set()
+
+
+# -- logger ------------------------------------------------------------------------------
+
+
+class _Entries(ocp.logging.AbstractLogger):
+    def __init__(self):
+        self.entries = []
+
+    def log_entry(self, entry):
+        self.entries.append(entry)
+
+
+def test_logger_gets_the_entries_orbax_logs(tmp_path):
+    got = {}
+    for who, manager in (("ours", aj.CheckpointManager), ("orbax", ocp.CheckpointManager)):
+        logger = _Entries()
+        with manager(tmp_path / who, options=_opts(save_interval_steps=2),
+                     logger=logger) as mgr:
+            for s in range(4):
+                mgr.save(s, args=ocp.args.StandardSave(_state(s)))
+            mgr.wait_until_finished()
+            mgr.restore(2, args=ocp.args.StandardRestore(_abstract()))
+        got[who] = logger.entries
+    assert [(e["event_type"], e["step"]) for e in got["ours"]] == [
+        (e["event_type"], e["step"]) for e in got["orbax"]] == [
+        ("save", 0), ("save", 2), ("restore", 2)]
+    for ours, theirs in zip(got["ours"], got["orbax"], strict=True):
+        assert ours.keys() == theirs.keys()
+        assert os.fspath(ours["directory"]) == os.fspath(tmp_path / "ours")
+    assert got["ours"][1]["checkpoint_manager_blocking_duration_secs"] > 0
+    with pytest.raises(TypeError, match="log_entry"):
+        aj.CheckpointManager(tmp_path / "x", logger=object())
+
+
+# -- items: item_names with item_handlers, one handler, checkpointers --------------------
+
+
+def test_one_handler_as_item_handlers(ckpt_dir):
+    handler = ocp.StandardCheckpointHandler(use_ocdbt=False)
+    with aj.CheckpointManager(ckpt_dir, item_handlers=handler) as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(_state(1)))
+        with pytest.raises(ValueError, match=r"save it with ocp\.args\.StandardSave"):
+            mgr.save(2, args=ocp.args.JsonSave({"a": 1}))
+        _same(mgr.restore(1, args=ocp.args.StandardRestore(_abstract())), _state(1))
+    with ocp.CheckpointManager(ckpt_dir, item_handlers=ocp.StandardCheckpointHandler(
+            use_ocdbt=False)) as theirs:
+        _same(theirs.restore(1, args=ocp.args.StandardRestore(_abstract())), _state(1))
+    json_dir = ckpt_dir / "json"
+    with aj.CheckpointManager(json_dir, item_handlers=ocp.JsonCheckpointHandler()) as mgr:
+        mgr.save(1, args=ocp.args.JsonSave({"epoch": 3}))
+        assert mgr.restore(1, args=ocp.args.JsonRestore()) == {"epoch": 3}
+    with ocp.CheckpointManager(json_dir, item_handlers=ocp.JsonCheckpointHandler()) as theirs:
+        assert theirs.restore(1, args=ocp.args.JsonRestore()) == {"epoch": 3}
+    with pytest.raises(ValueError, match="mutually exclusive"):  # as orbax
+        aj.CheckpointManager(ckpt_dir, item_names=("a",), item_handlers=handler)
+
+
+def test_item_names_together_with_item_handlers(ckpt_dir):
+    handlers = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False)}
+    with aj.CheckpointManager(ckpt_dir, item_names=("state", "extra"),
+                              item_handlers=handlers) as mgr:
+        mgr.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(1)),
+                                            extra=ocp.args.JsonSave({"lr": 0.5})))
+        with pytest.raises(ValueError, match="not among item_names"):
+            mgr.save(2, args=ocp.args.Composite(other=ocp.args.JsonSave({})))
+        got = mgr.restore(1, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(_abstract()), extra=ocp.args.JsonRestore()))
+        _same(got.state, _state(1))
+    with ocp.CheckpointManager(ckpt_dir, item_names=("state", "extra"), item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(use_ocdbt=False)}) as theirs:
+        got = theirs.restore(1, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(_abstract()), extra=ocp.args.JsonRestore()))
+        _same(got.state, _state(1))
+        assert got.extra == {"lr": 0.5}
+
+
+def test_format_requests_asyncckpt_does_not_write_are_refused(ckpt_dir):
+    """use_ocdbt=True (orbax's handler default), use_zarr3=True and
+    ocdbt_target_data_file_size are refused, never written in another format."""
+    for handler, spelling in ((ocp.StandardCheckpointHandler(), "use_ocdbt=False"),
+                              (ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True),
+                               "use_zarr3=False")):
+        with pytest.raises(ValueError, match=spelling):
+            aj.CheckpointManager(ckpt_dir, item_handlers=handler)
+        with pytest.raises(ValueError, match=spelling):
+            aj.CheckpointManager(ckpt_dir, item_handlers={"state": handler})
+    with pytest.raises(ValueError, match="use_ocdbt=False"):
+        aj.CheckpointManager(ckpt_dir, ocp.PyTreeCheckpointer())
+    with aj.CheckpointManager(ckpt_dir) as mgr, pytest.raises(ValueError,
+                                                              match="chunk_byte_size"):
+        mgr.save(1, args=ocp.args.PyTreeSave(_state(1), ocdbt_target_data_file_size=2**20))
+
+
+def test_positional_checkpointers_form(tmp_path):
+    sync = tmp_path / "sync"
+    pytree = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+    # Fresh options for each manager: orbax's sets their async_options.
+    with aj.CheckpointManager(sync, pytree, _opts(max_to_keep=2)) as mgr:
+        save_args = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(), _state(1))
+        mgr.save(1, _state(1), save_kwargs={"save_args": save_args})
+        assert (sync / "1" / "default" / "_METADATA").exists()  # a Checkpointer: synchronous
+        _same(mgr.restore(1), _state(1))
+    with ocp.CheckpointManager(sync, ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+            use_ocdbt=False)), _opts(max_to_keep=2)) as theirs:
+        _same(theirs.restore(1), _state(1))
+
+    named = tmp_path / "named"
+
+    def checkpointers():
+        return {"state": ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler(use_ocdbt=False),
+                                               timeout_secs=300),
+                "meta": ocp.Checkpointer(ocp.JsonCheckpointHandler())}
+
+    with aj.CheckpointManager(named, checkpointers(), _opts(max_to_keep=2)) as mgr:
+        assert mgr._config.enable_async and mgr._config.save_timeout_s == 300
+        mgr.save(1, {"state": _state(1), "meta": {"epoch": 1}})
+        mgr.save(2, {"state": _state(2), "meta": {"epoch": 2}})
+        got = mgr.restore(2)
+        _same(got.state, _state(2))
+        assert got.meta == {"epoch": 2}
+        with pytest.raises(ValueError, match="not among item_names"):
+            mgr.save(3, _state(3))  # a dict of checkpointers: a dict of items by name
+    with ocp.CheckpointManager(named, checkpointers(), _opts(max_to_keep=2)) as theirs:
+        got = theirs.restore(2, items={"state": _abstract(), "meta": None})
+        _same(got["state"], _state(2))
+        assert got["meta"] == {"epoch": 2}
+
+
+def test_directory_is_an_epath(ckpt_dir):
+    from etils import epath
+
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait_until_finished()
+        assert isinstance(mgr.directory, epath.Path)
+        assert mgr.directory == epath.Path(ckpt_dir)
+        assert "1" in [p.name for p in mgr.directory.iterdir()]
+
+
+# -- SaveArgs ----------------------------------------------------------------------------
+
+
+def _chunk_tree():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    x = jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a")))
+    y = jax.device_put(np.arange(32 * 6, dtype=np.int32).reshape(32, 6),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b")))
+    return {"x": x, "y": y, "n": np.arange(1000, dtype=np.int64), "s": 3}
+
+
+def _zarray_chunks(item_dir):
+    import json
+
+    return {p: json.loads((item_dir / p / ".zarray").read_text())["chunks"]
+            for p in ("x", "y", "n")}
+
+
+def test_save_args_default_fields_change_nothing(tmp_path):
+    tree = _chunk_tree()
+    defaults = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(), tree)
+    with aj.CheckpointManager(tmp_path / "a") as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(tree, save_args=defaults))
+        mgr.save(2, args=ocp.args.StandardSave(tree))
+        mgr.wait_until_finished()
+        _same(mgr.restore(1), tree)
+    first, second = (sorted(os.listdir(tmp_path / "a" / s / "default" / "x")) for s in "12")
+    assert first == second
+    assert _zarray_chunks(tmp_path / "a" / "1" / "default") == _zarray_chunks(
+        tmp_path / "a" / "2" / "default")
+    with ocp.CheckpointManager(tmp_path / "a") as theirs:
+        _same(theirs.restore(1), tree)
+    with aj.CheckpointManager(tmp_path / "b") as mgr, pytest.raises(ValueError,
+                                                                    match="aggregate"):
+        mgr.save(1, args=ocp.args.StandardSave(tree, save_args=jax.tree_util.tree_map(
+            lambda _: ocp.SaveArgs(aggregate=True), tree)))
+
+
+def test_save_args_chunk_byte_size_and_dtype_write_what_orbax_writes(tmp_path):
+    tree = _chunk_tree()
+    save_args = {"x": ocp.SaveArgs(chunk_byte_size=1024), "y": ocp.SaveArgs(
+        chunk_byte_size=32, shard_axes=(1,)), "n": ocp.SaveArgs(chunk_byte_size=800),
+        "s": ocp.SaveArgs(dtype=np.int16)}
+    save_args["x"] = ocp.SaveArgs(chunk_byte_size=1024, dtype=jnp.dtype("bfloat16"))
+    with aj.CheckpointManager(tmp_path / "ours") as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(tree, save_args=save_args))
+        mgr.wait_until_finished()
+        ours = mgr.restore(1)
+    with ocp.CheckpointManager(tmp_path / "orbax", item_handlers=ocp.StandardCheckpointHandler(
+            use_ocdbt=False)) as theirs:
+        theirs.save(1, args=ocp.args.StandardSave(tree, save_args=save_args))
+    item = tmp_path / "ours" / "1" / "default"
+    assert _zarray_chunks(item) == _zarray_chunks(tmp_path / "orbax" / "1" / "default") == {
+        "x": [8, 32], "y": [8, 1], "n": [100]}
+    for p in ("x", "y", "n"):  # the same chunk files
+        assert sorted(os.listdir(item / p)) == sorted(
+            os.listdir(tmp_path / "orbax" / "1" / "default" / p))
+    assert ours["x"].dtype == jnp.bfloat16 and np.asarray(ours["s"]).dtype == np.int16
+    np.testing.assert_array_equal(np.asarray(ours["x"]), np.asarray(tree["x"].astype(
+        jnp.bfloat16)))
+    _same({k: ours[k] for k in "yn"}, {k: tree[k] for k in "yn"})
+    with ocp.CheckpointManager(tmp_path / "ours") as theirs:
+        got = theirs.restore(1)
+        assert got["x"].dtype == jnp.bfloat16
+        _same(got, ours)
+
+
+def test_chunk_shape_rule_is_orbaxs(tmp_path):
+    from orbax.checkpoint._src.arrays import subchunking  # orbax's own rule, for comparison
+
+    from asyncckpt.jax import _format
+
+    rng = np.random.default_rng(27)
+    for _ in range(300):
+        rank = int(rng.integers(1, 4))
+        write = tuple(int(d) for d in rng.integers(1, 65, rank))
+        global_shape = tuple(w * int(rng.integers(1, 3)) for w in write)
+        itemsize = int(rng.choice([1, 2, 4, 8]))
+        target = int(rng.integers(itemsize, max(itemsize + 1, np.prod(write) * itemsize)))
+        axes = tuple(sorted({int(a) for a in rng.integers(0, rank, int(rng.integers(0, 2)))}))
+        want = subchunking.choose_chunk_shape(global_shape, write, np.dtype(f"i{itemsize}"),
+                                              target, shard_axes=axes)
+        assert _format.sub_chunk_shape(global_shape, write, itemsize, target, axes) == tuple(
+            want), (global_shape, write, itemsize, target, axes)
+
+
+def test_empty_namedtuple_subtree_is_recorded_as_orbax_does(ckpt_dir):
+    """optax's EmptyState() (an empty NamedTuple) in an optimizer state: recorded in
+    _METADATA as orbax records it, so orbax restores the state onto a target."""
+    empty = type("EmptyState", (tuple,), {"_fields": ()})  # what NamedTuple('E', []) makes
+    state = {"params": {"w": jnp.ones(3)}, "opt": ({"count": jnp.zeros((), jnp.int32)},
+                                                  empty())}
+    target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(state))
+        mgr.wait_until_finished()
+        _same(mgr.restore(1, args=ocp.args.StandardRestore(target)), state)
+    with ocp.CheckpointManager(ckpt_dir) as theirs:
+        got = theirs.restore(1, args=ocp.args.StandardRestore(target))
+        _same(got, state)
+        assert isinstance(got["opt"][1], empty)
