@@ -184,9 +184,11 @@ _CHILD = """
             out["saved_ok"] = all(f.read(state[k].nbytes) == state[k].tobytes()  # little room
                                   for k in sorted(state))
     del state
-    # A state above half the limit: not even one copy of it fits beside it. Refused
-    # with an error that says so, before allocating; the process is not killed.
-    big = {"big": np.ones((limit // 2 + (1 << 20)) // 8)}
+    # A state above half the limit (or, where thread arenas took address space, as
+    # much as is left): not even one copy of it fits beside it. Refused with an
+    # error that says so, before allocating; the process is not killed.
+    room = limit - status("VmSize")
+    big = {"big": np.ones(min(limit // 2 + (1 << 20), room - (48 << 20)) // 8)}
     with AsyncEngine() as engine:
         try:
             engine.save(rec.stage("big", big), label="big")
@@ -205,7 +207,8 @@ def test_saves_complete_under_a_real_memory_limit(tmp_path):
     state_bytes = 96 << 20
     script = write_script(tmp_path, "child.py", _CHILD)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), str(state_bytes)],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(MALLOC_ARENA_MAX="2"), capture_output=True,
+                          text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
