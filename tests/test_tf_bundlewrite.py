@@ -15,7 +15,7 @@ from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noq
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt.engine import fastcrc  # noqa: E402
-from asyncckpt.tf import _bundlewrite, _staging  # noqa: E402
+from asyncckpt.tf import _bundlewrite, _slices, _staging  # noqa: E402
 from asyncckpt.tf._staging import StagedState, StagedTensor  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not fastcrc.available(), reason="no native CRC32C")
@@ -82,11 +82,11 @@ def test_files_are_byte_identical_to_savev2(tmp_path, monkeypatch, chunk, max_io
 
 def test_ordered_code_numbers_match_tensorflows_examples():
     # The examples of tensorflow/core/lib/strings/ordered_code.cc.
-    assert _bundlewrite._ordered_signed(0x424242) == bytes.fromhex("f0424242")
-    assert _bundlewrite._ordered_signed(-0x800) == bytes.fromhex("3800")
-    assert _bundlewrite._ordered_signed(-1) == b"\x7f"
-    assert _bundlewrite._ordered_unsigned(0) == b"\x00"
-    assert _bundlewrite._ordered_unsigned(0x1234) == b"\x02\x12\x34"
+    assert _slices.encode_signed(0x424242) == bytes.fromhex("f0424242")
+    assert _slices.encode_signed(-0x800) == bytes.fromhex("3800")
+    assert _slices.encode_signed(-1) == b"\x7f"
+    assert _slices.encode_unsigned(0) == b"\x00"
+    assert _slices.encode_unsigned(0x1234) == b"\x02\x12\x34"
 
 
 def _spy(monkeypatch) -> list:
