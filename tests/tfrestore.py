@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import numpy as np
 import tensorflow as tf
 
 import asyncckpt.tf as at
 from asyncckpt.engine import reads
+from asyncckpt.engine.manifest import read_manifest
 from asyncckpt.tf import _bundle, _bundleread, _restore
 from asyncckpt.tf._job import manifest_path
 
@@ -137,3 +139,28 @@ def restore_both(
             spy.assert_read_by_asyncckpt(path)
         out[reader] = objects
     return out
+
+
+def contents(path: str) -> dict:
+    """Every tensor at ``path`` by checkpoint key (the object graph left out), read by both.
+
+    TensorFlow's ``CheckpointReader`` reads every tensor; for a checkpoint
+    asyncckpt wrote, asyncckpt's own reader reads every tensor of a dtype it
+    reads (partitioned ones assembled from their slices), and the two must
+    agree byte for byte.
+    """
+    reader = tf.train.load_checkpoint(path)
+    theirs = {key: reader.get_tensor(key) for key in reader.get_variable_to_shape_map()
+              if key != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+    if written_by_asyncckpt(path):
+        bundle = _bundleread.open_bundle(path, read_manifest(manifest_path(path)),
+                                         checksums=True)
+        assert bundle is not None, f"asyncckpt's reader does not read {path}"
+        for key in bundle.plain_keys():
+            dtype = tf.as_dtype(bundle.index.entries[key].dtype)
+            arrays = _bundleread.read_tensors(bundle, [key])
+            ours = _bundleread.assemble(_bundleread.plan(bundle, key, "", dtype),
+                                        lambda piece, arrays=arrays: arrays[piece][1])
+            want = np.asarray(theirs[key])
+            assert ours.shape == want.shape and ours.tobytes() == want.tobytes(), key
+    return theirs
