@@ -24,6 +24,7 @@ whatever was not predicted is read when asked (``_restore``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -128,9 +129,13 @@ class Bundle:
             return [Piece(key, entry, full_slice(_bundle.shape_of(entry)))]
         return [Piece((key, s.slice.starts, s.slice.lengths), s.entry, s.slice) for s in stored]
 
-    def all_pieces(self) -> list[Piece]:
+    @functools.cached_property
+    def _all_pieces(self) -> tuple[Piece, ...]:
+        return tuple(p for key in self.index.entries for p in self.pieces(key))
+
+    def all_pieces(self) -> tuple[Piece, ...]:
         """Every piece of every tensor, in key order."""
-        return [p for key in self.index.entries for p in self.pieces(key)]
+        return self._all_pieces
 
     def readable(self, key: str, dtype) -> bool:
         """Whether ``read_tensors`` can verify and read ``key`` as ``dtype`` by itself.
