@@ -38,14 +38,25 @@ Partial reads need the hardware CRC32C (``reads.has_fast_crc32c``);
 without it every restore reads every tensor, checked by the manifest's
 whole-file checksum, and TensorFlow reads what was not prefetched itself.
 
+Partitioned variables (``ShardedVariable``) are read here too: their
+slices are pieces of the bundle like any tensor, and a ``RestoreV2`` of a
+slice (a shard, in whatever number of shards the restore has) or of the
+whole tensor is built from the stored slices it overlaps
+(``_bundleread.plan``/``assemble``): handed over without a copy when one
+stored slice is exactly the one asked for, copied out of the slices
+otherwise.
+
 Falls back to the old path (verify the files, then TensorFlow reads them)
 for: checkpoints without an asyncckpt manifest (another tool's, verified by
 TensorFlow's own CRC32C), graph mode, a ``CheckpointOptions`` with an
-``experimental_io_device``, an index that is not an uncompressed bundle,
-sliced (partitioned) variables, and a manifest that does not list the
-bundle's files. Within a restore, TensorFlow still reads itself:
-string/variant tensors (the object graph, whose CRC32C is checked here
-too) and a ``RestoreV2`` asking for another dtype than saved.
+``experimental_io_device``, an index this reader does not vouch for (not an
+uncompressed bundle, keys or slices other than TensorFlow writes them), and
+a manifest that does not list the bundle's files; that is decided before
+anything is read from the data files or assigned. Within a restore,
+TensorFlow still reads itself: string/variant tensors and the dtypes
+``_bundleread.PLAIN`` leaves out (float8, int4, ...; the object graph's
+CRC32C is checked here too), a ``RestoreV2`` asking for another dtype than
+saved, and a slice the stored slices do not cover (TensorFlow raises).
 """
 
 from __future__ import annotations
@@ -394,8 +405,9 @@ class Serving:
 
     TensorFlow's ``io_ops.restore_v2`` is replaced only while some thread is
     inside such a context or some kept restore lives (``keep``); other
-    threads (outside kept restores), other checkpoints, sliced and string
-    tensors go to the original. A context without a source changes nothing.
+    threads (outside kept restores), other checkpoints, and the tensors this
+    reader leaves to TensorFlow (module docstring) go to the original. A
+    context without a source changes nothing.
     """
 
     def __init__(self, source: Prefetched | None):
