@@ -233,6 +233,27 @@ def test_small_and_odd_dtypes_after_the_save(ckpt_dir, gated):
     _save_update_check(ckpt_dir, gated, objects, update)
 
 
+def test_lookup_tables_after_the_save(ckpt_dir, gated):
+    """Lookup tables are copied at the save call, variables still in the background.
+
+    A DenseHashTable exports its bucket arrays themselves, which the next
+    insert overwrites in place: no copy-on-write protects them.
+    """
+    dense = tf.lookup.experimental.DenseHashTable(
+        tf.int64, tf.float32, default_value=-1.0, empty_key=-1, deleted_key=-2)
+    dense.insert(tf.range(100, dtype=tf.int64), tf.ones(100))
+    mutable = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float32, default_value=-1.0)
+    mutable.insert(tf.range(100, dtype=tf.int64), tf.ones(100))
+    objects = {"dense": dense, "mutable": mutable, "v": tf.Variable(np.arange(64.0))}
+
+    def update():
+        dense.insert(tf.range(100, dtype=tf.int64), tf.fill([100], 5.0))
+        mutable.insert(tf.range(100, dtype=tf.int64), tf.fill([100], 5.0))
+        objects["v"].assign_add(tf.ones(64, tf.float64))
+
+    _save_update_check(ckpt_dir, gated, objects, update)
+
+
 class _InjectedCopyError(OSError):
     pass
 

@@ -33,7 +33,7 @@ try:
     from tensorflow.python.ops import gen_io_ops, gen_resource_variable_ops, resource_variable_ops
     from tensorflow.python.saved_model import path_helpers
     from tensorflow.python.trackable import base as trackable_base
-    from tensorflow.python.training.saving import saveable_object
+    from tensorflow.python.training.saving import saveable_object, saveable_object_util
 except ImportError as e:  # pragma: no cover - only on an untested TensorFlow
     raise ImportError(
         f"asyncckpt.tf does not support TensorFlow {tf.__version__}: an internal module it "
@@ -44,6 +44,18 @@ OBJECT_GRAPH_KEY: str = trackable_base.OBJECT_GRAPH_PROTO_KEY
 SaveSpec = saveable_object.SaveSpec
 # A lazy reader of a variable's value, what variables serialize to.
 TensorCallable = tensor_callable.Callable
+
+
+def saved_object(owner):
+    """The object a serialized owner stands for.
+
+    Objects that save through legacy ``SaveableObject``s (lookup tables,
+    ShardedVariables) appear in ``serialize_graph`` as a
+    ``SaveableCompatibilityConverter`` wrapping them.
+    """
+    if isinstance(owner, saveable_object_util.SaveableCompatibilityConverter):
+        return owner.obj
+    return owner
 
 
 def graph_view_of(checkpoint: tf.train.Checkpoint):
