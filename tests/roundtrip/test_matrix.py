@@ -15,7 +15,8 @@ Kinds: ``tests/roundtrip/kinds.py``. Trips:
   ``tf.train.Checkpoint``, as the README does);
 * ``write_read``: ``write`` then ``read`` (no save counter), both readers;
 * ``mutated_after_save``: every value changed as soon as ``save()``
-  returns; both readers restore the values of the call;
+  returns, before the background copy runs (held until then); both readers
+  restore the values of the call;
 * ``verdicts``: ``assert_consumed``, ``assert_existing_objects_matched``,
   ``assert_nontrivial_match`` and ``expect_partial`` give TensorFlow's
   verdicts for an exact match, a checkpoint with more than the objects, and
@@ -27,12 +28,16 @@ kept across its trips (``Live``), as a training loop's saves do.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 
 import asyncckpt.tf as at  # noqa: E402
+from asyncckpt.tf import _snapshot  # noqa: E402
 from tests.roundtrip.kinds import KINDS, Kind, assert_same, unchanged_labels  # noqa: E402
 from tests.tfrestore import READERS, OwnReader, checkpoint_class  # noqa: E402
 
@@ -150,12 +155,31 @@ def trip_write_read(kind, tmp_path, live):
         _restore_and_check(kind, prefix, want, reader, method="read")
 
 
+@contextlib.contextmanager
+def _background_copies_held():
+    """Holds asyncckpt's real background copies (``_snapshot``) until the block ends."""
+    release = threading.Event()
+    real = _snapshot.DeferredCopy.run
+
+    def run(self):
+        assert release.wait(120), "the test never released the copies"
+        return real(self)
+
+    _snapshot.DeferredCopy.run = run
+    try:
+        yield
+    finally:
+        release.set()
+        _snapshot.DeferredCopy.run = real
+
+
 def trip_mutated_after_save(kind, tmp_path, live):
     one = live(kind)
     want = kind.values(one.objects)
-    path = one.ckpt.save(str(tmp_path / "ckpt"))
-    kind.mutate(one.objects)  # before the background copy and write are done
-    assert not unchanged_labels(want, kind.values(one.objects))  # every value changed
+    with _background_copies_held():  # every change lands before the copies and the write
+        path = one.ckpt.save(str(tmp_path / "ckpt"))
+        kind.mutate(one.objects)
+        assert not unchanged_labels(want, kind.values(one.objects))  # every value changed
     one.ckpt.sync()
     for reader in READERS:
         _restore_and_check(kind, path, want, reader)
