@@ -31,6 +31,7 @@ from tests.helpers import (  # noqa: E402
     test_seed,
     write_script,
 )
+from tests.tfrestore import restore_both  # noqa: E402
 
 CRASH_KILLS = int(os.environ.get("ASYNCCKPT_CRASH_KILLS", "16"))
 
@@ -107,6 +108,9 @@ def test_corruption_is_detected_named_and_skipped(ckpt_dir, caplog, damage):
     assert "ckpt-3" in caplog.text and "ckpt-3.data-00000-of-00001" in caplog.text
     np.testing.assert_array_equal(v.numpy(), np.full(1000, 2.0, np.float32))
     mgr.close()
+    restore_both(paths[1], lambda: {"v": tf.Variable(np.zeros(1000, np.float32))},
+                 lambda o: np.testing.assert_array_equal(o["v"].numpy(),
+                                                         np.full(1000, 2.0, np.float32)))
 
     cli = [sys.executable, "-m", "asyncckpt", "verify", str(ckpt_dir)]
     out = subprocess.run(cli, capture_output=True, text=True, env=subprocess_env())

@@ -21,12 +21,16 @@ tf = pytest.importorskip("tensorflow")
 import asyncckpt.tf as atf  # noqa: E402
 from asyncckpt.tf import checkpoint as checkpoint_module  # noqa: E402
 from asyncckpt.tf._job import TFSaveJob  # noqa: E402
+from tests.tfrestore import restore_both  # noqa: E402
 
 
 def _values(path, n=100):
-    v = tf.Variable(tf.zeros(n))
-    tf.train.Checkpoint(v=v).restore(path).expect_partial()
-    return v.numpy()
+    """``v`` at ``path``, restored by TensorFlow's reader and asyncckpt's (which must agree)."""
+    got = restore_both(path, lambda: {"v": tf.Variable(tf.zeros(n))}, lambda o: None,
+                       verdict="expect_partial")
+    ours, theirs = (got[r]["v"].numpy() for r in ("asyncckpt", "tensorflow"))
+    np.testing.assert_array_equal(ours, theirs)
+    return ours
 
 
 def test_tf_state_file_failure_after_publish_is_not_a_failed_save(tmp_path):

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import asyncckpt.tf as at
 from asyncckpt.tf import _staging
+from tests.tfrestore import restore_both
 
 
 def test_batched_read_is_traced_at_the_first_save_and_saves_the_values_at_the_call(tmp_path):
@@ -119,16 +120,20 @@ def test_structure_changes_after_the_plan_is_reused_restore_exactly(
                 got = tf.train.load_variable(
                     path, f"module/layers/{k[1:]}/.ATTRIBUTES/VARIABLE_VALUE")
                 np.testing.assert_array_equal(got, want, err_msg=f"{name} {k}")
-    # The slot variables restore through plain TensorFlow into a fresh optimizer.
-    fresh = tf.Module()
-    fresh.layers = [tf.Variable(tf.zeros_like(v)) for v in module.layers]
-    fresh.free = tf.Variable(tf.zeros((1,)), shape=tf.TensorShape(None))
-    fresh_opt = keras.optimizers.Adam(0.1)
-    fresh_opt.build(fresh.layers)
-    tf.train.Checkpoint(module=fresh, optimizer=fresh_opt).read(
-        str(tmp_path / "slots")).assert_consumed()
-    last = saved[-1][1]
-    for i, v in enumerate(fresh_opt.variables):
-        np.testing.assert_array_equal(v.numpy(), last[f"opt{i}"], err_msg=f"optimizer {i}")
-    assert len(fresh_opt.variables) > 2
+    # The slot variables restore into a fresh optimizer, read by TensorFlow and by asyncckpt.
+    def make():
+        fresh = tf.Module()
+        fresh.layers = [tf.Variable(tf.zeros_like(v)) for v in module.layers]
+        fresh.free = tf.Variable(tf.zeros((1,)), shape=tf.TensorShape(None))
+        fresh_opt = keras.optimizers.Adam(0.1)
+        fresh_opt.build(fresh.layers)
+        return {"module": fresh, "optimizer": fresh_opt}
+
+    def check(o):
+        last = saved[-1][1]
+        for i, v in enumerate(o["optimizer"].variables):
+            np.testing.assert_array_equal(v.numpy(), last[f"opt{i}"], err_msg=f"optimizer {i}")
+        assert len(o["optimizer"].variables) > 2
+
+    restore_both(str(tmp_path / "slots"), make, check, method="read")
     ckpt.close()

@@ -20,6 +20,7 @@ from tests.helpers import (  # noqa: E402
     test_seed,
     write_script,
 )
+from tests.tfrestore import contents  # noqa: E402
 
 
 def _closed_port() -> int:
@@ -291,8 +292,7 @@ def test_final_checkpoint_is_durable_before_the_deadline_with_a_slow_writer(tmp_
         assert final["deadline"] == pytest.approx(final["notice_time"] + grace), context
         assert final["run"] > r["run_at_notice"] + 1, context  # trained in the grace period
         assert os.path.dirname(final["checkpoint"]) == r["directory"], context
-        assert tf.train.load_variable(final["checkpoint"],
-                                      "step/.ATTRIBUTES/VARIABLE_VALUE") == final["run"]
+        assert contents(final["checkpoint"])["step/.ATTRIBUTES/VARIABLE_VALUE"] == final["run"]
 
 
 # -- two TensorFlow workers (MultiWorkerMirroredStrategy on 127.0.0.1) ---------------
@@ -450,8 +450,8 @@ def test_save_checkpoint_if_preempted_in_a_multi_step_loop(ckpt_dir):
     assert exits == [1] and save.final and save.run >= 4
     # Named by the save counter, as TensorFlow names it; the state of save.run chunks.
     assert save.checkpoint == f"{ckpt_dir}/ckpt-1"
-    assert int(tf.train.load_variable(save.checkpoint,
-                                      "v/.ATTRIBUTES/VARIABLE_VALUE")) == steps_per_call * save.run
+    assert int(contents(save.checkpoint)["v/.ATTRIBUTES/VARIABLE_VALUE"]) == (
+        steps_per_call * save.run)
     # A new handler on the same directory resumes the count with the state.
     v2 = tf.Variable(0, dtype=tf.int64)
     mgr2 = at.CheckpointManager(tf.train.Checkpoint(v=v2), str(ckpt_dir), max_to_keep=2)

@@ -15,8 +15,9 @@ from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noq
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt.engine import fastcrc  # noqa: E402
-from asyncckpt.tf import _bundlewrite, _staging  # noqa: E402
+from asyncckpt.tf import _bundlewrite, _slices, _staging  # noqa: E402
 from asyncckpt.tf._staging import StagedState, StagedTensor  # noqa: E402
+from tests.tfrestore import restore_both  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not fastcrc.available(), reason="no native CRC32C")
 
@@ -82,11 +83,11 @@ def test_files_are_byte_identical_to_savev2(tmp_path, monkeypatch, chunk, max_io
 
 def test_ordered_code_numbers_match_tensorflows_examples():
     # The examples of tensorflow/core/lib/strings/ordered_code.cc.
-    assert _bundlewrite._ordered_signed(0x424242) == bytes.fromhex("f0424242")
-    assert _bundlewrite._ordered_signed(-0x800) == bytes.fromhex("3800")
-    assert _bundlewrite._ordered_signed(-1) == b"\x7f"
-    assert _bundlewrite._ordered_unsigned(0) == b"\x00"
-    assert _bundlewrite._ordered_unsigned(0x1234) == b"\x02\x12\x34"
+    assert _slices.encode_signed(0x424242) == bytes.fromhex("f0424242")
+    assert _slices.encode_signed(-0x800) == bytes.fromhex("3800")
+    assert _slices.encode_signed(-1) == b"\x7f"
+    assert _slices.encode_unsigned(0) == b"\x00"
+    assert _slices.encode_unsigned(0x1234) == b"\x02\x12\x34"
 
 
 def _spy(monkeypatch) -> list:
@@ -130,12 +131,20 @@ def test_checkpoint_written_by_asyncckpt_restores_with_plain_tensorflow(ckpt_dir
     names = dict(tf.train.list_variables(path))
     assert names["w/.ATTRIBUTES/VARIABLE_VALUE"] == [64, 32]
     assert names["emb/.ATTRIBUTES/VARIABLE_VALUE"] == [24, 3]
-    fresh = {k: tf.Variable(tf.zeros_like(v)) for k, v in objects.items() if k != "emb"}
-    two = [tf.Variable(tf.zeros((12, 3))) for _ in range(2)]
-    tf.train.Checkpoint(**fresh, emb=ShardedVariable(two)).restore(path).assert_consumed()
-    for k, v in fresh.items():
-        np.testing.assert_array_equal(v.numpy(), objects[k].numpy())
-    np.testing.assert_array_equal(np.concatenate([v.numpy() for v in two]), full)
+
+    def make():
+        fresh = {k: tf.Variable(tf.zeros_like(v)) for k, v in objects.items() if k != "emb"}
+        return {**fresh, "emb": ShardedVariable([tf.Variable(tf.zeros((12, 3)))
+                                                 for _ in range(2)])}
+
+    def check(o):
+        for k, v in o.items():
+            if k != "emb":
+                np.testing.assert_array_equal(v.numpy(), objects[k].numpy())
+        np.testing.assert_array_equal(np.concatenate([v.numpy() for v in o["emb"].variables]),
+                                      full)
+
+    restore_both(path, make, check)
 
 
 def test_tensorflow_checks_the_written_crc32c(ckpt_dir):
@@ -143,7 +152,8 @@ def test_tensorflow_checks_the_written_crc32c(ckpt_dir):
     with at.Checkpoint(w=w) as ckpt:
         path = ckpt.save(str(ckpt_dir / "ckpt"))
         ckpt.sync()
-    tf.train.Checkpoint(w=tf.Variable(tf.zeros(4096))).restore(path).assert_consumed()
+    restore_both(path, lambda: {"w": tf.Variable(tf.zeros(4096))},
+                 lambda o: np.testing.assert_array_equal(o["w"].numpy(), w.numpy()))
     entry = _bundle_entry(path, "w/.ATTRIBUTES/VARIABLE_VALUE")
     data = path + ".data-00000-of-00001"
     with open(data, "r+b") as f:

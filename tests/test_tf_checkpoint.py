@@ -16,6 +16,7 @@ import asyncckpt.tf as at  # noqa: E402
 from asyncckpt import AsyncOptions, CheckpointNotFoundError  # noqa: E402
 from asyncckpt.tf import _job  # noqa: E402
 from tests.helpers import LineWatcher, start_python, write_script  # noqa: E402
+from tests.tfrestore import restore_both  # noqa: E402
 
 
 def _values(variables) -> list[np.ndarray]:
@@ -69,10 +70,8 @@ def test_variables_round_trip_through_plain_tensorflow(ckpt_dir):
         path = ckpt.save(str(ckpt_dir / "ckpt"))
         assert path == str(ckpt_dir / "ckpt-1")
         ckpt.sync()
-    fresh = {k: tf.Variable(tf.zeros_like(x)) for k, x in v.items()}
-    status = tf.train.Checkpoint(**fresh).restore(path)
-    status.assert_consumed()
-    _assert_equal_values(expected, fresh.values())
+    restore_both(path, lambda: {k: tf.Variable(tf.zeros_like(x)) for k, x in v.items()},
+                 lambda fresh: _assert_equal_values(expected, fresh.values()))
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == path
     assert not _temps(ckpt_dir)
 
@@ -84,9 +83,9 @@ def test_write_keeps_prefix_and_does_not_touch_state_file(ckpt_dir):
         ckpt.sync()
         assert int(ckpt.save_counter.numpy()) == 0
     assert not (ckpt_dir / "checkpoint").exists()
-    fresh = tf.Variable([0.0, 0.0])
-    tf.train.Checkpoint(v=fresh).read(str(ckpt_dir / "plain")).assert_consumed()
-    np.testing.assert_array_equal(fresh.numpy(), [1.0, 2.0])
+    restore_both(str(ckpt_dir / "plain"), lambda: {"v": tf.Variable([0.0, 0.0])},
+                 lambda o: np.testing.assert_array_equal(o["v"].numpy(), [1.0, 2.0]),
+                 method="read")
 
 
 def test_snapshot_holds_values_at_save_call(ckpt_dir, gated_writer):
@@ -98,9 +97,9 @@ def test_snapshot_holds_values_at_save_call(ckpt_dir, gated_writer):
         v.assign_add(np.ones((256, 256), np.float32))
         gated_writer.gate.set()
         ckpt.sync()
-    fresh = tf.Variable(tf.zeros((256, 256)))
-    tf.train.Checkpoint(v=fresh).restore(path)
-    np.testing.assert_array_equal(fresh.numpy(), np.full((256, 256), 1.0, np.float32))
+    restore_both(path, lambda: {"v": tf.Variable(tf.zeros((256, 256)))},
+                 lambda o: np.testing.assert_array_equal(
+                     o["v"].numpy(), np.full((256, 256), 1.0, np.float32)), verdict=None)
 
 
 def test_second_save_with_two_slots_does_not_wait_for_first_write(ckpt_dir, gated_writer):
@@ -118,9 +117,10 @@ def test_second_save_with_two_slots_does_not_wait_for_first_write(ckpt_dir, gate
         assert second.result(60).slot_wait_s >= 0
         assert first.result(60).label == "ckpt-1"
     for n, value in ((1, 0.0), (2, 1.0)):
-        fresh = tf.Variable(np.full(1000, -1.0, np.float32))
-        tf.train.Checkpoint(v=fresh).restore(str(ckpt_dir / f"ckpt-{n}"))
-        np.testing.assert_array_equal(fresh.numpy(), np.full(1000, value, np.float32))
+        restore_both(str(ckpt_dir / f"ckpt-{n}"),
+                     lambda: {"v": tf.Variable(np.full(1000, -1.0, np.float32))},
+                     lambda o, value=value: np.testing.assert_array_equal(
+                         o["v"].numpy(), np.full(1000, value, np.float32)), verdict=None)
 
 
 def test_one_slot_makes_the_second_save_wait_for_the_first_write(ckpt_dir, gated_writer):
@@ -169,11 +169,14 @@ def test_a_burst_deeper_than_the_slots_gets_a_spare_slot_and_saves_exact_values(
         ckpt.sync()
         assert ckpt.engine._pool.num_slots == 2
     for n in range(1, 7):
-        fresh_v = tf.Variable(np.full((64, 1000), -1.0, np.float32))
-        fresh_w = tf.Variable(np.zeros(7, np.int64))
-        tf.train.Checkpoint(v=fresh_v, w=fresh_w).restore(str(ckpt_dir / f"ckpt-{n}"))
-        np.testing.assert_array_equal(fresh_v.numpy(), np.full((64, 1000), n - 1.0, np.float32))
-        np.testing.assert_array_equal(fresh_w.numpy(), np.arange(7) + n - 1)
+        def check(o, n=n):
+            np.testing.assert_array_equal(o["v"].numpy(),
+                                          np.full((64, 1000), n - 1.0, np.float32))
+            np.testing.assert_array_equal(o["w"].numpy(), np.arange(7) + n - 1)
+
+        restore_both(str(ckpt_dir / f"ckpt-{n}"),
+                     lambda: {"v": tf.Variable(np.full((64, 1000), -1.0, np.float32)),
+                              "w": tf.Variable(np.zeros(7, np.int64))}, check, verdict=None)
 
 
 def test_failed_write_raises_on_next_call_and_keeps_previous_checkpoint(ckpt_dir, monkeypatch):
@@ -268,9 +271,9 @@ def test_subprocess_that_saves_and_exits_at_once_leaves_complete_checkpoint(tmp_
             proc.kill()
             proc.wait()
     at.verify_checkpoint(path)
-    fresh = tf.Variable(tf.zeros(4 << 20))
-    tf.train.Checkpoint(v=fresh).restore(path).assert_consumed()
-    np.testing.assert_array_equal(fresh.numpy(), np.arange(4 << 20, dtype=np.float32))
+    restore_both(path, lambda: {"v": tf.Variable(tf.zeros(4 << 20))},
+                 lambda o: np.testing.assert_array_equal(
+                     o["v"].numpy(), np.arange(4 << 20, dtype=np.float32)))
 
 
 def test_non_trackable_object_is_refused_at_construction():
@@ -347,8 +350,13 @@ def test_graph_changes_between_saves_are_picked_up(ckpt_dir):
         module.layers.append(tf.Variable([5.0, 6.0]))  # the graph grows: new plan
         last = ckpt.save(str(ckpt_dir / "ckpt"))
         ckpt.sync()
-    fresh = tf.Module()
-    fresh.layers = [tf.Variable([0.0]), tf.Variable([0.0, 0.0])]
-    tf.train.Checkpoint(root=fresh).restore(last).assert_consumed()
-    assert fresh.layers[0].numpy().tolist() == [2.0]
-    assert fresh.layers[1].numpy().tolist() == [5.0, 6.0]
+    def make():
+        fresh = tf.Module()
+        fresh.layers = [tf.Variable([0.0]), tf.Variable([0.0, 0.0])]
+        return {"root": fresh}
+
+    def check(o):
+        assert o["root"].layers[0].numpy().tolist() == [2.0]
+        assert o["root"].layers[1].numpy().tolist() == [5.0, 6.0]
+
+    restore_both(last, make, check)

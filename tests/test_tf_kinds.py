@@ -1,4 +1,9 @@
-"""Every kind of TensorFlow state the issue names: round trip through plain TensorFlow."""
+"""Every kind of TensorFlow state the issue names: round trip through both readers.
+
+Each checkpoint asyncckpt saves here is restored with TensorFlow's
+``tf.train.Checkpoint`` and with ``asyncckpt.tf.Checkpoint``, whose own
+reader must read it (``tests/tfrestore.py``).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from tensorflow.tpu.experimental.embedding import (  # noqa: E402
 
 import asyncckpt.tf as at  # noqa: E402
 from tests.conftest import TF_LOGICAL_CPUS  # noqa: E402
+from tests.tfrestore import restore_both  # noqa: E402
 
 
 def _save_and_sync(ckpt_dir, **objects) -> str:
@@ -61,13 +67,18 @@ def test_mirrored_strategy_variables(ckpt_dir):
         slots = [v.numpy() for v in optimizer.variables]
         path = ckpt.save(str(ckpt_dir / "ckpt"))  # second save: the batched read path
 
-    fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.01)
-    fresh_opt.build(fresh.trainable_variables)
-    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).restore(path).assert_consumed()
-    for a, b in zip(weights, fresh.weights, strict=True):
-        np.testing.assert_array_equal(a, b.numpy())
-    for a, b in zip(slots, fresh_opt.variables, strict=True):
-        np.testing.assert_array_equal(a, b.numpy())
+    def make():
+        fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.01)
+        fresh_opt.build(fresh.trainable_variables)
+        return {"model": fresh, "optimizer": fresh_opt}
+
+    def check(o):
+        for a, b in zip(weights, o["model"].weights, strict=True):
+            np.testing.assert_array_equal(a, b.numpy())
+        for a, b in zip(slots, o["optimizer"].variables, strict=True):
+            np.testing.assert_array_equal(a, b.numpy())
+
+    restore_both(path, make, check)
 
 
 def test_sharded_variable_restores_into_other_shard_counts(ckpt_dir):
@@ -78,12 +89,13 @@ def test_sharded_variable_restores_into_other_shard_counts(ckpt_dir):
             shards.append(tf.Variable(part))
     path = _save_and_sync(ckpt_dir, emb=ShardedVariable(shards))
 
-    two = [tf.Variable(tf.zeros((12, 3))) for _ in range(2)]
-    tf.train.Checkpoint(emb=ShardedVariable(two)).restore(path).assert_consumed()
-    np.testing.assert_array_equal(np.concatenate([v.numpy() for v in two]), full)
-    three = [tf.Variable(tf.zeros((8, 3))) for _ in range(3)]
-    tf.train.Checkpoint(emb=ShardedVariable(three)).restore(path).assert_consumed()
-    np.testing.assert_array_equal(np.concatenate([v.numpy() for v in three]), full)
+    for shards in (2, 3):
+        restore_both(
+            path,
+            lambda shards=shards: {"emb": ShardedVariable(
+                [tf.Variable(tf.zeros((24 // shards, 3))) for _ in range(shards)])},
+            lambda o: np.testing.assert_array_equal(
+                np.concatenate([v.numpy() for v in o["emb"].variables]), full))
 
 
 def test_keras3_optimizer_slots_round_trip(ckpt_dir):
@@ -93,13 +105,18 @@ def test_keras3_optimizer_slots_round_trip(ckpt_dir):
     saved = [v.numpy() for v in optimizer.variables]
     path = _save_and_sync(ckpt_dir, model=model, optimizer=optimizer)
 
-    fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.5)
-    fresh_opt.build(fresh.trainable_variables)
-    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).restore(path).assert_consumed()
-    restored = [v.numpy() for v in fresh_opt.variables]
-    assert len(restored) == len(saved)
-    for i, (a, b) in enumerate(zip(saved, restored, strict=True)):
-        np.testing.assert_array_equal(a, b, err_msg=f"optimizer variable {i}")
+    def make():
+        fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.5)
+        fresh_opt.build(fresh.trainable_variables)
+        return {"model": fresh, "optimizer": fresh_opt}
+
+    def check(o):
+        restored = [v.numpy() for v in o["optimizer"].variables]
+        assert len(restored) == len(saved)
+        for i, (a, b) in enumerate(zip(saved, restored, strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"optimizer variable {i}")
+
+    restore_both(path, make, check)
 
 
 def test_keras3_optimizer_before_it_is_built(ckpt_dir):
@@ -109,20 +126,28 @@ def test_keras3_optimizer_before_it_is_built(ckpt_dir):
     path = _save_and_sync(ckpt_dir, model=model, optimizer=optimizer)
     weights = [w.numpy() for w in model.weights]
 
-    fresh, fresh_opt = _mlp(), keras.optimizers.Adam(0.5)
-    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).restore(path)
-    assert float(fresh_opt.learning_rate.numpy()) == pytest.approx(0.123)
-    assert int(fresh_opt.iterations.numpy()) == 0
-    for a, b in zip(weights, fresh.weights, strict=True):
-        np.testing.assert_array_equal(a, b.numpy())
+    def check(o):
+        assert float(o["optimizer"].learning_rate.numpy()) == pytest.approx(0.123)
+        assert int(o["optimizer"].iterations.numpy()) == 0
+        for a, b in zip(weights, o["model"].weights, strict=True):
+            np.testing.assert_array_equal(a, b.numpy())
+
+    restore_both(path, lambda: {"model": _mlp(), "optimizer": keras.optimizers.Adam(0.5)},
+                 check, verdict=None)
     # Training continues after the early save, and a later save has the slots.
     _fit_one_epoch(model, optimizer)
     path2 = _save_and_sync(ckpt_dir, model=model, optimizer=optimizer)
-    later_opt = keras.optimizers.Adam(0.5)
-    later_model = _mlp()
-    later_opt.build(later_model.trainable_variables)
-    tf.train.Checkpoint(model=later_model, optimizer=later_opt).restore(path2).assert_consumed()
-    assert int(later_opt.iterations.numpy()) == int(optimizer.iterations.numpy()) > 0
+
+    def make_built():
+        later_opt = keras.optimizers.Adam(0.5)
+        later_model = _mlp()
+        later_opt.build(later_model.trainable_variables)
+        return {"model": later_model, "optimizer": later_opt}
+
+    def check_built(o):
+        assert int(o["optimizer"].iterations.numpy()) == int(optimizer.iterations.numpy()) > 0
+
+    restore_both(path2, make_built, check_built)
 
 
 def test_compat_v1_optimizer_slots(ckpt_dir):
@@ -135,13 +160,18 @@ def test_compat_v1_optimizer_slots(ckpt_dir):
     saved_v = v.numpy()
     path = _save_and_sync(ckpt_dir, v=v, opt=opt)
 
-    v2 = tf.Variable(np.zeros(10, np.float32))
-    opt2 = tf.compat.v1.train.AdamOptimizer(0.1)
-    opt2.minimize(lambda: tf.reduce_sum((v2 - 5.0) ** 2), var_list=[v2])  # creates slots
-    tf.train.Checkpoint(v=v2, opt=opt2).restore(path).assert_consumed()
-    np.testing.assert_array_equal(v2.numpy(), saved_v)
-    for name, value in saved.items():
-        np.testing.assert_array_equal(opt2.get_slot(v2, name).numpy(), value)
+    def make():
+        v2 = tf.Variable(np.zeros(10, np.float32))
+        opt2 = tf.compat.v1.train.AdamOptimizer(0.1)
+        opt2.minimize(lambda: tf.reduce_sum((v2 - 5.0) ** 2), var_list=[v2])  # creates slots
+        return {"v": v2, "opt": opt2}
+
+    def check(o):
+        np.testing.assert_array_equal(o["v"].numpy(), saved_v)
+        for name, value in saved.items():
+            np.testing.assert_array_equal(o["opt"].get_slot(o["v"], name).numpy(), value)
+
+    restore_both(path, make, check)
 
 
 def _embedding(cls=TPUEmbeddingForServing, seed: int = 0):
@@ -165,8 +195,11 @@ def test_tpu_embedding_tables_for_serving(ckpt_dir):
     emb = _embedding(seed=1)
     saved = _tables(emb)
     path = _save_and_sync(ckpt_dir, embedding=emb)
-    fresh = _embedding(seed=7)
-    assert not np.array_equal(_tables(fresh)["users"], saved["users"])
-    tf.train.Checkpoint(embedding=fresh).restore(path).assert_consumed()
-    for name, value in saved.items():
-        np.testing.assert_array_equal(_tables(fresh)[name], value)
+    assert not np.array_equal(_tables(_embedding(seed=7))["users"], saved["users"])
+
+    def check(o):
+        for name, value in saved.items():
+            np.testing.assert_array_equal(_tables(o["embedding"])[name], value)
+
+    restore_both(path, lambda: {"embedding": _embedding(seed=7)}, check)
+

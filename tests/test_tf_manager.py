@@ -12,6 +12,7 @@ tf = pytest.importorskip("tensorflow")
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt.tf import _job  # noqa: E402
+from tests.tfrestore import restore_both  # noqa: E402
 
 
 def _files(directory) -> set[str]:
@@ -35,9 +36,8 @@ def test_drop_in_save_and_restore(ckpt_dir):
     # TensorFlow's own manager reads the directory the same way.
     tf_mgr = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=3)
     assert tf_mgr.checkpoints == paths[-3:]
-    fresh = tf.Variable(tf.zeros(6))
-    tf.train.Checkpoint(v=fresh).restore(mgr.latest_checkpoint).assert_consumed()
-    np.testing.assert_array_equal(fresh.numpy(), np.arange(6) + 5)
+    restore_both(mgr.latest_checkpoint, lambda: {"v": tf.Variable(tf.zeros(6))},
+                 lambda o: np.testing.assert_array_equal(o["v"].numpy(), np.arange(6) + 5))
     mgr.close()
 
 
@@ -123,6 +123,8 @@ def test_restore_or_initialize(ckpt_dir):
     assert mgr.restore_or_initialize() == path  # waits for the save in flight
     assert v.numpy()[0] == 42.0 and calls == [1]
     mgr.close()
+    restore_both(path, lambda: {"v": tf.Variable([0.0])},
+                 lambda o: np.testing.assert_array_equal(o["v"].numpy(), [42.0]))
 
 
 def test_checkpoint_interval_and_number(ckpt_dir):
@@ -166,9 +168,8 @@ def test_manager_with_relative_directory(tmp_path, monkeypatch):
         path = mgr.save()
     assert path == os.path.join("rel", "ckpt-1")
     assert tf.train.latest_checkpoint("rel") == path
-    fresh = tf.Variable([0.0])
-    tf.train.Checkpoint(v=fresh).restore(path)
-    assert fresh.numpy()[0] == 3.0
+    restore_both(path, lambda: {"v": tf.Variable([0.0])},
+                 lambda o: np.testing.assert_array_equal(o["v"].numpy(), [3.0]))
 
 
 def test_a_failed_background_save_gives_its_retention_decision_back(ckpt_dir, monkeypatch):

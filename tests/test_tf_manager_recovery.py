@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import asyncckpt.tf as at
 from tests.helpers import run_python, subprocess_env
+from tests.tfrestore import restore_both
 
 KILLED = r"""
 import os, sys
@@ -57,8 +58,11 @@ def test_a_checkpoint_committed_before_the_state_file_is_taken_in(tmp_path):
     with at.CheckpointManager(ckpt, str(directory), max_to_keep=3) as mgr:
         assert mgr.latest_checkpoint.endswith("ckpt-2")
         assert [os.path.basename(p) for p in mgr.checkpoints] == ["ckpt-1", "ckpt-2"]
-        mgr.restore_or_initialize()
+        restored = mgr.restore_or_initialize()
         np.testing.assert_array_equal(v.numpy(), np.full(1000, 2, np.float32))
+        restore_both(restored, lambda: {"v": tf.Variable(np.zeros(1000, np.float32))},
+                     lambda o: np.testing.assert_array_equal(o["v"].numpy(),
+                                                             np.full(1000, 2, np.float32)))
         mgr.save()  # numbering goes on after it, and the state file names all three
         mgr.sync()
     assert tf.train.latest_checkpoint(str(directory)).endswith("ckpt-3")

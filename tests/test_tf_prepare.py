@@ -14,6 +14,7 @@ tf = pytest.importorskip("tensorflow")
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt.errors import EngineClosedError  # noqa: E402
+from tests.tfrestore import restore_both  # noqa: E402
 
 
 def _variables(seed: int = 0) -> dict:
@@ -34,10 +35,12 @@ def _first_save_allocations(mgr) -> int:
 
 
 def _assert_restores(path: str, variables: dict) -> None:
-    fresh = {k: tf.Variable(tf.zeros_like(v)) for k, v in variables.items()}
-    tf.train.Checkpoint(**fresh).restore(path).assert_existing_objects_matched()
-    for k, v in variables.items():
-        assert np.array_equal(fresh[k].numpy(), v.numpy()), k
+    def check(fresh):
+        for k, v in variables.items():
+            assert np.array_equal(fresh[k].numpy(), v.numpy()), k
+
+    restore_both(path, lambda: {k: tf.Variable(tf.zeros_like(v)) for k, v in variables.items()},
+                 check, verdict="assert_existing_objects_matched")
 
 
 def test_prepared_slots_leave_the_first_save_nothing_to_allocate(tmp_path):

@@ -8,15 +8,22 @@ restore read the tensors itself, in parallel, straight into the arrays it
 hands to TensorFlow, while the files stay the ones TensorFlow wrote (and
 any TensorFlow can still read them).
 
-Only what the bundle writer produces is read: uncompressed blocks (any
-other block type raises ``BundleFormatError``, and the caller falls back to
-TensorFlow's own reader).
+Every key TensorFlow writes is read: the header's (``""``), the tensors'
+(UTF-8 checkpoint keys) and the slices of partitioned tensors (binary
+``OrderedCode`` keys, ``_slices.parse_slice_key``), checked against the
+slices the full tensor's entry lists. Only uncompressed blocks are read:
+anything this module does not understand (another block type, a key that
+is neither, slices that do not match their listing or overlap) raises
+``BundleFormatError`` before anything is read from the data files, and the
+caller hands the whole restore to TensorFlow's own reader.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from asyncckpt.tf._slices import WHOLE, Slice, intersect, is_slice_key, parse_slice_key
 
 _MAGIC = 0xDB4775248B80FB57  # tsl::table::kTableMagicNumber
 _FOOTER = 48  # two block handles padded to 40 bytes, then the magic number
@@ -28,16 +35,35 @@ class BundleFormatError(ValueError):
 
 
 @dataclass(frozen=True)
+class StoredSlice:
+    """One stored slice of a partitioned tensor.
+
+    Attributes:
+        slice: Where it lies in the full tensor.
+        entry: Its ``BundleEntryProto`` (dtype, slice shape, shard, offset,
+            size, CRC32C).
+    """
+
+    slice: Slice
+    entry: object
+
+
+@dataclass(frozen=True)
 class BundleIndex:
     """A parsed ``.index`` file.
 
     Attributes:
         num_shards: Number of data files (``.data-0000i-of-0000n``).
-        entries: Checkpoint key -> ``BundleEntryProto``.
+        entries: Checkpoint key -> ``BundleEntryProto``. A partitioned
+            tensor's entry has the full shape, lists its ``slices`` and holds
+            no bytes.
+        slices: Checkpoint key of each partitioned tensor -> its stored
+            slices, in the order its entry lists them.
     """
 
     num_shards: int
     entries: dict
+    slices: dict[str, tuple[StoredSlice, ...]] = field(default_factory=dict)
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -103,19 +129,80 @@ def parse_index(data: bytes) -> BundleIndex:
     index_size, _ = _varint(footer, pos)
     header = None
     entries = {}
+    stored: dict[str, dict[tuple, object]] = {}  # key -> (starts, lengths) -> entry
     for _, handle in _block(data, index_offset, index_size):
         offset, p = _varint(handle, 0)
         size, _ = _varint(handle, p)
         for key, value in _block(data, offset, size):
             if key == b"":
                 header = tensor_bundle_pb2.BundleHeaderProto.FromString(value)
-            else:
-                entries[key.decode()] = tensor_bundle_pb2.BundleEntryProto.FromString(value)
+                continue
+            entry = tensor_bundle_pb2.BundleEntryProto.FromString(value)
+            if is_slice_key(key):
+                try:
+                    name, starts, lengths = parse_slice_key(key)
+                except ValueError as e:
+                    raise BundleFormatError(f"slice key {key!r}: {e}") from None
+                stored.setdefault(name, {})[(starts, lengths)] = entry
+                continue
+            try:
+                entries[key.decode()] = entry
+            except UnicodeDecodeError:
+                raise BundleFormatError(f"key {key!r} is neither UTF-8 nor a slice key") from None
     if header is None:
         raise BundleFormatError("no bundle header")
     if header.endianness != tensor_bundle_pb2.BundleHeaderProto.LITTLE:
         raise BundleFormatError("big-endian bundle")
-    return BundleIndex(num_shards=header.num_shards, entries=entries)
+    return BundleIndex(num_shards=header.num_shards, entries=entries,
+                       slices=_match_slices(entries, stored))
+
+
+def shape_of(entry) -> tuple[int, ...]:
+    """The shape a ``BundleEntryProto`` records."""
+    return tuple(d.size for d in entry.shape.dim)
+
+
+def _match_slices(entries: dict, stored: dict[str, dict]) -> dict[str, tuple[StoredSlice, ...]]:
+    """Each partitioned tensor's slices, exactly as its entry lists them.
+
+    TensorFlow's reader looks each listed slice up by its key and refuses
+    overlapping slices; anything else here is a format this reader does not
+    vouch for, so it raises and TensorFlow's reader decides.
+    """
+    out = {}
+    for key, entry in entries.items():
+        if not entry.slices:
+            continue
+        full = shape_of(entry)
+        have = stored.pop(key, {})
+        pieces = []
+        for proto in entry.slices:
+            if len(proto.extent) != len(full):
+                raise BundleFormatError(f"{key!r} lists a slice of another rank")
+            starts = tuple(e.start for e in proto.extent)
+            lengths = tuple(e.length if e.HasField("length") else WHOLE
+                            for e in proto.extent)
+            piece = have.pop((starts, lengths), None)
+            if piece is None:
+                raise BundleFormatError(f"{key!r} lists a slice {starts}/{lengths} that is "
+                                        "not stored")
+            sl = Slice(full, starts, lengths)
+            if (any(stop > d for (_, stop), d in zip(sl.bounds, full, strict=True))
+                    or piece.dtype != entry.dtype or shape_of(piece) != sl.shape
+                    or piece.slices):
+                raise BundleFormatError(f"slice {starts}/{lengths} of {key!r} does not match "
+                                        "its tensor")
+            pieces.append(StoredSlice(sl, piece))
+        if have:
+            raise BundleFormatError(f"{key!r} has slices its entry does not list")
+        for i, a in enumerate(pieces):
+            for b in pieces[:i]:
+                if intersect(a.slice.bounds, b.slice.bounds) is not None:
+                    raise BundleFormatError(f"{key!r} has overlapping slices")
+        out[key] = tuple(pieces)
+    if stored:
+        raise BundleFormatError(f"slices of tensors without an entry: {sorted(stored)}")
+    return out
 
 
 def data_file(prefix: str, shard: int, num_shards: int) -> str:

@@ -7,6 +7,13 @@ From then on the index is trusted, so a tensor read by ``read_tensors`` is
 verified by its own CRC32C, with no need to read the rest of its file: that
 is what lets a restore read only what it assigns.
 
+What is read are *pieces*: an unpartitioned tensor is one piece, named by
+its checkpoint key; a partitioned tensor (a ``ShardedVariable``) is its
+stored slices, each a piece named ``(key, starts, lengths)`` with its own
+entry (place, size, CRC32C). ``assemble`` builds the slice a ``RestoreV2``
+asks for from the pieces it overlaps, so a restore into another number of
+shards (or into one variable) is read by us too.
+
 ``predict`` says which tensors a restore into a live object graph will ask
 for: TensorFlow's own matching of the checkpoint's object graph to the
 Python objects (``tf.train.CheckpointView.match``), the attributes of every
@@ -17,8 +24,11 @@ whatever was not predicted is read when asked (``_restore``).
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +38,7 @@ from asyncckpt.engine.manifest import FileRecord, Manifest, verify_files
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.tf import _bundle
 from asyncckpt.tf._compat import OBJECT_GRAPH_KEY, tf
+from asyncckpt.tf._slices import Slice, full_slice, intersect, parse_spec
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +48,21 @@ PLAIN = {d.as_datatype_enum: d for d in (
     tf.uint8, tf.uint16, tf.uint32, tf.uint64, tf.bool, tf.complex64, tf.complex128,
 )}
 STRING = tf.string.as_datatype_enum
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Stored bytes of one tensor or of one slice of a partitioned tensor.
+
+    Attributes:
+        id: The tensor's checkpoint key, or ``(key, starts, lengths)`` for a slice.
+        entry: Its ``BundleEntryProto``.
+        slice: Where it lies in the full tensor.
+    """
+
+    id: Hashable
+    entry: object
+    slice: Slice
 
 
 def masked(crc: int) -> int:
@@ -92,8 +118,24 @@ class Bundle:
             return False
 
     def plain_keys(self) -> set[str]:
-        """Keys of the tensors ``read_tensors`` reads (unsliced, of a plain dtype)."""
-        return {k for k, e in self.index.entries.items() if e.dtype in PLAIN and not e.slices}
+        """Keys of the tensors ``read_tensors`` reads (of a plain dtype, partitioned or not)."""
+        return {k for k, e in self.index.entries.items() if e.dtype in PLAIN}
+
+    def pieces(self, key: str) -> list[Piece]:
+        """What holds ``key``'s values: its own entry, or its stored slices."""
+        stored = self.index.slices.get(key)
+        if stored is None:
+            entry = self.index.entries[key]
+            return [Piece(key, entry, full_slice(_bundle.shape_of(entry)))]
+        return [Piece((key, s.slice.starts, s.slice.lengths), s.entry, s.slice) for s in stored]
+
+    @functools.cached_property
+    def _all_pieces(self) -> tuple[Piece, ...]:
+        return tuple(p for key in self.index.entries for p in self.pieces(key))
+
+    def all_pieces(self) -> tuple[Piece, ...]:
+        """Every piece of every tensor, in key order."""
+        return self._all_pieces
 
     def readable(self, key: str, dtype) -> bool:
         """Whether ``read_tensors`` can verify and read ``key`` as ``dtype`` by itself.
@@ -102,7 +144,7 @@ class Bundle:
         are on (else TensorFlow's reader, with its own CRC32C, is faster).
         """
         entry = self.index.entries.get(key)
-        return (entry is not None and not entry.slices and entry.dtype in PLAIN
+        return (entry is not None and entry.dtype in PLAIN
                 and tf.as_dtype(dtype).base_dtype == PLAIN[entry.dtype]
                 and (not self.checksums or reads.has_fast_crc32c()))
 
@@ -112,8 +154,7 @@ def open_bundle(prefix: str, manifest: Manifest, *, checksums: bool) -> Bundle |
 
     Returns:
         The bundle, or None when this checkpoint is not one asyncckpt reads
-        itself (another index format, files the manifest does not list,
-        partitioned variables).
+        itself (another index format, files the manifest does not list).
 
     Raises:
         CorruptCheckpointError: A file is missing, has the wrong size, or the
@@ -143,10 +184,13 @@ def open_bundle(prefix: str, manifest: Manifest, *, checksums: bool) -> Bundle |
                   for s in range(index.num_shards)]
     if any(n not in records for n in data_names):
         return None
-    if any(e.slices or not 0 <= e.shard_id < index.num_shards for e in index.entries.values()):
-        return None  # partitioned variables: TensorFlow's reader assembles them
-    return Bundle(os.path.abspath(prefix), directory, index, records, data_names,
-                  index_rec.name, checksums, index_id)
+    bundle = Bundle(os.path.abspath(prefix), directory, index, records, data_names,
+                    index_rec.name, checksums, index_id)
+    if any(not 0 <= p.entry.shard_id < index.num_shards for p in bundle.all_pieces()):
+        logger.info("%s: a tensor in a data file that does not exist; restoring through "
+                    "TensorFlow's reader", prefix)
+        return None
+    return bundle
 
 
 def check_string(bundle: Bundle, path: str, entry, encoded) -> None:
@@ -160,39 +204,45 @@ def check_string(bundle: Bundle, path: str, entry, encoded) -> None:
                    f"byte {entry.offset}")
 
 
-def read_tensors(bundle: Bundle, keys) -> dict[str, tuple[tf.DType, np.ndarray]]:
-    """Reads the plain tensors ``keys`` in parallel, each checked by its CRC32C.
+def read_tensors(bundle: Bundle, keys) -> dict[Hashable, tuple[tf.DType, np.ndarray]]:
+    """Reads every piece of the tensors ``keys`` (``read_pieces``)."""
+    return read_pieces(bundle, [p for key in set(keys) for p in bundle.pieces(key)])
+
+
+def read_pieces(bundle: Bundle, pieces) -> dict[Hashable, tuple[tf.DType, np.ndarray]]:
+    """Reads the plain ``pieces`` in parallel, each checked by its CRC32C.
 
     Only their bytes are read (``engine.reads``, ``O_DIRECT`` for cold
-    files), each piece CRC32C'd by its reading thread and the pieces
-    combined into each tensor's CRC32C, compared with the index's before
-    this returns. String tensors among ``keys`` (the object graph) are read
-    and checked too, but not returned: TensorFlow reads those itself.
-    Without checksums (``bundle.checksums`` off) nothing is checked.
+    files), each piece CRC32C'd by its reading thread and the parts
+    combined into each piece's CRC32C, compared with the index's before
+    this returns. String pieces (the object graph) are read and checked
+    too, but not returned: TensorFlow reads those itself. Without checksums
+    (``bundle.checksums`` off) nothing is checked.
 
     Returns:
-        Key -> (dtype, array) for the plain tensors.
+        Piece id -> (dtype, array) for the pieces of a plain dtype.
 
     Raises:
-        CorruptCheckpointError: A tensor fails its check, or a file is
+        CorruptCheckpointError: A piece fails its check, or a file is
             shorter than its manifest says, or missing.
     """
-    out: dict[str, tuple[tf.DType, np.ndarray]] = {}
+    out: dict[Hashable, tuple[tf.DType, np.ndarray]] = {}
     dests: dict[int, list] = {}
     entries: dict[int, list] = {}
-    for key in sorted(set(keys)):
-        entry = bundle.index.entries[key]
+    for piece in sorted({p.id: p for p in pieces}.values(),
+                        key=lambda p: (p.entry.shard_id, p.entry.offset)):
+        entry = piece.entry
         if entry.dtype == STRING and entry.size:
             buf = bytearray(entry.size)
         elif entry.dtype in PLAIN:
             dtype = PLAIN[entry.dtype]
-            shape = [d.size for d in entry.shape.dim]
+            shape = list(_bundle.shape_of(entry))
             array = aligned_empty(shape, np.dtype(dtype.as_numpy_dtype), entry.offset)
             if array.nbytes != entry.size:
                 raise fail(bundle.prefix, os.path.join(bundle.directory, bundle.index_name),
-                           f"records {entry.size} bytes for tensor {key!r} of shape {shape}, "
-                           f"{dtype.name} (which needs {array.nbytes})")
-            out[key] = (dtype, array)
+                           f"records {entry.size} bytes for tensor {piece.id!r} of shape "
+                           f"{shape}, {dtype.name} (which needs {array.nbytes})")
+            out[piece.id] = (dtype, array)
             if not entry.size:
                 continue
             buf = array.reshape(-1).view(np.uint8)
@@ -227,6 +277,94 @@ def read_tensors(bundle: Bundle, keys) -> dict[str, tuple[tf.DType, np.ndarray]]
                 raise fail(bundle.prefix, fr.path, f"fails the CRC32C check of the tensor at "
                            f"byte {entry.offset} (stored {entry.crc32c:#010x}, computed "
                            f"{masked(crc):#010x})")
+    return out
+
+
+# -- building the slice a RestoreV2 asks for from the pieces -------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """One tensor a ``RestoreV2`` asks for, and the pieces that hold it.
+
+    Attributes:
+        key: Its checkpoint key.
+        dtype: Its dtype.
+        target: The slice asked for (all of the tensor for an empty spec).
+        pieces: The pieces it overlaps; one piece of exactly ``target``'s
+            bounds when there is one (``exact``).
+    """
+
+    key: str
+    dtype: tf.DType
+    target: Slice
+    pieces: tuple[Piece, ...]
+
+    @property
+    def exact(self) -> bool:
+        """Whether one piece is exactly the slice asked for (handed over without a copy)."""
+        return len(self.pieces) == 1 and self.pieces[0].slice.bounds == self.target.bounds
+
+
+def _volume(bounds) -> int:
+    return math.prod(hi - lo for lo, hi in bounds)
+
+
+def plan(bundle: Bundle, key: str, spec: str, dtype) -> Request | None:
+    """How to answer a ``RestoreV2`` of ``key`` with shape-and-slice ``spec`` as ``dtype``.
+
+    Any stored layout answers any request TensorFlow's reader answers: a
+    whole tensor or a slice of it, from a tensor saved whole or in slices
+    (a ``ShardedVariable`` restored into another number of shards, or into
+    one variable, and back).
+
+    Returns:
+        The request, or None where TensorFlow's reader must answer: a
+        dtype other than saved or not a plain one, a spec that does not
+        parse or names another full shape, slices that do not cover the
+        one asked for (TensorFlow then raises its own error).
+    """
+    entry = bundle.index.entries.get(key)
+    if entry is None or PLAIN.get(entry.dtype) != tf.as_dtype(dtype).base_dtype:
+        return None
+    full = _bundle.shape_of(entry)
+    if spec:
+        try:
+            target = parse_spec(spec)
+        except ValueError:
+            return None
+        if target.full_shape != full:
+            return None
+    else:
+        target = full_slice(full)
+    bounds = target.bounds
+    stored = bundle.pieces(key)
+    for piece in stored:
+        if piece.slice.bounds == bounds:
+            return Request(key, PLAIN[entry.dtype], target, (piece,))
+    used = [(p, cut) for p in stored if (cut := intersect(p.slice.bounds, bounds)) is not None]
+    if sum(_volume(cut) for _, cut in used) != _volume(bounds):  # (stored slices never overlap)
+        return None
+    return Request(key, PLAIN[entry.dtype], target, tuple(p for p, _ in used))
+
+
+def assemble(request: Request, array_of) -> np.ndarray:
+    """The slice ``request`` asks for, copied from its pieces' arrays.
+
+    ``array_of(piece_id)``: the array read for that piece.
+    """
+    np_dtype = np.dtype(request.dtype.as_numpy_dtype)
+    out = aligned_empty(list(request.target.shape), np_dtype, 0)
+    raw = np.dtype((np.void, np_dtype.itemsize))  # copies bytes, whatever the dtype
+    target = request.target.bounds
+    for piece in request.pieces:
+        cut = intersect(piece.slice.bounds, target)
+        if cut is None:
+            continue
+        into = tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(cut, target, strict=True))
+        src = tuple(slice(lo - s0, hi - s0)
+                    for (lo, hi), (s0, _) in zip(cut, piece.slice.bounds, strict=True))
+        out.view(raw)[into] = array_of(piece.id).view(raw)[src]
     return out
 
 

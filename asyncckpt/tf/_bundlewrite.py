@@ -51,7 +51,6 @@ import errno
 import logging
 import mmap
 import os
-import re
 import struct
 import threading
 from collections.abc import Callable
@@ -62,6 +61,7 @@ import numpy as np
 from asyncckpt.engine import fastcrc
 from asyncckpt.engine.fastcrc import CRC32C, crc_combine
 from asyncckpt.tf._compat import OBJECT_GRAPH_KEY, tf
+from asyncckpt.tf._slices import WHOLE, parse_spec, slice_key
 from asyncckpt.tf._sstable import build_table, varint
 from asyncckpt.tf._variant import CapturedVariant
 
@@ -86,89 +86,6 @@ _COMBINE_MIN = 1 << 20  # views this large join the file's CRC by combining, not
 
 
 # --- encodings ---------------------------------------------------------------------
-
-
-def _ordered_string(s: bytes) -> bytes:
-    """OrderedCode::WriteString: 0x00 -> 00 ff, 0xff -> ff 00, then the 00 01 separator."""
-    return re.sub(rb"[\x00\xff]", lambda m: _ESCAPES[m.group()], s) + b"\x00\x01"
-
-
-_ESCAPES = {b"\x00": b"\x00\xff", b"\xff": b"\xff\x00"}
-
-
-def _ordered_unsigned(n: int) -> bytes:
-    """OrderedCode::WriteNumIncreasing: a length byte, then the big-endian value."""
-    body = n.to_bytes((n.bit_length() + 7) // 8, "big") if n else b""
-    return bytes([len(body)]) + body
-
-
-# OrderedCode's header bits (first two bytes) per encoding length of a signed number.
-_SIGNED_HEADER = {1: 0x80, 2: 0xC0, 3: 0xE0, 4: 0xF0, 5: 0xF8, 6: 0xFC, 7: 0xFE, 8: 0xFF,
-                  9: 0xFF80, 10: 0xFFC0}
-
-
-def _ordered_signed(n: int) -> bytes:
-    """OrderedCode::WriteSignedNumIncreasing (sign bit, size bits, two's complement)."""
-    x = ~n if n < 0 else n
-    length = x.bit_length() // 7 + 1
-    raw = n & ((1 << (8 * length)) - 1)  # two's complement in `length` bytes
-    header = _SIGNED_HEADER[length]
-    header <<= 8 * (length - (1 if length < 9 else 2))
-    return (raw ^ header).to_bytes(length, "big")
-
-
-def slice_key(name: str, starts: list[int], lengths: list[int]) -> bytes:
-    """checkpoint::EncodeTensorNameSlice: the key of one slice of a partitioned tensor."""
-    out = [_ordered_unsigned(0), _ordered_string(name.encode()), _ordered_unsigned(len(starts))]
-    for s, n in zip(starts, lengths, strict=True):
-        out.append(_ordered_signed(s))
-        out.append(_ordered_signed(n))
-    return b"".join(out)
-
-
-@dataclass(frozen=True)
-class _Slice:
-    full_shape: tuple[int, ...]
-    starts: list[int]
-    lengths: list[int]  # -1: the whole dimension
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(d if n == -1 else n
-                     for d, n in zip(self.full_shape, self.lengths, strict=True))
-
-    @property
-    def is_full(self) -> bool:
-        return (all(s == 0 and n == -1 for s, n in zip(self.starts, self.lengths, strict=True))
-                or self.shape == self.full_shape)
-
-
-def _parse_slice(spec: str) -> _Slice:
-    """checkpoint::ParseShapeAndSlice: ``"d0 d1 .. start,len:-:.."``.
-
-    Raises:
-        ValueError: Not a spec TensorFlow would accept.
-    """
-    parts = spec.split(" ")
-    if len(parts) < 2:
-        raise ValueError(f"bad shape-and-slice spec {spec!r}")
-    full = tuple(int(d) for d in parts[:-1])
-    starts, lengths = [], []
-    for item in (x for x in parts[-1].split(":") if x):
-        if item == "-":
-            starts.append(0)
-            lengths.append(-1)
-            continue
-        s, n = (int(v) for v in item.split(","))
-        if s < 0 or n <= 0:
-            raise ValueError(f"bad slice {item!r} in {spec!r}")
-        starts.append(s)
-        lengths.append(n)
-    if len(starts) != len(full) or any(
-        n != -1 and s + n > d for s, n, d in zip(starts, lengths, full, strict=True)
-    ):
-        raise ValueError(f"slice does not fit the shape in {spec!r}")
-    return _Slice(full, starts, lengths)
 
 
 def _string_encoding(values: np.ndarray) -> tuple[list[bytes], int]:
@@ -261,7 +178,7 @@ def _plan(state) -> _Plan | str:
         name = key.encode()
         if spec:
             try:
-                sl = _parse_slice(spec)
+                sl = parse_spec(spec)
             except ValueError as e:
                 return str(e)
             if sl.shape != tuple(shape):
@@ -279,7 +196,7 @@ def _plan(state) -> _Plan | str:
                 extent = full.slices.add().extent
                 for s, n in zip(sl.starts, sl.lengths, strict=True):
                     e = extent.add()
-                    if n != -1:
+                    if n != WHOLE:
                         e.start = s
                         e.length = n
                 name = slice_key(key, sl.starts, sl.lengths)

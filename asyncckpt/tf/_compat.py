@@ -52,6 +52,18 @@ SaveSpec = saveable_object.SaveSpec
 TensorCallable = tensor_callable.Callable
 
 
+def saved_object(owner):
+    """The object a serialized owner stands for.
+
+    Objects that save through legacy ``SaveableObject``s (lookup tables,
+    ShardedVariables) appear in ``serialize_graph`` as a
+    ``SaveableCompatibilityConverter`` wrapping them.
+    """
+    if isinstance(owner, saveable_object_util.SaveableCompatibilityConverter):
+        return owner.obj
+    return owner
+
+
 def graph_view_of(checkpoint: tf.train.Checkpoint):
     """The object-graph view ``tf.train.Checkpoint`` itself saves from."""
     try:

@@ -38,14 +38,25 @@ Partial reads need the hardware CRC32C (``reads.has_fast_crc32c``);
 without it every restore reads every tensor, checked by the manifest's
 whole-file checksum, and TensorFlow reads what was not prefetched itself.
 
+Partitioned variables (``ShardedVariable``) are read here too: their
+slices are pieces of the bundle like any tensor, and a ``RestoreV2`` of a
+slice (a shard, in whatever number of shards the restore has) or of the
+whole tensor is built from the stored slices it overlaps
+(``_bundleread.plan``/``assemble``): handed over without a copy when one
+stored slice is exactly the one asked for, copied out of the slices
+otherwise.
+
 Falls back to the old path (verify the files, then TensorFlow reads them)
 for: checkpoints without an asyncckpt manifest (another tool's, verified by
 TensorFlow's own CRC32C), graph mode, a ``CheckpointOptions`` with an
-``experimental_io_device``, an index that is not an uncompressed bundle,
-sliced (partitioned) variables, and a manifest that does not list the
-bundle's files. Within a restore, TensorFlow still reads itself:
-string/variant tensors (the object graph, whose CRC32C is checked here
-too) and a ``RestoreV2`` asking for another dtype than saved.
+``experimental_io_device``, an index this reader does not vouch for (not an
+uncompressed bundle, keys or slices other than TensorFlow writes them), and
+a manifest that does not list the bundle's files; that is decided before
+anything is read from the data files or assigned. Within a restore,
+TensorFlow still reads itself: string/variant tensors and the dtypes
+``_bundleread.PLAIN`` leaves out (float8, int4, ...; the object graph's
+CRC32C is checked here too), a ``RestoreV2`` asking for another dtype than
+saved, and a slice the stored slices do not cover (TensorFlow raises).
 """
 
 from __future__ import annotations
@@ -142,7 +153,8 @@ def prefetch(prefix: str, manifest: Manifest, *, checksums: bool,
     if wanted is None or bundle.plain_keys() <= wanted:
         out = Prefetched(bundle.prefix, _read_whole(bundle), bundle)
     else:
-        graph = {k for k, e in bundle.index.entries.items() if e.dtype == _bundleread.STRING}
+        graph = {k for k, e in bundle.index.entries.items()
+                 if e.dtype == _bundleread.STRING and k not in bundle.index.slices}
         arrays = _bundleread.read_tensors(bundle, (wanted & bundle.plain_keys()) | graph)
         out = Prefetched(bundle.prefix, arrays, bundle, partial=True)
         logger.debug("%s: read %d of %d tensors (the ones this restore asks for)",
@@ -161,7 +173,8 @@ def _read_whole(bundle: Bundle) -> dict[str, tuple[tf.DType, np.ndarray]]:
     checked: dict[int, list] = {s: [] for s in range(index.num_shards)}  # entry per dest
     covered = dict.fromkeys(range(index.num_shards), 0)
     strings: list[tuple] = []
-    for key, entry in index.entries.items():
+    for piece in bundle.all_pieces():  # a partitioned tensor's slices; the others whole
+        key, entry = piece.id, piece.entry
         dtype = _bundleread.PLAIN.get(entry.dtype)
         if dtype is None:
             if entry.dtype == tf.string.as_datatype_enum and entry.size:
@@ -298,27 +311,59 @@ def _restore_v2(prefix, tensor_names, shape_and_slices, dtypes, name=None):
     if source is None or names is None or slices is None:
         return original(prefix, tensor_names, shape_and_slices, dtypes, name=name)
     out: list = [None] * len(names)
-    here, missing = [], []
+    planned: dict[int, _bundleread.Request] = {}
+    missing = []
+    bundle = source.bundle
     for i, (key, spec, dtype) in enumerate(zip(names, slices, dtypes, strict=True)):
         have = source.arrays.get(key) if not spec else None
         if have is not None and tf.as_dtype(dtype).base_dtype == have[0]:
             del source.arrays[key]  # handed over: TensorFlow's tensor owns the memory now
             out[i] = _to_tensor(*have)
-        elif not spec and source.bundle is not None and source.bundle.readable(key, dtype):
-            here.append(i)
-        else:
+            continue
+        request = _bundleread.plan(bundle, key, spec, dtype) if bundle is not None else None
+        if request is None or (any(p.id not in source.arrays for p in request.pieces)
+                               and not bundle.readable(key, dtype)):
             missing.append(i)
-    if here:  # not predicted: read and verified now, before any of this call's tensors go
-        got = _bundleread.read_tensors(source.bundle, [names[i] for i in here])
-        logger.debug("%s: read %d tensors TensorFlow asked for", source.prefix, len(here))
-        for i in here:
-            out[i] = _to_tensor(*got[names[i]])
+        else:
+            planned[i] = request
+    if planned:
+        _answer(source, planned, out)
     if missing:
         got = original(prefix, [names[i] for i in missing], [slices[i] for i in missing],
                        [dtypes[i] for i in missing], name=name)
         for i, t in zip(missing, got, strict=True):
             out[i] = t
     return out
+
+
+def _answer(source: Prefetched, planned: dict[int, _bundleread.Request], out: list) -> None:
+    """Fills ``out[i]`` for each planned request, from prefetched pieces or pieces read now.
+
+    Pieces not prefetched (a wrong prediction, a deferred restoration) are
+    read and verified before any tensor of the call is made. A piece that
+    is exactly one request's slice, and used by no other request of the
+    call, is handed over without a copy (and leaves ``source``); other
+    slices are copied out of the pieces they overlap (a restore into
+    another number of shards), which stay for later calls.
+    """
+    uses = collections.Counter(p.id for r in planned.values() for p in r.pieces)
+    absent = {p.id: p for r in planned.values() for p in r.pieces if p.id not in source.arrays}
+    fresh = _bundleread.read_pieces(source.bundle, absent.values()) if absent else {}
+    if absent:
+        logger.debug("%s: read %d pieces TensorFlow asked for", source.prefix, len(absent))
+
+    def array_of(piece_id):
+        have = fresh.get(piece_id)
+        return (have if have is not None else source.arrays[piece_id])[1]
+
+    for i, request in planned.items():
+        if request.exact and uses[request.pieces[0].id] == 1:
+            piece_id = request.pieces[0].id
+            array = fresh.pop(piece_id, None)
+            array = array if array is not None else source.arrays.pop(piece_id)
+            out[i] = _to_tensor(request.dtype, array[1].reshape(request.target.shape))
+        else:
+            out[i] = _to_tensor(request.dtype, _bundleread.assemble(request, array_of))
 
 
 def _hook(delta: int) -> None:
@@ -360,8 +405,9 @@ class Serving:
 
     TensorFlow's ``io_ops.restore_v2`` is replaced only while some thread is
     inside such a context or some kept restore lives (``keep``); other
-    threads (outside kept restores), other checkpoints, sliced and string
-    tensors go to the original. A context without a source changes nothing.
+    threads (outside kept restores), other checkpoints, and the tensors this
+    reader leaves to TensorFlow (module docstring) go to the original. A
+    context without a source changes nothing.
     """
 
     def __init__(self, source: Prefetched | None):

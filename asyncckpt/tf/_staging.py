@@ -121,6 +121,22 @@ class _Entry:
     # For a value serialized when the plan was built (a tf.data iterator's state):
     # serializes it again for the later saves of a reused plan.
     reread: Callable[[], object] | None = None
+    # Whether the value read is a snapshot that later writes never touch (copy-on-write),
+    # so its copy may run in the background; see _shares_memory_it_updates.
+    snapshot: bool = True
+
+
+def _shares_memory_it_updates(owner) -> bool:
+    """Whether the tensors ``owner`` serializes to may alias memory it updates in place.
+
+    A variable's read is protected by copy-on-write (``_snapshot``). A
+    resource that is not a variable gives no such promise: a
+    ``DenseHashTable`` exports its bucket arrays themselves, and the next
+    ``insert`` overwrites them in place. Such values are copied at the save
+    call, never in the background.
+    """
+    return (isinstance(owner, tf.saved_model.experimental.TrackableResource)
+            and not isinstance(owner, tf.Variable))
 
 
 def _weak_refs(objects: list, on_death) -> list[weakref.ref] | None:
@@ -170,13 +186,15 @@ class _Plan:
         self.entries: list[_Entry] = []
         for owner, tensor_dict in serialized.items():
             described = _describe(owner)
+            snapshot = not _shares_memory_it_updates(_compat.saved_object(owner))
             for key, value in tensor_dict.items():
                 parts = value.items() if isinstance(value, dict) else (("", value),)
                 for slice_spec, part in parts:
                     reread = None
                     if tf.is_tensor(part) and part.dtype == tf.variant:
                         reread = _compat.iterator_state_reader(owner, key)
-                    self.entries.append(_Entry(key, slice_spec, described, part, reread))
+                    self.entries.append(_Entry(key, slice_spec, described, part, reread,
+                                               snapshot))
         self.refs = _weak_refs(objects, on_death)
         self.savers = _Savers(registered, self.refs is not None)
         self.reusable = (
@@ -393,7 +411,9 @@ class Stager:
         ``background_copy``, values in host memory are only read here: their
         copies into the slot run in the background (the returned state's
         ``copy``), which is exact because TensorFlow never writes into a
-        buffer a read still shares (see ``_snapshot``).
+        buffer a read still shares (see ``_snapshot``). Values of resources
+        that are not variables (lookup tables), which carry no such
+        promise, are copied here all the same.
 
         Raises:
             UnsupportedObjectError: The object graph holds something that
@@ -410,8 +430,8 @@ class Stager:
         deferred: list[tuple[np.ndarray, np.ndarray]] | None = [] if background_copy else None
         for entry, tensor in zip(plan.entries, values, strict=True):
             if tensor is not None:
-                staged.append(
-                    _plan_copy(slot, entry.key, entry.slice_spec, tensor, copies, deferred))
+                staged.append(_plan_copy(slot, entry.key, entry.slice_spec, tensor, copies,
+                                         deferred if entry.snapshot else None))
         # The views in `copies` alias TensorFlow tensors, which they keep alive.
         copy_arrays(copies)
         # Started by the save once it has queued the job (TFSaveJob.start_background):

@@ -24,12 +24,16 @@ from tensorflow.python.checkpoint import checkpoint_management  # noqa: E402
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt import CheckpointNotFoundError  # noqa: E402
+from tests.tfrestore import OwnReader, restore_both  # noqa: E402
 
 
 def _value(path: str, like: np.ndarray, name: str = "v") -> np.ndarray:
-    fresh = tf.Variable(np.zeros_like(like))
-    tf.train.Checkpoint(**{name: fresh}).read(path).expect_partial()
-    return fresh.numpy()
+    """The value at ``name``, read by TensorFlow's reader and asyncckpt's (which must agree)."""
+    got = restore_both(path, lambda: {name: tf.Variable(np.zeros_like(like))}, lambda o: None,
+                       method="read", verdict="expect_partial")
+    theirs, ours = (got[r][name].numpy() for r in ("tensorflow", "asyncckpt"))
+    np.testing.assert_array_equal(ours, theirs)
+    return ours
 
 
 def _closed_gate_save(gate, save):
@@ -56,23 +60,40 @@ def test_attribute_assigned_after_construction_is_saved(ckpt_dir):
     ckpt.async_options = tf.Variable([5.0])
     path = ckpt.save(str(ckpt_dir / "ckpt"))
     ckpt.sync()
-    step, layer = tf.Variable(0, dtype=tf.int64), tf.Variable([0.0, 0.0])
-    named, options = tf.Variable([0.0]), tf.Variable([0.0])
-    fresh = tf.train.Checkpoint(
-        v=tf.Variable([0.0]), step=step, layers=[layer], checkpoint=named, async_options=options
-    )
-    fresh.restore(path).assert_consumed()
-    assert int(step.numpy()) == 5 and layer.numpy().tolist() == [2.0, 3.0]
-    assert named.numpy()[0] == 4.0 and options.numpy()[0] == 5.0
+
+    def make():  # (not the constructor's keywords: async_options is one of asyncckpt's)
+        return {"v": tf.Variable([0.0]), "step": tf.Variable(0, dtype=tf.int64),
+                "layers": [tf.Variable([0.0, 0.0])], "checkpoint": tf.Variable([0.0]),
+                "async_options": tf.Variable([0.0])}
+
+    def check(o):
+        assert int(o["step"].numpy()) == 5 and o["layers"][0].numpy().tolist() == [2.0, 3.0]
+        assert o["checkpoint"].numpy()[0] == 4.0 and o["async_options"].numpy()[0] == 5.0
+
+    fresh = make()
+    tf.train.Checkpoint(**fresh).restore(path).assert_consumed()
+    check(fresh)
+    fresh = make()
+    ours = at.Checkpoint(v=fresh.pop("v"), step=fresh.pop("step"))
+    for name, value in fresh.items():  # assigned after construction, as when saved
+        setattr(ours, name, value)
+    with OwnReader() as spy:
+        ours.restore(path).assert_consumed()
+    check({**fresh, "step": ours.step})
+    spy.assert_read_by_asyncckpt(path)
 
 
 def test_nests_in_another_checkpoint(ckpt_dir):
     inner = at.Checkpoint(v=tf.Variable([4.0]))
     outer = tf.train.Checkpoint(inner=inner, w=tf.Variable([5.0]))
     path = outer.write(str(ckpt_dir / "outer"))
-    v, w = tf.Variable([0.0]), tf.Variable([0.0])
-    tf.train.Checkpoint(inner=tf.train.Checkpoint(v=v), w=w).read(path).assert_consumed()
-    assert v.numpy()[0] == 4.0 and w.numpy()[0] == 5.0
+
+    def check(o):
+        assert o["inner"].v.numpy()[0] == 4.0 and o["w"].numpy()[0] == 5.0
+
+    restore_both(path, lambda: {"inner": tf.train.Checkpoint(v=tf.Variable([0.0])),
+                                "w": tf.Variable([0.0])}, check, method="read")
+    v = tf.Variable([4.0])
     # And the other way round: a tf.train.Checkpoint nested in an asyncckpt one.
     async_outer = at.Checkpoint(inner=tf.train.Checkpoint(v=v))
     v.assign([6.0])
