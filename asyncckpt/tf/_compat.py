@@ -75,6 +75,20 @@ def graph_view_of(checkpoint: tf.train.Checkpoint):
         ) from e
 
 
+def save_graph_of(wrapper: tf.train.Checkpoint, checkpoint: tf.train.Checkpoint) -> None:
+    """Makes ``wrapper`` save and restore ``checkpoint``'s object graph, exactly.
+
+    As if ``checkpoint`` itself were saved: its own children and its own
+    ``save_counter``, with no edge added (``tf.train.Checkpoint(root=...)``
+    would attach a ``root`` child, and refuses a root that has one already).
+    """
+    from tensorflow.python.trackable import data_structures
+
+    checkpoint.save_counter  # noqa: B018 - created now, so the wrapper numbers with it
+    wrapper._saver = tf_checkpoint.TrackableSaver(graph_view_of(checkpoint))
+    wrapper._save_counter = data_structures.NoDependency(checkpoint._save_counter)
+
+
 def serialize_graph(checkpoint: tf.train.Checkpoint):
     """Returns ``(serialized_tensors, registered_savers, object_graph_proto)``.
 

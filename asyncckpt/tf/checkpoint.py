@@ -203,11 +203,12 @@ class _AsyncState:
     lock is copied). The engine is created on the first save.
     """
 
-    def __init__(self, options: AsyncOptions, restore_options: RestoreOptions, wraps: bool,
+    def __init__(self, options: AsyncOptions, restore_options: RestoreOptions,
+                 wraps: tf.train.Checkpoint | None,
                  remote_options: RemoteOptions | None = None):
         self.options = options
         self.restore_options = restore_options
-        self.wraps = wraps
+        self.wraps = wraps  # the tf.train.Checkpoint whose graph is saved (see wrap), or None
         self.urls = _urls.URLDirectories(remote_options)  # s3:// and gs:// prefixes
         self.stager = _staging.Stager()
         self.checked_dirs: set[str] = set()
@@ -228,7 +229,8 @@ class _AsyncState:
         return self._engine
 
     def __deepcopy__(self, memo) -> _AsyncState:
-        return _AsyncState(self.options, self.restore_options, self.wraps, self.urls.options)
+        return _AsyncState(self.options, self.restore_options, copy.deepcopy(self.wraps, memo),
+                           self.urls.options)
 
 
 class _Attribute:
@@ -252,8 +254,8 @@ class _Attribute:
 def _graph_checkpoint(instance):
     """The ``tf.train.Checkpoint`` whose graph is saved: the wrapped one, or itself."""
     state = instance.__dict__.get("_asyncckpt")
-    if state is not None and state.wraps:
-        return instance.root
+    if state is not None and state.wraps is not None:
+        return state.wraps
     return instance
 
 
@@ -298,7 +300,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
     ):
         super().__init__(root=root, **kwargs)
         self._asyncckpt = _AsyncState(
-            async_options or AsyncOptions(), restore_options or RestoreOptions(), wraps=False,
+            async_options or AsyncOptions(), restore_options or RestoreOptions(), wraps=None,
             remote_options=remote_options,
         )
 
@@ -328,10 +330,10 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
             raise TypeError(
                 f"expected a tf.train.Checkpoint, got {type(checkpoint).__name__}"
             )
-        checkpoint.save_counter  # noqa: B018 - created now, so the wrapper numbers with it
-        self = cls(root=checkpoint, async_options=async_options, restore_options=restore_options,
+        self = cls(async_options=async_options, restore_options=restore_options,
                    remote_options=remote_options)
-        self._asyncckpt.wraps = True
+        _compat.save_graph_of(self, checkpoint)
+        self._asyncckpt.wraps = checkpoint
         return self
 
     # -- asyncckpt additions -----------------------------------------------------

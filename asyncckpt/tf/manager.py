@@ -10,6 +10,7 @@ import os
 import re
 import time
 import types
+from collections.abc import Callable
 
 from asyncckpt import layout
 from asyncckpt._closing import ClosingContext
@@ -392,8 +393,14 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         name = self._newest_valid_name()
         return None if name is None else self._path(name)
 
-    def _newest_valid_name(self) -> str | None:
-        # On a URL directory the checkpoint is also fetched into the scratch directory.
+    def _newest_valid_name(self, use: Callable[[str], object] | None = None) -> str | None:
+        """The newest checkpoint that verifies (``use``: that ``use(path)`` accepts).
+
+        On a URL directory (or with a remote tier) the checkpoint is fetched
+        into the local directory first. ``use`` raising
+        ``CorruptCheckpointError`` or ``CheckpointNotFoundError`` skips to
+        the next older checkpoint.
+        """
         names = self._view.newest_first()
         if self._tiers.remote is not None:
             # Checkpoints only the remote tier has count too, ordered by step.
@@ -405,7 +412,10 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
             _inflight.wait_for(path)
             try:
                 self._tiers.ensure_local(name, checksums=self._verify_checksums)
-                verify_checkpoint(path, checksums=self._verify_checksums)
+                if use is None:
+                    verify_checkpoint(path, checksums=self._verify_checksums)
+                else:
+                    use(path)
                 return name
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 logger.warning("skipping checkpoint %s: %s", self._path(name), e)
@@ -414,17 +424,17 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
     def restore_or_initialize(self):
         """Restores the newest valid checkpoint, or runs ``init_fn`` if there is none.
 
-        Unlike TensorFlow's manager, a latest checkpoint that fails its manifest
-        check (truncated, corrupt, incomplete) is skipped with a warning, and the
-        newest one that verifies is restored instead.
+        The checkpoint is read once, by asyncckpt's reader, which checks
+        every file against the manifest as it reads it. Unlike TensorFlow's
+        manager, a latest checkpoint that fails that check (truncated,
+        corrupt, incomplete) is skipped with a warning, and the newest one
+        that verifies is restored instead.
 
         Returns:
             The restored path, or None.
         """
-        name = self._newest_valid_name()
+        name = self._newest_valid_name(use=self._ckpt.restore)
         if name is not None:
-            tf.train.Checkpoint.read(self._ckpt, self._local_path(name))  # verified just above
-            self._ckpt._maybe_create_save_counter()
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _evaluate(self._step_counter)
             return self._path(name)

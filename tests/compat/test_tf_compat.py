@@ -615,3 +615,47 @@ def test_save_in_tensorflows_preemption_save_context_is_durable_on_return(ckpt_d
     t.join(60)
     assert seen == [True]
     ckpt.close()
+
+
+def test_manager_saves_a_checkpoint_made_with_root_as_tensorflow_does(tmp_path):
+    """``tf.train.Checkpoint(root=module)``: the manager saves exactly its graph."""
+    module = tf.Module()
+    module.v = tf.Variable([1.0, 2.0])
+    module.inner = tf.Module()
+    module.inner.w = tf.Variable(7, dtype=tf.int64)
+    ckpt = tf.train.Checkpoint(root=module)
+    with at.CheckpointManager(ckpt, str(tmp_path), max_to_keep=2) as mgr:
+        path = mgr.save()
+        mgr.sync()
+        reference = ckpt.write(str(tmp_path / "reference"))  # TensorFlow's own save of it
+        assert int(ckpt.save_counter.numpy()) == 1  # the manager numbers with its counter
+    ours, theirs = tf.train.load_checkpoint(path), tf.train.load_checkpoint(reference)
+    assert ours.get_variable_to_dtype_map().keys() == theirs.get_variable_to_dtype_map().keys()
+    key = "_CHECKPOINTABLE_OBJECT_GRAPH"
+    assert ours.get_tensor(key) == theirs.get_tensor(key)  # no edge added by the wrapper
+
+    def make():
+        m = tf.Module()
+        m.v = tf.Variable([0.0, 0.0])
+        m.inner = tf.Module()
+        m.inner.w = tf.Variable(0, dtype=tf.int64)
+        return {"root": m}
+
+    def check(objects):
+        assert objects["root"].v.numpy().tolist() == [1.0, 2.0]
+        assert int(objects["root"].inner.w.numpy()) == 7
+
+    restore_both(path, make, check)
+
+
+def test_restore_or_initialize_reads_the_checkpoint_once_with_asyncckpts_reader(tmp_path):
+    v = tf.Variable(np.arange(64, dtype=np.float32))
+    with at.CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path), max_to_keep=2) as mgr:
+        mgr.save()
+    fresh = tf.Variable(np.zeros(64, np.float32))
+    with OwnReader() as spy, at.CheckpointManager(tf.train.Checkpoint(v=fresh), str(tmp_path),
+                                                  max_to_keep=2) as mgr:
+        assert mgr.restore_or_initialize() == os.path.join(str(tmp_path), "ckpt-1")
+    assert spy.took == [True]  # the fast path read it (verifying as it read)
+    assert not [k for _, k in spy.tf_reads if k.startswith("v/")]  # TensorFlow read no tensor
+    np.testing.assert_array_equal(fresh.numpy(), np.arange(64, dtype=np.float32))
