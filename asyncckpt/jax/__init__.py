@@ -17,12 +17,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from asyncckpt.jax._args import PLACEHOLDER
 from asyncckpt.jax._compat import step_already_exists_error
 from asyncckpt.jax._distributed import CoordinationError
+from asyncckpt.jax._ocdbt import FormatOptions
 from asyncckpt.jax.manager import CheckpointManager, RootMetadata, StepMetadata
 
 __all__ = [
     "PLACEHOLDER",
     "CheckpointManager",
     "CoordinationError",
+    "FormatOptions",
     "RootMetadata",
     "StepAlreadyExistsError",
     "StepMetadata",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from asyncckpt.jax import _format as fmt
+from asyncckpt.jax._ocdbt import check_target_size
 
 PLACEHOLDER = ...  # orbax's PLACEHOLDER: a target leaf that is not restored
 
@@ -32,11 +33,16 @@ _PLAIN_TREES = frozenset((dict, list, tuple))
 
 @dataclass(frozen=True)
 class SaveItem:
-    """One item of a save: a pytree (``kind="pytree"``) or a JSON value (``"json"``)."""
+    """One item of a save: a pytree (``kind="pytree"``) or a JSON value (``"json"``).
+
+    ``ocdbt_target_data_file_size``: the save's own (``StandardSave(...,
+    ocdbt_target_data_file_size=...)``), None when not given.
+    """
 
     name: str
     kind: Literal["pytree", "json"]
     value: Any
+    ocdbt_target_data_file_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,15 @@ def _one_save(name: str, arg: Any) -> SaveItem:
         if getattr(arg, "save_args", None) is not None:
             raise ValueError(f"item {name!r}: save_args (per-leaf dtype casts, aggregation) are "
                              "not supported; cast the arrays before saving")
-        if getattr(arg, "ocdbt_target_data_file_size", None) is not None:
-            raise ValueError(f"item {name!r}: ocdbt_target_data_file_size does not apply "
-                             "(asyncckpt writes orbax's zarr layout without OCDBT)")
+        target = getattr(arg, "ocdbt_target_data_file_size", None)
+        try:
+            check_target_size(target)
+        except ValueError as e:
+            raise ValueError(f"item {name!r}: {e}") from None
         if getattr(arg, "custom_metadata", None) is not None:
             raise ValueError(f"item {name!r}: per-item custom_metadata is not supported; pass "
                              "custom_metadata= to save() (stored for the step)")
-        return SaveItem(name, "pytree", arg.item)
+        return SaveItem(name, "pytree", arg.item, target)
     if kind in _JSON_SAVE:
         try:
             json.dumps(arg.item)

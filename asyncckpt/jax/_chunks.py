@@ -100,7 +100,7 @@ class ChunkStore:
         return reads.FileRead(path, size, [], checksum=True, algorithm=rec.algorithm)
 
     def prefetch(self, paths: Iterable[str], *,
-                 rest_of: tuple[str, set[str]] | None = None) -> None:
+                 rest_of: tuple[str, set[str] | None] | None = None) -> None:
         """Reads (and checks) these files in parallel and keeps their bytes.
 
         Each file is read straight into the aligned buffer its arrays are
@@ -148,14 +148,18 @@ class ChunkStore:
         for path, plan in plans.items():
             self._data[path] = None if plan is None else plan[1]
 
-    def wanted(self, item: str, params: set[str]) -> list[str]:
-        """Names of the manifest's files a restore of these arrays of ``item`` relies on."""
+    def wanted(self, item: str, params: set[str] | None) -> list[str]:
+        """Names of the manifest's files a restore of these arrays of ``item`` relies on.
+
+        ``params`` None: every file of the item (its arrays share data files:
+        OCDBT).
+        """
 
         def wanted(name: str) -> bool:
             parts = name.split("/")
             if len(parts) <= 2:  # step-level files and the item's own metadata files
                 return len(parts) == 1 or parts[0] == item
-            return parts[0] == item and parts[1] in params
+            return parts[0] == item and (params is None or parts[1] in params)
 
         return [name for name in sorted(self._records) if wanted(name)]
 
@@ -163,7 +167,7 @@ class ChunkStore:
         """Names (relative to the step) of the files read here so far."""
         return {self._name(p) for p in self._data}
 
-    def check_the_rest(self, item: str, params: set[str],
+    def check_the_rest(self, item: str, params: set[str] | None,
                        share: tuple[int, int] | None = None,
                        read_elsewhere: set[str] | frozenset[str] = frozenset()) -> None:
         """Checksums the files of the restored arrays not read here (other processes' chunks).
@@ -200,7 +204,8 @@ class ChunkStore:
                                 thread_name_prefix="asyncckpt-verify") as pool:
             list(pool.map(check, rest))
 
-    def _unchecked(self, item: str, params: set[str], read: set[str]) -> list[FileRecord]:
+    def _unchecked(self, item: str, params: set[str] | None, read: set[str]
+                   ) -> list[FileRecord]:
         """Records of the files of these arrays not in ``read`` nor checked yet, with a CRC."""
         return [self._records[n] for n in self.wanted(item, params)
                 if n not in read and n not in self._checked

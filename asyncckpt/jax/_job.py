@@ -3,11 +3,12 @@
 Runs on the engine's writer thread. ``write`` puts this process's chunk files
 (and, on the primary, the metadata files) into the shared temporary
 directory, straight from the slot's buffers, with CRC32s computed as they are
-written; ``commit`` waits for the files to be durable, lets the processes
-agree (see ``_distributed``), writes the manifest and publishes the step
-directory with one rename; ``after_commit`` then runs the manager's callback
-(retention) and tells the other processes, where an error no longer fails
-the save.
+written; items stored as OCDBT instead go into this process's OCDBT database
+(``_ocdbt.DatabaseWriter``). ``commit`` waits for the files to be durable,
+lets the processes agree (see ``_distributed``), merges the OCDBT databases
+(primary), writes the manifest and publishes the step directory with one
+rename; ``after_commit`` then runs the manager's callback (retention) and
+tells the other processes, where an error no longer fails the save.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +27,7 @@ from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.jax import _format as fmt
+from asyncckpt.jax import _ocdbt
 from asyncckpt.jax._distributed import (
     ABSENT,
     Coordinator,
@@ -69,6 +71,7 @@ class JaxSaveJob:
         on_temp_made: Called on the writer thread once the temporary directory
             exists (the manager lists the directory again there, so the next
             ``save()`` does not).
+        ocdbt: Items stored as OCDBT -> their target data file size (0: no limit).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class JaxSaveJob:
         item_handlers: dict[str, str] | None = None,
         shards: ShardUploader | None = None,
         on_temp_made: Callable[[], None] | None = None,
+        ocdbt: Mapping[str, int] | None = None,
     ):
         self.label = dir_name or str(step)
         self.step = step
@@ -106,6 +110,8 @@ class JaxSaveJob:
         self._item_handlers = item_handlers
         self._shards = shards
         self._on_temp_made = on_temp_made
+        self._ocdbt = dict(ocdbt or {})
+        self._dbs: dict[str, _ocdbt.DatabaseWriter] = {}
         self._primary = coordinator is None or coordinator.primary
         self._init_ns = time.time_ns()
         self._tmp: str | None = None
@@ -159,11 +165,24 @@ class JaxSaveJob:
                 pause=self._pause,
             )
             self._writer = writer
+            splits = staged.splits
             for name, buf in staged.chunks:  # names are relative to the step directory
                 # A byte view: extension dtypes (bfloat16) have no buffer format.
-                writer.write(name, (buf.reshape(-1).view(np.uint8),))
+                data = buf.reshape(-1).view(np.uint8)
+                if (db := self._database(name)) is None:
+                    writer.write(name, (data,))
+                elif (pieces := splits.get(name)) is None:
+                    db.put(name.split("/", 1)[1], data)
+                else:  # equal, contiguous runs of the chunk's bytes
+                    size = len(data) // len(pieces)
+                    for k, piece in enumerate(pieces):
+                        if piece is not None:
+                            db.put(piece.split("/", 1)[1], data[k * size:(k + 1) * size])
             for name, data in staged.metadata_files:
-                writer.write(name, (data,))
+                if (db := self._database(name)) is None:
+                    writer.write(name, (data,))
+                else:
+                    db.put(name.split("/", 1)[1], data)
             if self._primary:
                 step_meta = fmt.step_metadata_json(
                     metrics=self._metrics,
@@ -177,6 +196,25 @@ class JaxSaveJob:
                 writer.write(OWNER_MARKER, (owner_marker_bytes(),))
         finally:
             self._staged = None  # the slot is reused once this returns
+
+    def _database(self, name: str) -> _ocdbt.DatabaseWriter | None:
+        """The OCDBT database a file of the step goes into (None: a file of its own).
+
+        In an OCDBT item, the files of its arrays (``<item>/<param>/...``) are
+        keys of this process's database; the item's own files (``_METADATA``,
+        ``_sharding``) stay files.
+        """
+        item, _, rest = name.partition("/")
+        if item not in self._ocdbt or "/" not in rest:
+            return None
+        db = self._dbs.get(item)
+        if db is None:
+            assert self._tmp is not None and self._writer is not None
+            index = 0 if self._coord is None else self._coord.process_index
+            db = self._dbs[item] = _ocdbt.DatabaseWriter(
+                self._tmp, item, index, target=self._ocdbt[item], files=self._writer,
+                pause=self._pause)
+        return db
 
     # -- commit: durable, agreed, published ----------------------------------------
 
@@ -194,6 +232,8 @@ class JaxSaveJob:
 
     def _commit(self, stats: SaveStats) -> None:
         assert self._writer is not None and self._tmp is not None
+        for db in self._dbs.values():  # the last values, and the files TensorStore wrote
+            db.finish()
         records = self._writer.finish()
         if self._shards is not None:  # no shared directory: this process's files go up
             self._shards.upload(self.label, self._tmp, records)
@@ -221,6 +261,13 @@ class JaxSaveJob:
             records = records + others
         if self._shards is not None:  # every process's objects, before the manifest
             self._shards.check(self.label, records)
+        if self._ocdbt:  # one database per item over every process's
+            merged = DurableWriter(self._tmp, fsync=self._options.fsync,
+                                   checksums=self._options.checksums, pause=self._pause)
+            for item in sorted(self._ocdbt):
+                if os.path.isdir(os.path.join(self._tmp, item)):
+                    _ocdbt.merge(self._tmp, item, files=merged)
+            records = records + merged.finish()
         self._extra = {
             "num_processes": 1 if self._coord is None else self._coord.process_count,
             "metrics": self._metrics,

@@ -26,7 +26,7 @@ import logging
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +64,17 @@ class ChunkPlan:
         shape: Shape of the chunk on disk (zarr pads edge chunks to full size).
         region: Where the shard goes in the chunk when it is smaller (an
             uneven edge shard); None when it fills the chunk.
+        pieces: OCDBT with chunks split to fit the target data file size: the
+            chunk names (relative to the item) of the equal, contiguous runs
+            of the staged bytes, in order (None for padding never written);
+            None when the staged chunk is one zarr chunk.
     """
 
     shard: int
     file: str
     shape: tuple[int, ...]
     region: tuple[slice, ...] | None = None
+    pieces: tuple[str | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,17 @@ class Plan:
             self._named[key] = columns
         return self._named[key]
 
+    def splits(self, item: str) -> dict[str, tuple[str | None, ...]]:
+        """Staged chunk name -> its pieces' names under ``item`` (chunks split for OCDBT)."""
+        key = ("splits", item)
+        splits = self._named.get(key)
+        if splits is None:
+            splits = {f"{item}/{c.file}": tuple(None if p is None else f"{item}/{p}"
+                                                for p in c.pieces)
+                      for lp in self.leaves for c in lp.chunks if c.pieces is not None}
+            self._named[key] = splits
+        return splits
+
     def layout(self, item: str) -> dict[str, int]:
         """Byte size of each staging buffer a save under ``item`` takes, by file."""
         return {st[3]: math.prod(st[4]) * st[5].itemsize
@@ -218,12 +234,16 @@ class StagedTree:
         metadata_files: ``(file, bytes)`` written by the primary.
         keepalive: Host-memory arrays the views in ``chunks`` belong to.
         size: The bytes of both when known in advance (a plan's); -1 to count them.
+        splits: Chunks stored as several zarr chunks (OCDBT): staged name ->
+            the names of its equal, contiguous pieces (see ``ChunkPlan.pieces``).
     """
 
     chunks: tuple[tuple[str, np.ndarray], ...]
     metadata_files: tuple[tuple[str, bytes], ...]
     keepalive: tuple[Any, ...] = ()
     size: int = field(default=-1, compare=False, repr=False)
+    splits: Mapping[str, tuple[str | None, ...]] = field(default_factory=dict, compare=False,
+                                                         repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -240,6 +260,7 @@ class StagedTree:
             tuple(c for t in trees for c in t.chunks),
             tuple(m for t in trees for m in t.metadata_files),
             tuple(k for t in trees for k in t.keepalive),
+            splits={k: v for t in trees for k, v in t.splits.items()},
         )
 
 
@@ -329,7 +350,7 @@ def _pinned_sharding(leaf: jax.Array) -> Any:
 
 
 def _plan_jax_leaf(
-    leaf: jax.Array, path: _tree.LeafPath, files: list, shardings: dict
+    leaf: jax.Array, path: _tree.LeafPath, files: list, shardings: dict, ocdbt: int | None
 ) -> tuple[LeafPlan, fmt.TreeEntry]:
     display = path.display
     if leaf.is_deleted():
@@ -342,7 +363,8 @@ def _plan_jax_leaf(
     dtype = np.dtype(leaf.dtype)
     zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
     chunk = _chunk_grid(leaf, display)
-    disk_chunk = tuple(max(1, c) for c in chunk)
+    staged_chunk = tuple(max(1, c) for c in chunk)
+    disk_chunk = fmt.split_chunk(staged_chunk, dtype.itemsize, ocdbt)
     chunks = []
     if 0 not in leaf.shape:
         for i, shard in enumerate(leaf.addressable_shards):
@@ -353,7 +375,8 @@ def _plan_jax_leaf(
             size = tuple(b - a for a, b in bounds)
             region = None if size == chunk else tuple(slice(0, n) for n in size)
             file = f"{path.param}/{fmt.chunk_name(coords)}"
-            chunks.append(ChunkPlan(i, file, chunk, region))
+            chunks.append(ChunkPlan(i, file, chunk, region,
+                                    _pieces(path, staged_chunk, disk_chunk, coords, leaf.shape)))
     files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(leaf.shape, disk_chunk, zdtype)))
     shardings[path.param] = fmt.sharding_json(leaf.sharding)
     entry = fmt.TreeEntry(path, fmt.JAX_ARRAY, chunk)
@@ -366,8 +389,17 @@ def _plan_jax_leaf(
     return LeafPlan("jax", display, dtype, tuple(chunks), pinned, host_view, whole), entry
 
 
+def _pieces(path: _tree.LeafPath, chunk: tuple[int, ...], disk_chunk: tuple[int, ...],
+            coords: tuple[int, ...], shape: tuple[int, ...]) -> tuple[str | None, ...] | None:
+    """``ChunkPlan.pieces`` of a staged chunk (None: stored as one zarr chunk)."""
+    if disk_chunk == chunk:
+        return None
+    return tuple(None if n is None else f"{path.param}/{n}"
+                 for n in fmt.chunk_pieces(chunk, disk_chunk, coords, shape))
+
+
 def _plan_host_leaf(
-    leaf: Any, kind: str, path: _tree.LeafPath, files: list, primary: bool
+    leaf: Any, kind: str, path: _tree.LeafPath, files: list, primary: bool, ocdbt: int | None
 ) -> tuple[LeafPlan, fmt.TreeEntry]:
     display = path.display
     if kind == "scalar":
@@ -375,17 +407,23 @@ def _plan_host_leaf(
     else:  # a NumPy array or NumPy scalar: orbax stores both as np.ndarray
         dtype, shape, value_type = np.dtype(leaf.dtype), tuple(leaf.shape), fmt.NUMPY_ARRAY
     zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
-    disk_chunk = tuple(max(1, d) for d in shape)
+    staged_chunk = tuple(max(1, d) for d in shape)
+    disk_chunk = fmt.split_chunk(staged_chunk, dtype.itemsize, ocdbt)
     chunks: tuple[ChunkPlan, ...] = ()
     # Host values are the same on every process; the primary writes them.
     if primary and 0 not in shape:
-        chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name((0,) * len(shape))}", shape),)
+        coords = (0,) * len(shape)
+        chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name(coords)}", shape, None,
+                            _pieces(path, staged_chunk, disk_chunk, coords, shape)),)
     files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(shape, disk_chunk, zdtype)))
     return LeafPlan(kind, display, dtype, chunks), fmt.TreeEntry(path, value_type)
 
 
-def build_plan(tree: Any, leaves: list[Any], *, primary: bool) -> Plan:
+def build_plan(tree: Any, leaves: list[Any], *, primary: bool, ocdbt: int | None = None) -> Plan:
     """Plans the save of ``tree`` (whose flattened leaves are ``leaves``).
+
+    ``ocdbt``: None for the plain zarr layout; for OCDBT, the target data file
+    size (0: no limit), which zarr chunks are split to fit.
 
     Raises:
         UnsupportedObjectError: a leaf's type, dtype, name or sharding cannot
@@ -398,9 +436,9 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool) -> Plan:
     for leaf, path in zip(leaves, paths, strict=True):
         kind = _kind(leaf)
         if kind == "jax":
-            plan, entry = _plan_jax_leaf(leaf, path, files, shardings)
+            plan, entry = _plan_jax_leaf(leaf, path, files, shardings, ocdbt)
         elif kind in ("numpy", "npscalar", "scalar"):
-            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary)
+            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary, ocdbt)
         elif kind == "empty":
             plan = LeafPlan("empty", path.display, None, ())
             entry = fmt.TreeEntry(path, _tree.empty_type_name(leaf) or "None")
@@ -412,7 +450,8 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool) -> Plan:
             )
         plans.append(plan)
         entries.append(entry)
-    files.append((fmt.TREE_METADATA, fmt.tree_metadata_json(entries)))
+    files.append((fmt.TREE_METADATA,
+                  fmt.tree_metadata_json(entries, use_ocdbt=ocdbt is not None)))
     # orbax reads _sharding only if every jax.Array leaf is described in it.
     if shardings and all(v is not None for v in shardings.values()):
         files.append((fmt.SHARDING_FILE, fmt.sharding_file_json(shardings)))  # type: ignore[arg-type]
@@ -436,8 +475,8 @@ class Snapshotter:
         self._has_empty: OrderedDict[Any, bool] = OrderedDict()
         # The plan used last, for a tree without empty subtrees (see ``plan``):
         # (plain tree definition, leaf signatures, plan, and when every leaf is
-        # a jax.Array: (leaf types, each leaf's (aval, sharding))).
-        self._last: tuple[Any, tuple, Plan, tuple | None] | None = None
+        # a jax.Array: (leaf types, each leaf's (aval, sharding)), its layout).
+        self._last: tuple[Any, tuple, Plan, tuple | None, int | None] | None = None
 
     def _flatten(self, tree: Any) -> tuple[list[Any], Any, bool]:
         """``_tree.flatten(tree)``, without its per-node Python callback where possible.
@@ -464,8 +503,10 @@ class Snapshotter:
             return *_tree.flatten(tree), True
         return leaves, treedef, False
 
-    def plan(self, tree: Any) -> tuple[Plan, list[Any]]:
+    def plan(self, tree: Any, ocdbt: int | None = None) -> tuple[Plan, list[Any]]:
         """The plan for ``tree`` (cached) and its flattened leaves.
+
+        ``ocdbt``: the layout, as ``build_plan`` takes it (None: plain zarr).
 
         The plan used last is checked first, comparing (not hashing) the tree
         definition and leaf signatures, mostly the same objects from save to
@@ -473,7 +514,7 @@ class Snapshotter:
         empty subtrees takes the general path (its full definition differs).
         """
         last = self._last
-        if last is not None:
+        if last is not None and last[4] == ocdbt:
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             if treedef == last[0]:
                 arrays = last[3]
@@ -485,10 +526,10 @@ class Snapshotter:
                     return last[2], leaves
         leaves, treedef, has_empty = self._flatten(tree)
         sigs = tuple(map(_signature, leaves))
-        key = (treedef, sigs)
+        key = (treedef, sigs, ocdbt)
         plan = self._cache.get(key)
         if plan is None:
-            plan = build_plan(tree, leaves, primary=self._primary)
+            plan = build_plan(tree, leaves, primary=self._primary, ocdbt=ocdbt)
             self._cache[key] = plan
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -499,10 +540,11 @@ class Snapshotter:
         arrays = None
         if _aval_sharding is not None and all(s[0] is _ArrayImpl for s in sigs):
             arrays = (tuple(map(type, leaves)), tuple(s[1:] for s in sigs))
-        self._last = None if has_empty else (treedef, sigs, plan, arrays)
+        self._last = None if has_empty else (treedef, sigs, plan, arrays, ocdbt)
         return plan, leaves
 
-    def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM) -> StagedTree:
+    def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM,
+              ocdbt: int | None = None) -> StagedTree:
         """Copies this process's part of ``tree`` into ``slot``'s buffers.
 
         Returns once every value is in host memory that nothing else
@@ -512,8 +554,9 @@ class Snapshotter:
             tree: The pytree.
             slot: Staging buffers, reused from save to save by file name.
             item: The item directory the files go in (several items share a slot).
+            ocdbt: The layout (None: plain zarr; else OCDBT, see ``build_plan``).
         """
-        plan, leaves = self.plan(tree)
+        plan, leaves = self.plan(tree, ocdbt)
         plan_leaves = plan.leaves
         live = plan.live
         if live and any(map(_is_deleted, map(leaves.__getitem__, live))):
@@ -533,7 +576,7 @@ class Snapshotter:
             sources = map(np.asarray, arrays)
             copy_arrays(list(zip(buffers, sources, strict=True)))
             return StagedTree(tuple(zip(files, buffers, strict=True)), plan.metadata_for(item), (),
-                              plan.nbytes)
+                              plan.nbytes, plan.splits(item))
         # 1. Start every device-to-host transfer before waiting on any.
         pinned: dict[int, Any] = {}
         if plan.pinned:
@@ -577,7 +620,7 @@ class Snapshotter:
                 _set_scalar(buf, leaves[i], plan_leaves[i])
         copy_arrays(pairs)
         return StagedTree(tuple(chunks), plan.metadata_for(item), tuple(pinned.values()),
-                          plan.nbytes)
+                          plan.nbytes, plan.splits(item))
 
 
 _is_deleted = operator.methodcaller("is_deleted")

@@ -22,6 +22,7 @@ from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
+from asyncckpt.jax._ocdbt import FormatOptions, ItemFormats
 from asyncckpt.jax._restore import restore_listed, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.jax._tiers import StepTiers
@@ -93,6 +94,9 @@ class CheckpointManager(ClosingContext):
             scratch directory and are durable once committed remotely).
         remote_options: Schedule, retention and retries of the remote tier
             (default: every step, ``max_to_keep`` as above).
+        format_options: How arrays are stored (``FormatOptions``: orbax's
+            OCDBT format or one zarr chunk file per shard). Handlers given as
+            ``item_handlers`` decide for their items (their ``use_ocdbt``).
 
     Raises:
         ValueError: an orbax option asyncckpt cannot honour (named), or
@@ -118,6 +122,7 @@ class CheckpointManager(ClosingContext):
         coordination_timeout_s: float = 1800.0,
         remote: str | None = None,
         remote_options: RemoteOptions | None = None,
+        format_options: FormatOptions | None = None,
     ):
         if options is not None:
             if (max_to_keep, save_interval_steps, keep_period, best_fn, best_mode,
@@ -146,6 +151,15 @@ class CheckpointManager(ClosingContext):
                                                directory=directory)
         self._shards = self._tiers.multiprocess(self._coord)  # URL directory: per-process uploads
         self._primary = self._coord is None or self._coord.primary
+        # [ocdbt] Which items are stored as OCDBT (handlers' use_ocdbt, format_options).
+        self._formats = ItemFormats(format_options, item_handlers, os.fspath(directory))
+        if self._shards is not None and self._formats.any_ocdbt:
+            raise ValueError(
+                "OCDBT saves of several processes into an s3:// or gs:// directory are not "
+                "supported yet (process 0 merges every process's database from a shared "
+                "directory): save into a shared local directory with remote=URL, or pass "
+                "format_options=FormatOptions(use_ocdbt=False) (and handlers with "
+                "use_ocdbt=False)")
         if self._config.create and not self._config.read_only:
             os.makedirs(self._directory, exist_ok=True)
         self._view = _view.view_for(self._directory, self._config.names)
@@ -402,7 +416,8 @@ class CheckpointManager(ClosingContext):
         layout: dict[str, int] = {}
         for item in _args.save_items(state, args)[0]:
             if item.kind == "pytree":
-                layout.update(self._snapshotter.plan(item.value)[0].layout(item.name))
+                ocdbt = self._formats.layout(item.name, item.ocdbt_target_data_file_size)
+                layout.update(self._snapshotter.plan(item.value, ocdbt)[0].layout(item.name))
         self._engine.prepare_staging(layout)
 
     def _raise_pending(self) -> None:  # a failed background upload surfaces here too
@@ -439,9 +454,11 @@ class CheckpointManager(ClosingContext):
         ranked = self._config.best_fn is not None and self._config.write_metrics
         handlers, extra = fmt.item_files(items, metrics if ranked else None,
                                          primary=self._primary)
+        layouts = {i.name: self._formats.layout(i.name, i.ocdbt_target_data_file_size)
+                   for i in items if i.kind == "pytree"}  # [ocdbt] None: plain zarr
 
         def stage(slot):
-            trees = [self._snapshotter.stage(i.value, slot, item=i.name)
+            trees = [self._snapshotter.stage(i.value, slot, item=i.name, ocdbt=layouts[i.name])
                      for i in items if i.kind == "pytree"]
             if extra or not trees:  # one pytree alone is staged as it is, not re-joined
                 trees.append(StagedTree((), tuple(extra)))
@@ -462,6 +479,7 @@ class CheckpointManager(ClosingContext):
                 item_handlers=handlers,
                 shards=self._shards,
                 on_temp_made=view.refresh,
+                ocdbt={n: t for n, t in layouts.items() if t is not None},
             )
 
         handle = self._engine.save(stage, label=str(step), step=step,

@@ -1,0 +1,444 @@
+"""orbax's OCDBT layout, written and read through TensorStore's ``ocdbt`` kvstore driver.
+
+With OCDBT an item directory holds a few large data files instead of one
+file per array shard. The layout is orbax's (``orbax.checkpoint`` writes it
+by default and reads it back)::
+
+    <step>/<item>/
+        _METADATA                   tree metadata, "use_ocdbt": true
+        _sharding                   shardings of the jax.Array leaves
+        manifest.ocdbt, d/<hash>    the merged database: a B-tree over every process's keys
+        ocdbt.process_<i>/          process i's own database
+            manifest.ocdbt
+            d/<hash>                data files (values and B-tree nodes)
+
+The keys of a database are the zarr v2 keys of the non-OCDBT layout
+(``<param>/.zarray``, ``<param>/<i>.<j>``), so every array is still an
+uncompressed zarr array, only stored inside OCDBT. Each process writes its
+own database (``DatabaseWriter``), from the staged host buffers, on the
+background writer thread; the primary then merges them (``merge``: the
+parent database's B-tree refers to the children's data files by relative
+path, which is why the step directory can be renamed into place) and the
+save commits as any other (manifest with every file's checksum, one rename).
+
+Reading goes through TensorStore's zarr driver over the same kvstore
+(``TsArray``), which also reads orbax's own checkpoints: compressed, zarr3,
+OCDBT or not.
+
+TensorStore is imported when a save or restore needs it, not at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncckpt.engine.files import DurableWriter
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.jax import _format as fmt
+
+logger = logging.getLogger(__name__)
+
+PROCESS_PREFIX = "ocdbt.process_"
+MANIFEST = "manifest.ocdbt"
+# orbax's defaults for the target size of a data file: 2 GiB, 400 MiB on GCS.
+DEFAULT_TARGET_DATA_FILE_SIZE = 2**31
+GCS_TARGET_DATA_FILE_SIZE = 400 * 2**20
+# A process's database is committed every this many bytes: TensorStore holds a
+# copy of the values of a transaction until it commits, so this bounds that copy.
+_WINDOW = 256 << 20
+# orbax's OCDBT configuration: small values (the .zarray keys) inline in the
+# B-tree, one root node for fast traversal, a single-file manifest.
+_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000,
+           "manifest_kind": "single"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FormatOptions:
+    """How the arrays of a JAX checkpoint are stored on disk.
+
+    Attributes:
+        use_ocdbt: Store each pytree item in orbax's OCDBT format (a few data
+            files per process, written through TensorStore) instead of one
+            zarr chunk file per array shard. orbax's own default; orbax reads
+            both. The spelling of orbax's ``StandardCheckpointHandler`` /
+            ``PyTreeCheckpointHandler(use_ocdbt=...)``, which the manager
+            honours too when given as ``item_handlers``.
+        ocdbt_target_data_file_size: With OCDBT, the size in bytes at which a
+            data file is closed and the next one started; zarr chunks of
+            larger shards are split so that each fits (as orbax does).
+            None: orbax's default (2 GiB, 400 MiB for a ``gs://``
+            directory); 0: no limit. A save's
+            ``StandardSave(..., ocdbt_target_data_file_size=...)`` overrides it.
+    """
+
+    use_ocdbt: bool = False
+    ocdbt_target_data_file_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_ocdbt, bool):
+            raise TypeError(f"use_ocdbt must be a bool, got {self.use_ocdbt!r}")
+        check_target_size(self.ocdbt_target_data_file_size)
+
+    def target_for(self, directory: str, override: int | None = None) -> int:
+        """The target data file size of a save into ``directory`` (``override``: the save's)."""
+        if override is not None:
+            return override
+        if self.ocdbt_target_data_file_size is not None:
+            return self.ocdbt_target_data_file_size
+        if str(directory).startswith("gs://"):
+            return GCS_TARGET_DATA_FILE_SIZE
+        return DEFAULT_TARGET_DATA_FILE_SIZE
+
+
+def check_target_size(size: Any) -> None:
+    """Raises ValueError unless ``size`` is None or an int >= 0 (orbax's rule)."""
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError("ocdbt_target_data_file_size must be an int >= 0 (0: no limit), got "
+                         f"{size!r}")
+
+
+def handler_uses_ocdbt(handler: Any) -> bool | None:
+    """Whether an orbax pytree handler instance writes OCDBT (None: not a pytree handler).
+
+    orbax keeps the constructor's ``use_ocdbt`` on the handler (on the
+    ``PyTreeCheckpointHandler`` a ``StandardCheckpointHandler`` wraps).
+
+    Raises:
+        ValueError: a pytree handler whose setting cannot be read.
+    """
+    kind = type(handler).__name__
+    if kind not in ("StandardCheckpointHandler", "PyTreeCheckpointHandler"):
+        return None
+    inner = getattr(handler, "_impl", handler)
+    value = getattr(inner, "_use_ocdbt", None)
+    if not isinstance(value, bool):
+        raise ValueError(f"cannot tell whether {kind} {handler!r} writes OCDBT (this orbax "
+                         "version keeps use_ocdbt elsewhere); pass "
+                         "format_options=asyncckpt.jax.FormatOptions(use_ocdbt=...) instead")
+    return value
+
+
+class ItemFormats:
+    """Which pytree items of a manager's saves are stored as OCDBT, and how.
+
+    Args:
+        options: The manager's ``FormatOptions`` (None: the defaults).
+        item_handlers: orbax handlers by item name, as the manager got them:
+            a pytree handler's ``use_ocdbt`` decides for its item.
+        directory: The manager's directory (a ``gs://`` one has a smaller
+            default target data file size, as in orbax).
+
+    Raises:
+        ValueError: ``options`` and a handler disagree on ``use_ocdbt``.
+    """
+
+    def __init__(self, options: FormatOptions | None, item_handlers: Any, directory: str):
+        self.options = options or FormatOptions()
+        self._directory = directory
+        self._by_item: dict[str, bool] = {}
+        if isinstance(item_handlers, dict):
+            for name, handler in item_handlers.items():
+                value = handler_uses_ocdbt(handler)
+                if value is None:
+                    continue
+                if options is not None and value != options.use_ocdbt:
+                    raise ValueError(
+                        f"item {name!r}: its handler says use_ocdbt={value}, format_options "
+                        f"says use_ocdbt={options.use_ocdbt}; give one of them")
+                self._by_item[name] = value
+
+    @property
+    def any_ocdbt(self) -> bool:
+        return self.options.use_ocdbt or any(self._by_item.values())
+
+    def layout(self, item: str, target_override: int | None = None) -> int | None:
+        """The layout of a save of ``item``: None (plain zarr), or OCDBT's target file size.
+
+        ``target_override``: the save's own ``ocdbt_target_data_file_size``.
+
+        Raises:
+            ValueError: a target size given for an item that is not OCDBT.
+        """
+        ocdbt = self._by_item.get(item, self.options.use_ocdbt)
+        if not ocdbt:
+            if target_override is not None:
+                raise ValueError(
+                    f"item {item!r}: ocdbt_target_data_file_size={target_override} applies "
+                    "to OCDBT saves only; this manager saves the item without OCDBT "
+                    "(format_options=FormatOptions(use_ocdbt=True), or a handler with "
+                    "use_ocdbt=True)")
+            return None
+        return self.options.target_for(self._directory, target_override)
+
+
+def _ts() -> Any:
+    try:
+        import tensorstore
+    except ImportError as e:  # pragma: no cover - a dependency of orbax and of asyncckpt[jax]
+        raise ImportError("OCDBT checkpoints need TensorStore: pip install tensorstore") from e
+    return tensorstore
+
+
+def kvstore_spec(path: str, *, target: int | None = None) -> dict:
+    """The ``ocdbt`` kvstore spec of the database in directory ``path``.
+
+    ``target`` (a data file size; writers only) adds orbax's write settings.
+    """
+    plain = {"driver": "file", "path": path.rstrip("/") + "/"}
+    # Data files are written in place (no rename each): the commit rename of the
+    # whole step directory is what makes them visible. (A merge copies from
+    # databases whose base is set up alike: TensorStore requires it.)
+    spec: dict[str, Any] = {"driver": "ocdbt",
+                            "base": {**plain, "file_io_locking": {"mode": "non_atomic"}}}
+    if target is not None:
+        spec["manifest"] = plain
+        spec["config"] = dict(_CONFIG)
+        spec["assume_config"] = True
+        spec["target_data_file_size"] = target
+    return spec
+
+
+def _write_context() -> Any:
+    # asyncckpt fsyncs every file itself (DurableWriter.add_existing, on its
+    # fsync thread while it checksums): TensorStore's own fsyncs would only repeat them.
+    return _ts().Context({"file_io_sync": False, "file_io_concurrency": {"limit": 64}})
+
+
+def process_dir_name(process_index: int) -> str:
+    return f"{PROCESS_PREFIX}{process_index}"
+
+
+class DatabaseWriter:
+    """One process's OCDBT database of one item, written from staged buffers.
+
+    Values are copied into TensorStore (it takes ``bytes``) and committed every
+    ``_WINDOW`` bytes, so at most that much is held twice. ``finish`` commits
+    the rest and records every file TensorStore wrote with ``files`` (which
+    checksums and fsyncs it).
+
+    Args:
+        step_root: The temporary step directory.
+        item: The item's directory name.
+        process_index: This process (names its database directory).
+        target: Target data file size (0: no limit).
+        files: The save's file writer; records the database's files.
+        pause: The engine's gate, called before each value.
+    """
+
+    def __init__(self, step_root: str, item: str, process_index: int, *, target: int,
+                 files: DurableWriter, pause: Callable[[], None] | None = None):
+        self._ts = _ts()
+        self._rel = f"{item}/{process_dir_name(process_index)}"
+        self._root = step_root
+        self._path = os.path.join(step_root, item, process_dir_name(process_index))
+        os.makedirs(self._path, exist_ok=True)
+        self._files = files
+        self._pause = pause
+        self._kv = self._ts.KvStore.open(kvstore_spec(self._path, target=target),
+                                         context=_write_context()).result()
+        self._txn: Any = None
+        self._view: Any = None
+        self._pending: list[Any] = []
+        self._bytes = 0
+        self.keys = 0
+
+    def put(self, key: str, data: Any) -> None:
+        """Adds one value (bytes, or any buffer: copied)."""
+        if self._pause is not None:
+            self._pause()
+        if self._txn is None:
+            self._txn = self._ts.Transaction()
+            self._view = self._kv.with_transaction(self._txn)
+        value = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
+        self._pending.append(self._view.write(key, value))
+        self._bytes += len(value)
+        self.keys += 1
+        if self._bytes >= _WINDOW:
+            self._commit()
+
+    def _commit(self) -> None:
+        if self._txn is None:
+            return
+        for f in self._pending:
+            f.result()
+        self._txn.commit_async().result()
+        self._txn = self._view = None
+        self._pending = []
+        self._bytes = 0
+
+    def finish(self) -> None:
+        """Commits what is left and records the database's files (checksum, fsync)."""
+        self._commit()
+        record_tree(self._root, self._rel, self._files)
+
+
+def record_tree(root: str, rel: str, files: DurableWriter) -> None:
+    """Records every file under ``root/rel`` with ``files`` (written by TensorStore)."""
+    top = os.path.join(root, *rel.split("/"))
+    for dirpath, _, names in os.walk(top):
+        sub = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        for name in sorted(names):
+            files.add_existing(f"{sub}/{name}")
+
+
+def merge(step_root: str, item: str, *, files: DurableWriter) -> int:
+    """Primary: merges every process's database of ``item`` into the item's root database.
+
+    The root's B-tree refers to the values in the processes' data files (by
+    path relative to the item directory); only B-tree nodes are read and
+    written. Records the root's files with ``files``. Returns the number of
+    databases merged (none: nothing is written).
+    """
+    ts = _ts()
+    item_dir = os.path.join(step_root, item)
+    children = sorted(n for n in os.listdir(item_dir)
+                      if n.startswith(PROCESS_PREFIX)
+                      and os.path.exists(os.path.join(item_dir, n, MANIFEST)))
+    if not children:
+        return 0
+    context = _write_context()
+    parent = ts.KvStore.open(kvstore_spec(item_dir, target=DEFAULT_TARGET_DATA_FILE_SIZE),
+                             context=context)
+    opened = [ts.KvStore.open(kvstore_spec(os.path.join(item_dir, c)), context=context)
+              for c in children]
+    parent_kv = parent.result()
+    txn = ts.Transaction(atomic=True)
+    target = parent_kv.with_transaction(txn)
+    copies = [child.result().experimental_copy_range_to(target) for child in opened]
+    for c in copies:
+        c.result()
+    txn.commit_async().result()
+    files.add_existing(f"{item}/{MANIFEST}")
+    data = os.path.join(item_dir, "d")
+    if os.path.isdir(data):
+        for name in sorted(os.listdir(data)):
+            files.add_existing(f"{item}/d/{name}")
+    return len(children)
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def _read_context() -> Any:
+    return _ts().Context({"file_io_concurrency": {"limit": 64},
+                          "cache_pool": {"total_bytes_limit": 100_000_000}})
+
+
+class TsArray:
+    """One array of an item, read through TensorStore (OCDBT or plain, any codec).
+
+    The same reading interface as ``_format.ZarrArray``: ``shape``,
+    ``dtype``, ``chunks``, ``read(index)``. Its files are checked as a whole
+    (``chunk_paths`` is empty): OCDBT data files hold many arrays.
+
+    Args:
+        item_dir: The item's directory.
+        param: The array's parameter name.
+        checkpoint: For error messages.
+        ocdbt: The item is an OCDBT database (else one directory per array).
+        zarr3: The arrays are zarr v3 (orbax's ``use_zarr3``).
+        context: A TensorStore context shared by the arrays of one restore.
+    """
+
+    compressed = False  # whatever the codec, TensorStore decodes it
+
+    def __init__(self, item_dir: str, param: str, *, checkpoint: str, ocdbt: bool,
+                 zarr3: bool = False, context: Any = None):
+        ts = _ts()
+        self.dir = os.path.join(item_dir, param)
+        self._checkpoint = checkpoint
+        if ocdbt:
+            kvstore = {**kvstore_spec(item_dir), "path": f"{param}/",
+                       "cache_pool": "cache_pool"}
+        else:
+            kvstore = {"driver": "file", "path": self.dir.rstrip("/") + "/"}
+        spec = {"driver": "zarr3" if zarr3 else "zarr", "kvstore": kvstore,
+                "recheck_cached_data": False, "recheck_cached_metadata": False,
+                "fill_missing_data_reads": False}
+        try:
+            self._store = ts.open(spec, open=True, read=True,
+                                  context=context or _read_context()).result()
+        except (ValueError, RuntimeError) as e:
+            raise CorruptCheckpointError(
+                f"checkpoint {checkpoint!r}: array {param!r} of {item_dir!r} cannot be "
+                f"opened: {e}", checkpoint=checkpoint, file=self.dir) from e
+        self.shape = tuple(int(d) for d in self._store.shape)
+        self.dtype = np.dtype(self._store.dtype.numpy_dtype)
+        self.chunks = tuple(int(c) for c in self._store.chunk_layout.read_chunk.shape or ())
+
+    def chunk_paths(self, index: tuple[slice, ...] | None = None) -> list[str]:
+        return []
+
+    def read(self, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Reads ``array[index]`` (unit-stride slices) into a host array."""
+        view = self._store if index is None or not self.shape else self._store[index]
+        try:
+            return np.asarray(view.read().result())
+        except (ValueError, RuntimeError) as e:
+            raise CorruptCheckpointError(
+                f"checkpoint {self._checkpoint!r} is corrupt: array {self.dir!r} cannot be "
+                f"read: {e}", checkpoint=self._checkpoint, file=self.dir) from e
+
+
+def uses_tensorstore(item_dir: str, entries: Sequence[fmt.TreeEntry]) -> bool:
+    """Whether an item's arrays are read through TensorStore, not chunk file by chunk file.
+
+    True for OCDBT (asyncckpt's or orbax's), zarr v3 and compressed zarr
+    (orbax's defaults); false for the uncompressed zarr v2 files that
+    ``_format.ZarrArray`` reads directly.
+    """
+    if fmt.is_ocdbt(item_dir) or fmt.tree_flag(item_dir, "use_zarr3"):
+        return True
+    for e in entries:
+        if not e.skipped:
+            try:
+                return fmt.ZarrArray(os.path.join(item_dir, e.path.param),
+                                     checkpoint=item_dir).compressed
+            except CorruptCheckpointError:
+                return False
+    return False
+
+
+class ItemArrays:
+    """Opens the arrays of one item for reading, each at most once.
+
+    Args:
+        item_dir: The item's directory.
+        entries: Its tree metadata.
+        checkpoint: For error messages.
+        source: Reads (and checks) chunk files, for the plain zarr layout.
+    """
+
+    def __init__(self, item_dir: str, entries: Sequence[fmt.TreeEntry], *, checkpoint: str,
+                 source: fmt.ChunkSource = fmt.read_file_bytes):
+        self._dir = item_dir
+        self._checkpoint = checkpoint
+        self._source = source
+        self.through_tensorstore = uses_tensorstore(item_dir, entries)
+        self._ocdbt = fmt.is_ocdbt(item_dir)
+        self._zarr3 = bool(fmt.tree_flag(item_dir, "use_zarr3"))
+        self._context: Any = None
+        self._open: dict[str, Any] = {}
+
+    def __call__(self, param: str) -> Any:
+        """The array of ``param`` (a ``ZarrArray`` or a ``TsArray``)."""
+        array = self._open.get(param)
+        if array is None:
+            if self.through_tensorstore:
+                if self._context is None:
+                    self._context = _read_context()
+                array = TsArray(self._dir, param, checkpoint=self._checkpoint,
+                                ocdbt=self._ocdbt, zarr3=self._zarr3, context=self._context)
+            else:
+                array = fmt.ZarrArray(os.path.join(self._dir, param),
+                                      checkpoint=self._checkpoint, source=self._source)
+            self._open[param] = array
+        return array
