@@ -83,7 +83,10 @@ def error_of(fn):
     return None
 
 
-OPTS = dict(coordination_timeout_s=20, async_options=AsyncOptions(fsync=False))
+# The zarr-file layout, whose chunk files the checks below read and damage one by one
+# (OCDBT with several processes: tests/test_jax_multiprocess.py).
+OPTS = dict(coordination_timeout_s=20, async_options=AsyncOptions(fsync=False),
+            format_options=aj.FormatOptions(use_ocdbt=False))
 out = {}
 """
 

@@ -261,13 +261,8 @@ class JaxSaveJob:
             records = records + others
         if self._shards is not None:  # every process's objects, before the manifest
             self._shards.check(self.label, records)
-        if self._ocdbt:  # one database per item over every process's
-            merged = DurableWriter(self._tmp, fsync=self._options.fsync,
-                                   checksums=self._options.checksums, pause=self._pause)
-            for item in sorted(self._ocdbt):
-                if os.path.isdir(os.path.join(self._tmp, item)):
-                    _ocdbt.merge(self._tmp, item, files=merged)
-            records = records + merged.finish()
+        if self._ocdbt:
+            records = records + self._merge(records)
         self._extra = {
             "num_processes": 1 if self._coord is None else self._coord.process_count,
             "metrics": self._metrics,
@@ -291,6 +286,30 @@ class JaxSaveJob:
         self._published = True
         if self._on_published is not None:
             self._on_published(self.step)
+
+    def _merge(self, records: list) -> list:
+        """Primary: one OCDBT database per item over every process's; the new files' records.
+
+        Without a shared directory (``shards``), the other processes' B-tree
+        nodes are fetched first (their data files are not: the merged tree
+        only refers to them), and the merged root is uploaded after.
+        """
+        assert self._tmp is not None
+        if self._shards is not None:
+            wanted = set(_ocdbt.merge_inputs([r.name for r in records]))
+            here = os.path.join(self._tmp, "")
+            self._shards.download(self.label, self._tmp, [
+                r for r in records if r.name in wanted
+                and not os.path.exists(here + r.name)])
+        merged = DurableWriter(self._tmp, fsync=self._options.fsync,
+                               checksums=self._options.checksums, pause=self._pause)
+        for item in sorted(self._ocdbt):
+            if os.path.isdir(os.path.join(self._tmp, item)):
+                _ocdbt.merge(self._tmp, item, files=merged)
+        new = merged.finish()
+        if self._shards is not None:
+            self._shards.upload(self.label, self._tmp, new)
+        return new
 
     def after_commit(self, stats: SaveStats) -> None:
         """Published: the manager's callback (retention), then tell the others."""

@@ -7,10 +7,18 @@ by default and reads it back)::
     <step>/<item>/
         _METADATA                   tree metadata, "use_ocdbt": true
         _sharding                   shardings of the jax.Array leaves
-        manifest.ocdbt, d/<hash>    the merged database: a B-tree over every process's keys
+        manifest.ocdbt              the merged database: a B-tree over every process's keys
+        ocdbt_meta/<hash>           its B-tree nodes
         ocdbt.process_<i>/          process i's own database
             manifest.ocdbt
-            d/<hash>                data files (values and B-tree nodes)
+            ocdbt_meta/<hash>       B-tree and version tree nodes (with small values inline)
+            ocdbt_data/<hash>       data files: the values (array chunks)
+
+B-tree nodes and values are kept in files apart, as orbax does with its
+``store_ocdbt_metadata_and_values_separately`` setting (by default orbax
+mixes both in ``d/``; it reads either): merging needs the nodes alone, so
+process 0 can merge the databases of processes whose files it only has in
+an object store by fetching their few small node files.
 
 The keys of a database are the zarr v2 keys of the non-OCDBT layout
 (``<param>/.zarray``, ``<param>/<i>.<j>``), so every array is still an
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 PROCESS_PREFIX = "ocdbt.process_"
 MANIFEST = "manifest.ocdbt"
+# orbax's prefixes for B-tree nodes and values stored apart.
+META_PREFIX = "ocdbt_meta/"
+DATA_PREFIX = "ocdbt_data/"
 # orbax's defaults for the target size of a data file: 2 GiB, 400 MiB on GCS.
 DEFAULT_TARGET_DATA_FILE_SIZE = 2**31
 GCS_TARGET_DATA_FILE_SIZE = 400 * 2**20
@@ -64,20 +76,23 @@ class FormatOptions:
 
     Attributes:
         use_ocdbt: Store each pytree item in orbax's OCDBT format (a few data
-            files per process, written through TensorStore) instead of one
-            zarr chunk file per array shard. orbax's own default; orbax reads
-            both. The spelling of orbax's ``StandardCheckpointHandler`` /
+            files per process, written through TensorStore; the default, as in
+            orbax) instead of one zarr chunk file per array shard (False).
+            orbax reads both, and so does asyncckpt whatever this says. The
+            spelling of orbax's ``StandardCheckpointHandler`` /
             ``PyTreeCheckpointHandler(use_ocdbt=...)``, which the manager
-            honours too when given as ``item_handlers``.
+            honours too when given as ``item_handlers``. OCDBT made saves
+            durable 10x sooner than chunk files on this project's VM (fsyncs
+            per file dominate there; ``benchmarks/bench_jax_ocdbt.py``).
         ocdbt_target_data_file_size: With OCDBT, the size in bytes at which a
             data file is closed and the next one started; zarr chunks of
             larger shards are split so that each fits (as orbax does).
             None: orbax's default (2 GiB, 400 MiB for a ``gs://``
             directory); 0: no limit. A save's
-            ``StandardSave(..., ocdbt_target_data_file_size=...)`` overrides it.
+            ``PyTreeSave(..., ocdbt_target_data_file_size=...)`` overrides it.
     """
 
-    use_ocdbt: bool = False
+    use_ocdbt: bool = True
     ocdbt_target_data_file_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -155,10 +170,6 @@ class ItemFormats:
                         f"says use_ocdbt={options.use_ocdbt}; give one of them")
                 self._by_item[name] = value
 
-    @property
-    def any_ocdbt(self) -> bool:
-        return self.options.use_ocdbt or any(self._by_item.values())
-
     def layout(self, item: str, target_override: int | None = None) -> int | None:
         """The layout of a save of ``item``: None (plain zarr), or OCDBT's target file size.
 
@@ -200,6 +211,9 @@ def kvstore_spec(path: str, *, target: int | None = None) -> dict:
                             "base": {**plain, "file_io_locking": {"mode": "non_atomic"}}}
     if target is not None:
         spec["manifest"] = plain
+        spec["btree_node_data_prefix"] = META_PREFIX
+        spec["version_tree_node_data_prefix"] = META_PREFIX
+        spec["value_data_prefix"] = DATA_PREFIX
         spec["config"] = dict(_CONFIG)
         spec["assume_config"] = True
         spec["target_data_file_size"] = target
@@ -210,6 +224,26 @@ def _write_context() -> Any:
     # asyncckpt fsyncs every file itself (DurableWriter.add_existing, on its
     # fsync thread while it checksums): TensorStore's own fsyncs would only repeat them.
     return _ts().Context({"file_io_sync": False, "file_io_concurrency": {"limit": 64}})
+
+
+_OS_ERROR = re.compile(r"os_error_code='(\d+)'")
+
+
+def wait(future: Any, what: str) -> Any:
+    """The result of a TensorStore future; its I/O failures raised as ``OSError``.
+
+    TensorStore reports a failed system call as a ``ValueError`` whose text
+    carries the errno (``[os_error_code='28']``); callers see the ``OSError``
+    a file write would have raised (``ENOSPC``, ``EIO``...), with TensorStore's
+    message. Other errors pass unchanged.
+    """
+    try:
+        return future.result()
+    except (ValueError, RuntimeError) as e:
+        m = _OS_ERROR.search(str(e))
+        if m is None:
+            raise
+        raise OSError(int(m.group(1)), f"{what}: {e}") from e
 
 
 def process_dir_name(process_index: int) -> str:
@@ -242,8 +276,8 @@ class DatabaseWriter:
         os.makedirs(self._path, exist_ok=True)
         self._files = files
         self._pause = pause
-        self._kv = self._ts.KvStore.open(kvstore_spec(self._path, target=target),
-                                         context=_write_context()).result()
+        self._kv = wait(self._ts.KvStore.open(kvstore_spec(self._path, target=target),
+                                              context=_write_context()), self._path)
         self._txn: Any = None
         self._view: Any = None
         self._pending: list[Any] = []
@@ -268,8 +302,8 @@ class DatabaseWriter:
         if self._txn is None:
             return
         for f in self._pending:
-            f.result()
-        self._txn.commit_async().result()
+            wait(f, self._path)
+        wait(self._txn.commit_async(), self._path)
         self._txn = self._view = None
         self._pending = []
         self._bytes = 0
@@ -309,19 +343,29 @@ def merge(step_root: str, item: str, *, files: DurableWriter) -> int:
                              context=context)
     opened = [ts.KvStore.open(kvstore_spec(os.path.join(item_dir, c)), context=context)
               for c in children]
-    parent_kv = parent.result()
+    parent_kv = wait(parent, item_dir)
     txn = ts.Transaction(atomic=True)
     target = parent_kv.with_transaction(txn)
-    copies = [child.result().experimental_copy_range_to(target) for child in opened]
+    copies = [wait(child, item_dir).experimental_copy_range_to(target) for child in opened]
     for c in copies:
-        c.result()
-    txn.commit_async().result()
+        wait(c, item_dir)
+    wait(txn.commit_async(), item_dir)
     files.add_existing(f"{item}/{MANIFEST}")
-    data = os.path.join(item_dir, "d")
-    if os.path.isdir(data):
-        for name in sorted(os.listdir(data)):
-            files.add_existing(f"{item}/d/{name}")
+    for prefix in (META_PREFIX, DATA_PREFIX):
+        sub = os.path.join(item_dir, prefix.rstrip("/"))
+        if os.path.isdir(sub):
+            for name in sorted(os.listdir(sub)):
+                files.add_existing(f"{item}/{prefix}{name}")
     return len(children)
+
+
+def merge_inputs(names: Sequence[str]) -> list[str]:
+    """Of a process's files (names relative to the step), those a merge reads.
+
+    Its databases' manifests and B-tree nodes; not its data files.
+    """
+    return [n for n in names if PROCESS_PREFIX in n
+            and (n.endswith(f"/{MANIFEST}") or f"/{META_PREFIX}" in n)]
 
 
 # -- reading -------------------------------------------------------------------------

@@ -153,13 +153,6 @@ class CheckpointManager(ClosingContext):
         self._primary = self._coord is None or self._coord.primary
         # [ocdbt] Which items are stored as OCDBT (handlers' use_ocdbt, format_options).
         self._formats = ItemFormats(format_options, item_handlers, os.fspath(directory))
-        if self._shards is not None and self._formats.any_ocdbt:
-            raise ValueError(
-                "OCDBT saves of several processes into an s3:// or gs:// directory are not "
-                "supported yet (process 0 merges every process's database from a shared "
-                "directory): save into a shared local directory with remote=URL, or pass "
-                "format_options=FormatOptions(use_ocdbt=False) (and handlers with "
-                "use_ocdbt=False)")
         if self._config.create and not self._config.read_only:
             os.makedirs(self._directory, exist_ok=True)
         self._view = _view.view_for(self._directory, self._config.names)

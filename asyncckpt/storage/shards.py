@@ -89,6 +89,16 @@ class ShardUploader:
         except Exception as e:  # listing is bookkeeping: the step is committed
             logger.warning("[process %d] cannot list %s: %s", self.process_index, self.url, e)
 
+    def download(self, name: str, directory: str, records: Sequence[FileRecord]) -> None:
+        """Primary: fetches these files of other processes (checked) into ``directory``.
+
+        What the primary must read of their parts to commit (the B-tree
+        nodes of their OCDBT databases, which it merges), never their data.
+        """
+        opts = self._remote.options
+        protocol.download_files(self._remote.store, f"{name}/", directory, records,
+                                retry=opts.retry, concurrency=opts.concurrency)
+
     def check(self, name: str, records: Sequence[FileRecord]) -> None:
         """Primary: every process's objects of ``name`` exist with their recorded sizes.
 
