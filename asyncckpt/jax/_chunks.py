@@ -163,6 +163,10 @@ class ChunkStore:
 
         return [name for name in sorted(self._records) if wanted(name)]
 
+    def names(self, paths: Iterable[str]) -> set[str]:
+        """These files' names relative to the step, as the manifest spells them."""
+        return {self._name(p) for p in paths}
+
     def read_names(self) -> set[str]:
         """Names (relative to the step) of the files read here so far."""
         return {self._name(p) for p in self._data}

@@ -27,13 +27,8 @@ from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax import _ocdbt
-from asyncckpt.jax._distributed import (
-    ABSENT,
-    Coordinator,
-    DistributedSaveError,
-    missing_files,
-)
+from asyncckpt.jax import _ocdbt, _parts
+from asyncckpt.jax._distributed import ABSENT, Coordinator, DistributedSaveError
 from asyncckpt.jax._snapshot import StagedTree
 from asyncckpt.options import AsyncOptions
 
@@ -235,11 +230,15 @@ class JaxSaveJob:
         for db in self._dbs.values():  # the last values, and the files TensorStore wrote
             db.finish()
         records = self._writer.finish()
-        if self._shards is not None:  # no shared directory: this process's files go up
-            self._shards.upload(self.label, self._tmp, records)
         if not self._primary:
             assert self._coord is not None and self._save_key is not None
-            self._coord.report_done(self._save_key, records)
+            # This process's records go into its manifest part, next to its files;
+            # process 0 is told only the part's digest.
+            part, digest = _parts.write(self._tmp, self._coord.process_index, records,
+                                        fsync=self._options.fsync)
+            if self._shards is not None:  # no shared directory: this process's files go up
+                self._shards.upload(self.label, self._tmp, [*records, part])
+            self._coord.report_done(self._save_key, digest)
             self._reported = True
             error = self._coord.verdict(self._save_key, self.step)
             if error is not None:
@@ -248,17 +247,10 @@ class JaxSaveJob:
                 self._shards.committed_elsewhere()  # [storage] the new step in its listing
             self._release_tmp()  # published (and owned) by the primary
             return
+        if self._shards is not None:
+            self._shards.upload(self.label, self._tmp, records)
         if self._coord is not None:
-            assert self._save_key is not None
-            others, failures, by_process = self._coord.collect(self._save_key)
-            if self._shards is None:
-                # A directory the processes do not share: their files are not here.
-                failures.update(missing_files(self._tmp, by_process))
-            if failures:
-                self._announced = True
-                raise DistributedSaveError(
-                    self.step, self._coord.announce(self._save_key, failures=failures))
-            records = records + others
+            records = records + self._others_records()
         if self._shards is not None:  # every process's objects, before the manifest
             self._shards.check(self.label, records)
         if self._ocdbt:
@@ -286,6 +278,30 @@ class JaxSaveJob:
         self._published = True
         if self._on_published is not None:
             self._on_published(self.step)
+
+    def _others_records(self) -> list:
+        """Primary: every other process's file records, from their manifest parts.
+
+        Raises:
+            DistributedSaveError: a process failed, did not answer, or its part
+                is not where the primary commits (a directory not shared).
+        """
+        assert self._coord is not None and self._save_key is not None and self._tmp is not None
+        digests, failures = self._coord.collect(self._save_key)
+        parts: dict = {}
+        if not failures:
+            if self._shards is None:
+                reader, where = _parts.local_reader(self._tmp), repr(self._tmp)
+            else:
+                reader, where = self._shards.reader(self.label), f"{self._shards.url}/{self.label}/"
+            parts, failures = _parts.read_all(digests, reader, where=where)
+        if failures:
+            self._announced = True
+            raise DistributedSaveError(
+                self.step, self._coord.announce(self._save_key, failures=failures))
+        if self._shards is None:
+            _parts.remove(self._tmp, list(parts))  # not part of the published checkpoint
+        return [r for i in sorted(parts) for r in parts[i]]
 
     def _merge(self, records: list) -> list:
         """Primary: one OCDBT database per item over every process's; the new files' records.

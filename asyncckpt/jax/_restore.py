@@ -64,14 +64,16 @@ def shared_verdicts(verdicts: Any) -> Iterator[None]:
 
 
 def verified(store: ChunkStore, paths: list[str], item: str, params: set[str] | None,
-             step_dir: str) -> None:
+             step_dir: str, read_by_all: Callable[[], list[str]] | None = None) -> None:
     """Reads and checks this process's chunks, then the other files of the restored arrays.
 
     ``params`` None: every file of the item (an item read through TensorStore).
 
     One process checks every file. Several processes each check what they
-    read plus their share of the files (partitioned by process index), and
-    then agree: a damaged file found by any of them fails the restore on all.
+    read plus their share of the files nobody reads (partitioned by process
+    index; ``read_by_all`` gives the chunk files every process reads, the
+    same list everywhere), and then agree: a damaged file found by any of
+    them fails the restore on all.
     """
     verdicts = _VERDICTS.get()
     if verdicts is None:
@@ -81,22 +83,11 @@ def verified(store: ChunkStore, paths: list[str], item: str, params: set[str] | 
     error = None
     try:
         store.prefetch(paths)
+        store.check_the_rest(
+            item, params, share=(verdicts.process_index, verdicts.process_count),
+            read_elsewhere=store.names(read_by_all() if read_by_all is not None else []))
     except CorruptCheckpointError as e:
         error = e
-    # Which files each process read (and checked): a bitmap over the wanted files.
-    wanted = store.wanted(item, params)
-    read = store.read_names()
-    mine = sum(1 << k for k, name in enumerate(wanted) if name in read)
-    elsewhere = 0
-    for bits in verdicts.exchange(f"reads of {item}", format(mine, "x")):
-        elsewhere |= int(bits, 16)
-    if error is None:
-        try:
-            store.check_the_rest(
-                item, params, share=(verdicts.process_index, verdicts.process_count),
-                read_elsewhere={n for k, n in enumerate(wanted) if elsewhere >> k & 1})
-        except CorruptCheckpointError as e:
-            error = e
     verdicts.agree(f"{os.path.basename(step_dir)}/{item}", error)
 
 
@@ -169,7 +160,8 @@ def restore_tree(
     verified(store, [path for e, leaf in selected
                      for path in _chunks_needed(arrays[e.path.param], leaf)],
              item, None if opener.through_tensorstore else {e.path.param for e, _ in selected},
-             step_dir)
+             step_dir, lambda: [path for e, leaf in selected
+                                for path in _chunks_read_by_any(arrays[e.path.param], leaf)])
     values = [leaf if leaf is PLACEHOLDER else _read_leaf(e, arrays.get(e.path.param), leaf)
               for e, leaf in pairs]
     if treedef is None:
@@ -255,6 +247,20 @@ def _chunks_needed(array: Array, target: Any) -> list[str]:
         return [p for index in {_key(i, array.shape): i for i in regions}.values()
                 for p in array.chunk_paths(index)]
     return array.chunk_paths(None)
+
+
+def _chunks_read_by_any(array: Array, target: Any) -> list[str]:
+    """The chunk files any process of this run reads for one leaf (``_chunks_needed`` of each).
+
+    Every process computes the same list from the target's sharding (its
+    devices' regions, whichever process holds them), so which files are
+    read, and so checked, is known without a word between the processes.
+    """
+    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and target.sharding is not None:
+        regions = target.sharding.devices_indices_map(array.shape).values()
+        return [p for index in {_key(i, array.shape): i for i in regions}.values()
+                for p in array.chunk_paths(index)]
+    return array.chunk_paths(None)  # every process reads all of it
 
 
 def _key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:

@@ -514,6 +514,7 @@ class CheckpointManager(ClosingContext):
             Exception: a background failure not yet reported.
         """
         self._engine.sync(timeout)
+        self._view.removals.wait(timeout)  # [retention] deleted steps' files gone too
         self._tiers.wait(timeout)
 
     def _wait_for(self, steps: Sequence[int] | None) -> None:
@@ -534,6 +535,7 @@ class CheckpointManager(ClosingContext):
             return
         try:
             self._engine.close(timeout)
+            self._view.removals.wait(timeout)
         finally:
             self._closed = True
             view = self._view
