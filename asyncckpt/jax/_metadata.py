@@ -19,7 +19,7 @@ from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.manifest import read_manifest
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.jax import _args, _ocdbt, _tree
+from asyncckpt.jax import _args, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt
 
 
@@ -115,7 +115,7 @@ def describe_tree(item_dir: str) -> Any:
     """A tree of ``jax.ShapeDtypeStruct`` (and empty values) like the saved pytree."""
     pairs = []
     entries = fmt.read_tree_metadata(item_dir)
-    arrays = _ocdbt.ItemArrays(item_dir, entries, checkpoint=item_dir)  # [ocdbt] any layout
+    arrays = _tsarrays.ItemArrays(item_dir, entries, checkpoint=item_dir)  # [ocdbt] any layout
     for e in entries:
         if e.skipped:
             pairs.append((e.path, _tree.empty_value(e.value_type)))

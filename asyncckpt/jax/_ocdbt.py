@@ -30,8 +30,7 @@ path, which is why the step directory can be renamed into place) and the
 save commits as any other (manifest with every file's checksum, one rename).
 
 Reading goes through TensorStore's zarr driver over the same kvstore
-(``TsArray``), which also reads orbax's own checkpoints: compressed, zarr3,
-OCDBT or not.
+(``_tsarrays``), which also reads orbax's own checkpoints.
 
 TensorStore is imported when a save or restore needs it, not at import.
 """
@@ -45,11 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from asyncckpt.engine.files import DurableWriter
-from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.jax import _format as fmt
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +185,8 @@ class ItemFormats:
         return self.options.target_for(self._directory, target_override)
 
 
-def _ts() -> Any:
+def load_tensorstore() -> Any:
+    """The ``tensorstore`` module, imported when a save or restore first needs it."""
     try:
         import tensorstore
     except ImportError as e:  # pragma: no cover - a dependency of orbax and of asyncckpt[jax]
@@ -223,7 +219,7 @@ def kvstore_spec(path: str, *, target: int | None = None) -> dict:
 def _write_context() -> Any:
     # asyncckpt fsyncs every file itself (DurableWriter.add_existing, on its
     # fsync thread while it checksums): TensorStore's own fsyncs would only repeat them.
-    return _ts().Context({"file_io_sync": False, "file_io_concurrency": {"limit": 64}})
+    return load_tensorstore().Context({"file_io_sync": False, "file_io_concurrency": {"limit": 64}})
 
 
 _OS_ERROR = re.compile(r"os_error_code='(\d+)'")
@@ -269,7 +265,7 @@ class DatabaseWriter:
 
     def __init__(self, step_root: str, item: str, process_index: int, *, target: int,
                  files: DurableWriter, pause: Callable[[], None] | None = None):
-        self._ts = _ts()
+        self._ts = load_tensorstore()
         self._rel = f"{item}/{process_dir_name(process_index)}"
         self._root = step_root
         self._path = os.path.join(step_root, item, process_dir_name(process_index))
@@ -331,7 +327,7 @@ def merge(step_root: str, item: str, *, files: DurableWriter) -> int:
     written. Records the root's files with ``files``. Returns the number of
     databases merged (none: nothing is written).
     """
-    ts = _ts()
+    ts = load_tensorstore()
     item_dir = os.path.join(step_root, item)
     children = sorted(n for n in os.listdir(item_dir)
                       if n.startswith(PROCESS_PREFIX)
@@ -366,123 +362,3 @@ def merge_inputs(names: Sequence[str]) -> list[str]:
     """
     return [n for n in names if PROCESS_PREFIX in n
             and (n.endswith(f"/{MANIFEST}") or f"/{META_PREFIX}" in n)]
-
-
-# -- reading -------------------------------------------------------------------------
-
-
-def _read_context() -> Any:
-    return _ts().Context({"file_io_concurrency": {"limit": 64},
-                          "cache_pool": {"total_bytes_limit": 100_000_000}})
-
-
-class TsArray:
-    """One array of an item, read through TensorStore (OCDBT or plain, any codec).
-
-    The same reading interface as ``_format.ZarrArray``: ``shape``,
-    ``dtype``, ``chunks``, ``read(index)``. Its files are checked as a whole
-    (``chunk_paths`` is empty): OCDBT data files hold many arrays.
-
-    Args:
-        item_dir: The item's directory.
-        param: The array's parameter name.
-        checkpoint: For error messages.
-        ocdbt: The item is an OCDBT database (else one directory per array).
-        zarr3: The arrays are zarr v3 (orbax's ``use_zarr3``).
-        context: A TensorStore context shared by the arrays of one restore.
-    """
-
-    compressed = False  # whatever the codec, TensorStore decodes it
-
-    def __init__(self, item_dir: str, param: str, *, checkpoint: str, ocdbt: bool,
-                 zarr3: bool = False, context: Any = None):
-        ts = _ts()
-        self.dir = os.path.join(item_dir, param)
-        self._checkpoint = checkpoint
-        if ocdbt:
-            kvstore = {**kvstore_spec(item_dir), "path": f"{param}/",
-                       "cache_pool": "cache_pool"}
-        else:
-            kvstore = {"driver": "file", "path": self.dir.rstrip("/") + "/"}
-        spec = {"driver": "zarr3" if zarr3 else "zarr", "kvstore": kvstore,
-                "recheck_cached_data": False, "recheck_cached_metadata": False,
-                "fill_missing_data_reads": False}
-        try:
-            self._store = ts.open(spec, open=True, read=True,
-                                  context=context or _read_context()).result()
-        except (ValueError, RuntimeError) as e:
-            raise CorruptCheckpointError(
-                f"checkpoint {checkpoint!r}: array {param!r} of {item_dir!r} cannot be "
-                f"opened: {e}", checkpoint=checkpoint, file=self.dir) from e
-        self.shape = tuple(int(d) for d in self._store.shape)
-        self.dtype = np.dtype(self._store.dtype.numpy_dtype)
-        self.chunks = tuple(int(c) for c in self._store.chunk_layout.read_chunk.shape or ())
-
-    def chunk_paths(self, index: tuple[slice, ...] | None = None) -> list[str]:
-        return []
-
-    def read(self, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """Reads ``array[index]`` (unit-stride slices) into a host array."""
-        view = self._store if index is None or not self.shape else self._store[index]
-        try:
-            return np.asarray(view.read().result())
-        except (ValueError, RuntimeError) as e:
-            raise CorruptCheckpointError(
-                f"checkpoint {self._checkpoint!r} is corrupt: array {self.dir!r} cannot be "
-                f"read: {e}", checkpoint=self._checkpoint, file=self.dir) from e
-
-
-def uses_tensorstore(item_dir: str, entries: Sequence[fmt.TreeEntry]) -> bool:
-    """Whether an item's arrays are read through TensorStore, not chunk file by chunk file.
-
-    True for OCDBT (asyncckpt's or orbax's), zarr v3 and compressed zarr
-    (orbax's defaults); false for the uncompressed zarr v2 files that
-    ``_format.ZarrArray`` reads directly.
-    """
-    if fmt.is_ocdbt(item_dir) or fmt.tree_flag(item_dir, "use_zarr3"):
-        return True
-    for e in entries:
-        if not e.skipped:
-            try:
-                return fmt.ZarrArray(os.path.join(item_dir, e.path.param),
-                                     checkpoint=item_dir).compressed
-            except CorruptCheckpointError:
-                return False
-    return False
-
-
-class ItemArrays:
-    """Opens the arrays of one item for reading, each at most once.
-
-    Args:
-        item_dir: The item's directory.
-        entries: Its tree metadata.
-        checkpoint: For error messages.
-        source: Reads (and checks) chunk files, for the plain zarr layout.
-    """
-
-    def __init__(self, item_dir: str, entries: Sequence[fmt.TreeEntry], *, checkpoint: str,
-                 source: fmt.ChunkSource = fmt.read_file_bytes):
-        self._dir = item_dir
-        self._checkpoint = checkpoint
-        self._source = source
-        self.through_tensorstore = uses_tensorstore(item_dir, entries)
-        self._ocdbt = fmt.is_ocdbt(item_dir)
-        self._zarr3 = bool(fmt.tree_flag(item_dir, "use_zarr3"))
-        self._context: Any = None
-        self._open: dict[str, Any] = {}
-
-    def __call__(self, param: str) -> Any:
-        """The array of ``param`` (a ``ZarrArray`` or a ``TsArray``)."""
-        array = self._open.get(param)
-        if array is None:
-            if self.through_tensorstore:
-                if self._context is None:
-                    self._context = _read_context()
-                array = TsArray(self._dir, param, checkpoint=self._checkpoint,
-                                ocdbt=self._ocdbt, zarr3=self._zarr3, context=self._context)
-            else:
-                array = fmt.ZarrArray(os.path.join(self._dir, param),
-                                      checkpoint=self._checkpoint, source=self._source)
-            self._open[param] = array
-        return array

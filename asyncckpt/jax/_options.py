@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 # saves or lists (how orbax schedules its own work); any value is accepted.
 _HINTS = frozenset({
     "cleanup_tmp_directories",  # asyncckpt always removes stale temporaries under its lock
-    "enable_background_delete",  # deletions already run on the writer thread
+    "enable_background_delete",  # deleted steps' files are removed on a background thread
     "num_deletion_threads",
     "lightweight_initialize",
     "enable_should_save_is_saving_in_progress_check",  # only for continuous checkpointing

@@ -11,7 +11,7 @@ Only then are the arrays placed on the target's sharding with
 may span several saved chunks or a part of one, so a checkpoint written on
 one mesh restores onto any other (another device count, another process
 count). Items stored as OCDBT (asyncckpt's or orbax's), compressed or as
-zarr v3 are read through TensorStore (``_ocdbt.ItemArrays``); their files
+zarr v3 are read through TensorStore (``_tsarrays.ItemArrays``); their files
 are checked as a whole, since one data file holds many arrays.
 """
 
@@ -34,7 +34,7 @@ from asyncckpt.errors import (
     CorruptCheckpointError,
     UnsupportedObjectError,
 )
-from asyncckpt.jax import _args, _metadata, _ocdbt, _tree
+from asyncckpt.jax import _args, _metadata, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._chunks import ChunkStore
 from asyncckpt.jax._options import StepNames
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 # Set by a multi-process manager around its restores (``shared_verdicts``).
 # A saved array as the restore reads it: plain zarr files, or through TensorStore.
-Array = fmt.ZarrArray | _ocdbt.TsArray
+Array = fmt.ZarrArray | _tsarrays.TsArray
 
 _VERDICTS: contextvars.ContextVar[Any] = contextvars.ContextVar("asyncckpt_verdicts",
                                                                 default=None)
@@ -140,10 +140,10 @@ def restore_tree(
     item_dir = os.path.join(step_dir, item)
     entries = fmt.read_tree_metadata(item_dir)
     store = ChunkStore(step_dir, manifest, checksums=checksums, remote=remote)
-    if remote is not None and _ocdbt.uses_tensorstore(item_dir, entries):
+    if remote is not None and _tsarrays.uses_tensorstore(item_dir, entries):
         # [ocdbt] TensorStore reads the item's files itself: all of them are fetched.
         remote.fetch_names([n for n in remote.records if n.startswith(f"{item}/")])
-    opener = _ocdbt.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store)
+    opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store)
     if restore_args is not None:
         target = _target_from_restore_args(entries, target, restore_args, opener)
     if target is None:
@@ -173,7 +173,7 @@ PLACEHOLDER = ...  # orbax.checkpoint.PLACEHOLDER
 
 
 def _target_from_restore_args(entries: list[fmt.TreeEntry], target: Any, restore_args: Any,
-                              opener: _ocdbt.ItemArrays) -> Any:
+                              opener: _tsarrays.ItemArrays) -> Any:
     """A target tree from orbax ``RestoreArgs``: each leaf's type, dtype and sharding."""
     by_param = {e.path.param: e for e in entries}
     args_leaves, args_def = jax.tree_util.tree_flatten(
