@@ -394,16 +394,22 @@ class ZarrArray:
         checkpoint: Checkpoint path, for error messages.
         source: Reads a chunk file's bytes; restores pass one that verifies
             and caches what it reads.
+        metadata: The ``.zarray`` contents when they are not a file (an
+            OCDBT key); chunks are then still asked of ``source`` by the path
+            they would have as files.
     """
 
-    def __init__(self, array_dir: str, *, checkpoint: str, source: ChunkSource = read_file_bytes):
+    def __init__(self, array_dir: str, *, checkpoint: str, source: ChunkSource = read_file_bytes,
+                 metadata: bytes | None = None):
         self.dir = array_dir
         self._checkpoint = checkpoint
         self._source = source
         meta_path = os.path.join(array_dir, ZARRAY)
         try:
-            with open(meta_path, encoding="utf-8") as f:
-                meta = json.load(f)
+            if metadata is None:
+                with open(meta_path, "rb") as f:
+                    metadata = f.read()
+            meta = json.loads(metadata)
             self.shape = tuple(int(d) for d in meta["shape"])
             self.chunks = tuple(int(d) for d in meta["chunks"])
             self.dtype = numpy_dtype(meta["dtype"])

@@ -76,6 +76,21 @@ def verified(store: ChunkStore, paths: list[str], item: str, params: set[str] | 
     them fails the restore on all.
     """
     verdicts = _VERDICTS.get()
+    if store.reads_values:  # OCDBT: every file of the item, each whole (shared data files)
+        wanted = store.wanted(item, None)
+        mine = None if verdicts is None else set(
+            wanted[verdicts.process_index::verdicts.process_count])
+        error = None
+        try:
+            store.prefetch_values(paths, mine=mine)
+            store.check_names(wanted if mine is None else mine)
+        except CorruptCheckpointError as e:
+            if verdicts is None:
+                raise
+            error = e
+        if verdicts is not None:
+            verdicts.agree(f"{os.path.basename(step_dir)}/{item}", error)
+        return
     if verdicts is None:
         store.prefetch(paths, rest_of=(item, params))
         store.check_the_rest(item, params)  # what prefetch did not (a remote step's files)
@@ -140,10 +155,12 @@ def restore_tree(
     item_dir = os.path.join(step_dir, item)
     entries = fmt.read_tree_metadata(item_dir)
     store = ChunkStore(step_dir, manifest, checksums=checksums, remote=remote)
-    if remote is not None and _tsarrays.uses_tensorstore(item_dir, entries):
-        # [ocdbt] TensorStore reads the item's files itself: all of them are fetched.
-        remote.fetch_names([n for n in remote.records if n.startswith(f"{item}/")])
     opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store)
+    if opener.through_tensorstore and remote is not None:
+        # TensorStore reads the item's files itself: all of them are fetched first.
+        remote.fetch_names([n for n in remote.records if n.startswith(f"{item}/")])
+    elif opener.index is not None:
+        store.use_values(item, opener.index)  # [ocdbt] chunks are byte ranges of data files
     if restore_args is not None:
         target = _target_from_restore_args(entries, target, restore_args, opener)
     if target is None:
@@ -157,9 +174,10 @@ def restore_tree(
     arrays = {e.path.param: opener(e.path.param) for e, _ in selected}
     for e, leaf in selected:  # check every leaf before reading any bytes
         _check_target(e, arrays[e.path.param], leaf, step_dir)
+    whole = opener.through_tensorstore or opener.index is not None  # files shared by arrays
     verified(store, [path for e, leaf in selected
                      for path in _chunks_needed(arrays[e.path.param], leaf)],
-             item, None if opener.through_tensorstore else {e.path.param for e, _ in selected},
+             item, None if whole else {e.path.param for e, _ in selected},
              step_dir, lambda: [path for e, leaf in selected
                                 for path in _chunks_read_by_any(arrays[e.path.param], leaf)])
     values = [leaf if leaf is PLACEHOLDER else _read_leaf(e, arrays.get(e.path.param), leaf)
