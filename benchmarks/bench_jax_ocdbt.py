@@ -17,9 +17,12 @@ repetition runs each case once, in rotating order, with a training step
 
 Timed per save: **blocking** (the ``save`` call) and **durable** (from the
 call until the checkpoint is committed: asyncckpt's ``last_save.committed``,
-orbax's ``wait_until_finished``). Also reported: the files of one step.
-Medians over the repetitions, and the durable-time ratio of the OCDBT
-writer to the zarr-file writer (the default-format rule: within 1.1x).
+orbax's ``wait_until_finished``). Also reported: the files of one step, and
+a **cold restore** of each case's last step onto the same shardings (its
+files evicted from the page cache first; ``--restores`` rounds, the cases
+interleaved; asyncckpt's checked, orbax's not). Medians over the
+repetitions, and the durable-time ratio of the OCDBT writer to the
+zarr-file writer (the default-format rule: within 1.1x).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def main() -> None:
     parser.add_argument("--leaves", default="100,500")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--restores", type=int, default=5, help="cold restore rounds (0: none)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
     os.environ.setdefault("XLA_FLAGS",
@@ -60,12 +64,24 @@ def main() -> None:
     try:
         for mib in (int(m) for m in args.mib.split(",")):
             for leaves in (int(n) for n in args.leaves.split(",")):
-                _run(mib, leaves, args.reps, root, jax, ocp, aj, eng)
+                _run(mib, leaves, args.reps, args.restores, root, jax, ocp, aj, eng)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _run(mib: int, leaves: int, reps: int, root: str, jax, ocp, aj, eng) -> None:
+def _evict(directory: str) -> None:
+    for dirpath, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _run(mib: int, leaves: int, reps: int, restores: int, root: str, jax, ocp, aj,
+         eng) -> None:
     state = eng.JAXState(mib << 20, leaves)
     dirs = {name: os.path.join(root, f"{mib}-{leaves}-{i}")
             for i, name in enumerate(("asyncckpt zarr files", "asyncckpt ocdbt", "orbax ocdbt"))}
@@ -104,16 +120,41 @@ def _run(mib: int, leaves: int, reps: int, root: str, jax, ocp, aj, eng) -> None
                 blocking[name].append(t1 - t0)
                 durable[name].append(t2 - t0)
             files[name] = _files(os.path.join(dirs[name], str(step)))
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          state.tree)
+    restore: dict[str, list[float]] = {n: [] for n in names}
+    last = {n: max(int(d) for d in os.listdir(dirs[n]) if d.isdigit()) for n in names}
+    for rep in range(restores):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            mgr = managers[name]
+            _evict(os.path.join(dirs[name], str(last[name])))
+            t0 = time.perf_counter()
+            if name.startswith("orbax"):
+                got = mgr.restore(last[name], args=ocp.args.StandardRestore(target))
+            else:
+                got = mgr.restore(last[name], target=target)
+            jax.block_until_ready(got)
+            restore[name].append(time.perf_counter() - t0)
+            del got
     for mgr in managers.values():
         mgr.close()
     med_b = {n: statistics.median(v) for n, v in blocking.items()}
     med_d = {n: statistics.median(v) for n, v in durable.items()}
     print(f"\n{mib} MiB in {leaves} leaves ({state.nbytes / 2**20:.1f} MiB, "
           f"{jax.device_count()} devices), {reps} reps, load {os.getloadavg()[0]:.2f}")
-    print(f"  {'case':24s} {'blocking ms':>12s} {'durable ms':>12s} {'files/step':>11s}")
+    med_r = {n: statistics.median(v) if v else float("nan") for n, v in restore.items()}
+    print(f"  {'case':24s} {'blocking ms':>12s} {'durable ms':>12s} {'files/step':>11s} "
+          f"{'restore ms':>11s}")
     for n in names:
-        print(f"  {n:24s} {med_b[n] * 1e3:12.1f} {med_d[n] * 1e3:12.1f} {files[n]:11d}"
+        print(f"  {n:24s} {med_b[n] * 1e3:12.1f} {med_d[n] * 1e3:12.1f} {files[n]:11d} "
+              f"{med_r[n] * 1e3:11.1f}"
               f"   (durable min {min(durable[n]) * 1e3:.1f}, max {max(durable[n]) * 1e3:.1f})")
+    if restores:
+        paired = [a / b for a, b in zip(restore["asyncckpt ocdbt"],
+                                        restore["asyncckpt zarr files"], strict=True)]
+        ratio = med_r["asyncckpt ocdbt"] / med_r["asyncckpt zarr files"]
+        print(f"  cold restore ocdbt / zarr files: {ratio:.2f}x"
+              f" (median of paired ratios {statistics.median(paired):.2f}x)")
     paired = [a / b for a, b in zip(durable["asyncckpt ocdbt"], durable["asyncckpt zarr files"],
                                     strict=True)]
     ratio = med_d["asyncckpt ocdbt"] / med_d["asyncckpt zarr files"]
