@@ -188,18 +188,34 @@ def _describe_array_store(step_dir: str) -> list[ArrayInfo]:
             for name, e in sorted(table.items())]
 
 
+def _zarr_metadata(item_dir: str) -> list[tuple[str, dict]]:
+    """``(leaf, .zarray contents)`` of each array of a zarr item, OCDBT or not.
+
+    An OCDBT item (``manifest.ocdbt``) keeps its ``.zarray`` entries in its
+    database, read through TensorStore (imported only then).
+    """
+    if os.path.isfile(os.path.join(item_dir, "manifest.ocdbt")):
+        import tensorstore as ts
+
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item_dir}/"}).result()
+        keys = sorted(k.decode() for k in kv.list().result() if k.endswith(b"/.zarray"))
+        return [(k[:-len("/.zarray")], json.loads(kv.read(k).result().value)) for k in keys]
+    out = []
+    for leaf in sorted(os.listdir(item_dir)):
+        zarray = os.path.join(item_dir, leaf, ".zarray")
+        if os.path.isfile(zarray):
+            with open(zarray, encoding="utf-8") as f:
+                out.append((leaf, json.load(f)))
+    return out
+
+
 def _describe_zarr_tree(step_dir: str) -> list[ArrayInfo]:
     arrays = []
     for item in sorted(os.listdir(step_dir)):
         item_dir = os.path.join(step_dir, item)
         if not os.path.isdir(item_dir):
             continue
-        for leaf in sorted(os.listdir(item_dir)):
-            zarray = os.path.join(item_dir, leaf, ".zarray")
-            if not os.path.isfile(zarray):
-                continue
-            with open(zarray, encoding="utf-8") as f:
-                meta = json.load(f)
+        for leaf, meta in _zarr_metadata(item_dir):
             shape = tuple(int(d) for d in meta["shape"])
             dtype = str(meta["dtype"])
             itemsize = _itemsize(dtype)

@@ -122,6 +122,29 @@ def _probe_file_writes() -> None:
 
     probed.crash_probe = True
     DurableWriter.write = probed
+    _probe_database_puts()
+
+
+def _probe_database_puts() -> None:
+    """Reports each value a JAX write puts into its OCDBT database, as a file of its own.
+
+    In the OCDBT layout (the default) a shard is a value of the process's
+    database rather than a file, so a kill sent on the k-th value lands
+    inside the write as a kill on the k-th file does in the zarr-file layout.
+    """
+    from asyncckpt.jax._ocdbt import DatabaseWriter
+
+    real = DatabaseWriter.put
+    if getattr(real, "crash_probe", False):
+        return
+
+    def probed(self, key, data):
+        real(self, key, data)
+        if _WRITING[0] is not None:
+            _SINK[0]("file-written", _WRITING[0])
+
+    probed.crash_probe = True
+    DatabaseWriter.put = probed
 
 
 # -- the zygote and its children -----------------------------------------------------------

@@ -112,7 +112,7 @@ def test_orbax_restores_an_asyncckpt_checkpoint(ckpt_dir):
 
 def test_layout_is_uncompressed_zarr_with_one_chunk_per_shard(ckpt_dir):
     state = _state()
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with aj.CheckpointManager(ckpt_dir, format_options=aj.FormatOptions(use_ocdbt=False)) as mgr:
         mgr.save(0, state)
     w_dir = ckpt_dir / "0" / "default" / "params.w"
     meta = json.loads((w_dir / ".zarray").read_text())
@@ -288,8 +288,8 @@ def test_every_staging_path_stages_each_shard_exactly(path):
     import dataclasses
 
     class Forced(_snapshot.Snapshotter):
-        def plan(self, tree):
-            plan, leaves = super().plan(tree)
+        def plan(self, tree, ocdbt=None):
+            plan, leaves = super().plan(tree, ocdbt)
             lps = []
             for lp, leaf in zip(plan.leaves, leaves, strict=True):
                 if lp.kind == "jax" and path == "transfer":

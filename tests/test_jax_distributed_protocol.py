@@ -5,12 +5,12 @@ store, running the real ``CommitCoordinator``; the two-process tests with
 ``jax.distributed`` are in ``test_jax_multiprocess_protocol.py``. These pin
 the protocol's rules directly: names by directory, one number per attempted
 save, one verdict per failed save, keys deleted once every process moved on,
-the primary's check of the other processes' files, shared restore verdicts.
+the primary's check of the other processes' manifest parts, shared restore
+verdicts, and messages of a size that does not grow with the files.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -19,6 +19,7 @@ from asyncckpt import _coordination as coord
 from asyncckpt.engine.files import FileRecord
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.jax import _distributed as dist
+from asyncckpt.jax import _parts
 
 
 def _both(f0, f1):
@@ -61,10 +62,10 @@ def test_managers_are_named_by_directory_and_count_per_directory():
 def _save(c: dist.CommitCoordinator, step: int, records: list[FileRecord]):
     _, key = c.next_save(step)
     if c.primary:
-        others, failures, _ = c.collect(key)
+        digests, failures = c.collect(key)
         c.announce(key, failures=failures)
-        return others
-    c.report_done(key, records)
+        return digests
+    c.report_done(key, _parts.encode(c.process_index, records)[1])
     c.wait_committed(key, step)
     return None
 
@@ -77,9 +78,29 @@ def test_keys_of_a_save_are_deleted_once_every_process_moved_on():
     for step in range(30):
         results, errors = _both(lambda s=step: _save(p0, s, []),
                                 lambda s=step: _save(p1, s, rec))
-        assert errors == [None, None] and results[0] == rec
+        assert errors == [None, None] and results[0] == {1: _parts.encode(1, rec)[1]}
         counts.append(len(values))
     assert counts[-1] == counts[2] <= 3  # the newest save's keys only, never growing
+
+
+def test_a_saves_messages_do_not_grow_with_its_files(tmp_path):
+    """Process 1 reports 10 or 10,000 files with the same few bytes; process 0 reads its part."""
+    sizes = []
+    for n in (10, 10_000):
+        stores, (p0, p1) = _pair()
+        values = stores[0]._store.values
+        records = [FileRecord(f"default/p{i}/0.0", 4096, i) for i in range(n)]
+        _, key = p1.next_save(1)
+        assert p0.next_save(1)[1] == key
+        _, digest = _parts.write(str(tmp_path), 1, records, fsync=False)
+        p1.report_done(key, digest)
+        digests, failures = p0.collect(key)
+        assert failures == {} and digests == {1: digest}
+        sizes.append(len(values[f"{key}/done/1"]))
+        parts, bad = _parts.read_all(digests, _parts.local_reader(str(tmp_path)),
+                                     where=str(tmp_path))
+        assert bad == {} and parts[1] == records
+    assert sizes[1] - sizes[0] <= 3, sizes  # only the count's digits differ
 
 
 def test_a_failure_is_one_verdict_raised_alike_on_every_process():
@@ -91,7 +112,7 @@ def test_a_failure_is_one_verdict_raised_alike_on_every_process():
         return p0.agree_failure(key, 4, OSError(5, "Input/output error"))
 
     def other():
-        p1.report_done(key, [FileRecord("f", 1, 0)])
+        p1.report_done(key, _parts.encode(1, [FileRecord("f", 1, 0)])[1])
         p1.wait_committed(key, 4)
 
     (agreed, _), (_, raised) = _both(primary, other)
@@ -106,12 +127,12 @@ def test_a_save_raised_before_staging_fails_the_others_at_once_and_numbers_stay_
     _, (p0, p1) = _pair(timeout_s=30)
     s0 = dist.Saves(p0, prepare=lambda: None)
     s1 = dist.Saves(p1, prepare=lambda: None)
-    rec = [FileRecord("x", 1, 0)]
+    rec = _parts.encode(1, [FileRecord("x", 1, 0)])[1]
 
     def primary():
         token = s0.token()
         with s0.attempt(7) as (seq, key):  # process 0 stages step 7; process 1 cannot
-            _, failures, _ = p0.collect(key)
+            _, failures = p0.collect(key)
             error = dist.DistributedSaveError(7, p0.announce(key, failures=failures))
         with s0.attempt(8) as (seq8, key8):
             p0.announce(key8, failures=p0.collect(key8)[1])
@@ -133,27 +154,26 @@ def test_a_save_raised_before_staging_fails_the_others_at_once_and_numbers_stay_
     assert "process 1: did not take part" in str(r0[2]) and "TypeError" in str(r0[2])
 
 
-def test_primary_names_the_files_missing_from_its_temporary_directory(tmp_path):
-    os.makedirs(tmp_path / "default" / "w")
-    (tmp_path / "default" / "w" / "0.0").write_bytes(b"abcd")
-    (tmp_path / "default" / "w" / "1.0").write_bytes(b"ab")
-    found = dist.missing_files(str(tmp_path), {
-        1: [FileRecord("default/w/0.0", 4, 0), FileRecord("default/w/1.0", 4, 0),
-            FileRecord("default/w/2.0", 4, 0)],
-        2: [FileRecord("default/w/0.0", 4, 0)],
-    })
-    assert list(found) == [1]
-    assert "2 of the 3 files" in found[1]
-    assert "default/w/1.0 (2 bytes, 4 recorded)" in found[1]
-    assert "default/w/2.0 (missing)" in found[1] and "shares" in found[1]
+def test_primary_names_the_parts_missing_from_its_temporary_directory(tmp_path):
+    rec = [FileRecord("default/w/0.0", 4, 0)]
+    _, d1 = _parts.write(str(tmp_path), 1, rec, fsync=False)
+    _, d3 = _parts.write(str(tmp_path), 3, rec, fsync=False)
+    (tmp_path / _parts.part_name(3)).write_text('{"files": []}')  # not the part it wrote
+    d2 = _parts.encode(2, rec)[1]  # written elsewhere: a directory not shared
+    parts, failures = _parts.read_all({1: d1, 2: d2, 3: d3}, _parts.local_reader(str(tmp_path)),
+                                      where=str(tmp_path))
+    assert parts == {1: rec}
+    assert sorted(failures) == [2, 3]
+    assert "asyncckpt.part-2.json is missing" in failures[2] and "shares" in failures[2]
+    assert "not the one it wrote" in failures[3]
 
 
 def test_restore_verdicts_are_shared_and_their_keys_deleted():
     stores, (p0, p1) = _pair()
     values = stores[0]._store.values
     v0, v1 = p0.restore_verdicts(), p1.restore_verdicts()
-    assert _both(lambda: v0.exchange("reads", "3"), lambda: v1.exchange("reads", "c")) == (
-        [["3", "c"], ["3", "c"]], [None, None])
+    assert _both(lambda: v0.combine("reads", "ok"), lambda: v1.combine("reads", "c")) == (
+        ["1:c", "1:c"], [None, None])
     bad = CorruptCheckpointError("file 'w/3.1' fails its CRC32 check", checkpoint="ck",
                                  file="ck/w/3.1")
     _, errors = _both(lambda: v0.agree("8/default", None), lambda: v1.agree("8/default", bad))
@@ -167,7 +187,7 @@ def test_restore_verdicts_are_shared_and_their_keys_deleted():
 
 def test_no_process_waits_on_a_deleted_key_when_saves_raise_before_staging():
     _, (p0, p1) = _pair(timeout_s=2)
-    rec = [FileRecord("x", 1, 0)]
+    rec = _parts.encode(1, [FileRecord("x", 1, 0)])[1]
     # Process 1's writer reported save 0 but has not read its commit yet, when
     # its training thread raises before staging save 1.
     _, k0 = p0.next_save(0)
@@ -203,7 +223,7 @@ def test_a_restore_given_up_on_one_process_fails_the_others_at_once_and_its_key_
     v1.abort(OSError(5, "Input/output error"))
     # Process 0 waits for process 1's reads: it hears of the abort, not a 30 s timeout.
     with pytest.raises(coord.PeerFailedError, match=r"worker 1 failed.*Input/output"):
-        v0.exchange("reads", "1")
+        v0.combine("reads", "ok")
     assert any(k.endswith("/abort") for k in values)
     for _ in range(2):  # two restores later, nobody can be waiting on it any more
         w0, w1 = p0.restore_verdicts(), p1.restore_verdicts()

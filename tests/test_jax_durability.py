@@ -25,7 +25,7 @@ from asyncckpt import (  # noqa: E402
 )
 from asyncckpt.engine import fastcrc  # noqa: E402
 from asyncckpt.engine import files as files_lib  # noqa: E402
-from asyncckpt.jax import _job  # noqa: E402
+from asyncckpt.jax import _job, _ocdbt  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LineWatcher,
     check_crash_campaign,
@@ -56,6 +56,18 @@ class _DiskFullWriter(files_lib.DurableWriter):
         return super().write(name, chunks)
 
 
+class _DiskFullDatabase(_ocdbt.DatabaseWriter):
+    """The real OCDBT database writer, except that the chunks of the array `w` hit a full disk."""
+
+    def put(self, key, data):
+        if key.startswith("w/") and not key.endswith(".zarray"):
+            raise OSError(errno.ENOSPC, "No space left on device", key)
+        return super().put(key, data)
+
+
+PLAIN = aj.FormatOptions(use_ocdbt=False)
+
+
 class _FlushErrorWriter(files_lib.DurableWriter):
     """The real writer, except that making the files durable hits an I/O error."""
 
@@ -64,15 +76,20 @@ class _FlushErrorWriter(files_lib.DurableWriter):
         raise OSError(errno.EIO, "Input/output error", self.root)
 
 
-@pytest.mark.parametrize("writer", [_DiskFullWriter, _FlushErrorWriter])
+@pytest.mark.parametrize("writer", [_DiskFullWriter, _DiskFullDatabase, _FlushErrorWriter])
 def test_io_error_raises_on_the_next_call_and_keeps_earlier_checkpoints(
     ckpt_dir, monkeypatch, writer
 ):
+    """A full disk in either layout (chunk files, OCDBT), a failed flush in the default one."""
     state = {"w": jnp.arange(64.0), "step": 1}
-    mgr = aj.CheckpointManager(ckpt_dir, max_to_keep=1)
+    plain = writer is _DiskFullWriter
+    mgr = aj.CheckpointManager(ckpt_dir, max_to_keep=1, format_options=PLAIN if plain else None)
     mgr.save(1, state)
     mgr.wait_until_finished()
-    monkeypatch.setattr(_job, "DurableWriter", writer)
+    if writer is _DiskFullDatabase:
+        monkeypatch.setattr(_ocdbt, "DatabaseWriter", writer)
+    else:
+        monkeypatch.setattr(_job, "DurableWriter", writer)
     assert mgr.save(2, {"w": jnp.zeros(64), "step": 2})  # staging succeeds; the write fails
     assert mgr.last_save.committed.exception(60) is not None  # the failure has happened
     with pytest.raises(OSError) as err:
@@ -92,35 +109,44 @@ def test_io_error_raises_on_the_next_call_and_keeps_earlier_checkpoints(
 
 def test_background_error_is_raised_by_close(ckpt_dir, monkeypatch):
     mgr = aj.CheckpointManager(ckpt_dir)
-    monkeypatch.setattr(_job, "DurableWriter", _DiskFullWriter)
+    monkeypatch.setattr(_ocdbt, "DatabaseWriter", _DiskFullDatabase)
     mgr.save(1, {"w": jnp.ones(8)})
     with pytest.raises(OSError, match="No space left"):
         mgr.close()
     assert mgr.all_steps() == []
 
 
-def _three_checkpoints(ckpt_dir) -> None:
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+def _three_checkpoints(ckpt_dir, format_options=None) -> None:
+    with aj.CheckpointManager(ckpt_dir, format_options=format_options) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, {"w": jnp.full((1000,), float(step)), "step": step},
                      custom_metadata={"total_run_calls": step * 10})
 
 
-@pytest.mark.parametrize("damage", ["flip", "flip-zlib", "truncate"])
-def test_corruption_is_detected_named_and_skipped(ckpt_dir, caplog, monkeypatch, damage):
+@pytest.mark.parametrize("damage,layout", [("flip", "zarr files"), ("flip-zlib", "zarr files"),
+                                           ("truncate", "zarr files"), ("flip", "ocdbt"),
+                                           ("truncate", "ocdbt")])
+def test_corruption_is_detected_named_and_skipped(ckpt_dir, caplog, monkeypatch, damage, layout):
     """A flipped byte is caught under either checksum: CRC32C, or zlib's CRC32 ("-zlib").
 
     The zlib checkpoints are saved as where no native CRC32C is installed;
     they are restored and verified (also by the CLI) with it installed again.
+    In the OCDBT layout the damaged file is the data file holding ``w``.
     """
     if damage == "flip-zlib":
         monkeypatch.setattr(fastcrc, "available", lambda: False)
-    _three_checkpoints(ckpt_dir)
+    _three_checkpoints(ckpt_dir, PLAIN if layout == "zarr files" else None)
     monkeypatch.undo()
     manifest = json.loads((ckpt_dir / "3" / "asyncckpt.manifest.json").read_text())
     zlib_wanted = damage == "flip-zlib" or not fastcrc.available()
     assert all(("crc32" if zlib_wanted else "crc32c") in f for f in manifest["files"])
-    chunk = ckpt_dir / "3" / "default" / "w" / "0"
+    if layout == "ocdbt":
+        data = ckpt_dir / "3" / "default" / "ocdbt.process_0" / "ocdbt_data"
+        (chunk,) = data.iterdir()
+        where = f"3/default/ocdbt.process_0/ocdbt_data/{chunk.name}"
+    else:
+        chunk = ckpt_dir / "3" / "default" / "w" / "0"
+        where = "3/default/w/0"
     if damage.startswith("flip"):
         flip_byte(chunk)
     else:
@@ -130,12 +156,12 @@ def test_corruption_is_detected_named_and_skipped(ckpt_dir, caplog, monkeypatch,
     with pytest.raises(CorruptCheckpointError) as err:
         mgr.restore(3, target=target)
     assert err.value.file == str(chunk)
-    assert "3/default/w/0" in str(err.value)
+    assert where in str(err.value)
     with caplog.at_level(logging.WARNING):
         got = mgr.restore(target=target)
     assert got["step"] == 2
     np.testing.assert_array_equal(got["w"], np.full(1000, 2.0, np.float32))
-    assert "step 3" in caplog.text and "3/default/w/0" in caplog.text
+    assert "step 3" in caplog.text and where in caplog.text
     # Turning checksums off keeps the size check: a truncated chunk is still caught.
     quick = aj.CheckpointManager(ckpt_dir, restore_options=RestoreOptions(verify_checksums=False))
     if damage == "truncate":
@@ -189,7 +215,8 @@ def test_cli_list_inspect_verify_on_jax_checkpoints(ckpt_dir):
     assert manifest["framework"] == "jax" and manifest["step"] == 2
     assert manifest["stats"]["nbytes"] > 0 and manifest["asyncckpt_version"]
     names = {f["name"] for f in manifest["files"]}
-    expected = {"default/w/0", "default/w/.zarray", "default/_METADATA", "_CHECKPOINT_METADATA"}
+    expected = {"default/manifest.ocdbt", "default/ocdbt.process_0/manifest.ocdbt",
+                "default/_METADATA", "_CHECKPOINT_METADATA"}
     assert expected <= names
     algorithm = "crc32c" if fastcrc.available() else "crc32"
     assert all(f[algorithm] is not None for f in manifest["files"])

@@ -1,9 +1,10 @@
 """Two real JAX processes (jax.distributed on 127.0.0.1, 4 CPU devices each).
 
-Each process writes only its addressable shards into the shared temporary
-directory; process 0 commits once both are done, coordinated through the
+Each process writes only its addressable shards, into its own OCDBT database
+(the default layout) in the shared temporary directory; process 0 merges the
+databases and commits once both are done, coordinated through the
 distributed key-value store. The checkpoint then restores in a two-process
-run (onto another mesh) and in this single process.
+run (onto another mesh), in this single process, and with orbax.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ pid, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                            initialization_timeout=120)
 import asyncckpt.jax as aj
-from asyncckpt.engine import files as files_lib
-from asyncckpt.jax import _job
+from asyncckpt.jax import _ocdbt
 
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
@@ -63,11 +63,11 @@ def state(step):
             "rep": global_array(e["rep"], P()), "host": e["host"], "step": step}
 
 
-class FailingWriter(files_lib.DurableWriter):
-    def write(self, name, chunks):
-        if "/w/" in name:
-            raise OSError(28, "No space left on device", name)
-        return super().write(name, chunks)
+class FailingDatabase(_ocdbt.DatabaseWriter):
+    def put(self, key, data):
+        if key.startswith("w/"):
+            raise OSError(28, "No space left on device", key)
+        return super().put(key, data)
 
 
 out = {}
@@ -79,15 +79,16 @@ out["steps"] = mgr.all_steps()
 out["nbytes"] = [s.nbytes for s in mgr.engine.history]
 
 # A save that fails on process 1 fails on both, and leaves nothing behind.
+real_database = _ocdbt.DatabaseWriter
 if pid == 1:
-    _job.DurableWriter = FailingWriter
+    _ocdbt.DatabaseWriter = FailingDatabase
 mgr.save(4, state(4))
 try:
     mgr.wait_until_finished()
     out["failure"] = None
 except Exception as e:
     out["failure"] = f"{type(e).__name__}: {e}"
-_job.DurableWriter = files_lib.DurableWriter
+_ocdbt.DatabaseWriter = real_database
 out["steps_after_failure"] = mgr.all_steps()
 
 # Staging that fails on process 1 only fails the save on process 0 too (no timeout).
@@ -171,8 +172,10 @@ def test_two_processes_save_and_restore(tmp_path):
     np.testing.assert_array_equal(np.asarray(got["bf"]), (np.arange(32) * 3).astype(jnp.bfloat16))
     np.testing.assert_array_equal(got["rep"], np.full((4, 3), 3, np.int32))
     assert got["step"] == 3
-    # The manifest lists both processes' chunk files.
-    assert {f"default/w/{i}.{j}" for i in range(4) for j in range(2)} <= manifest_files
+    # The manifest lists both processes' databases and the merged one.
+    assert {"default/manifest.ocdbt", "default/ocdbt.process_0/manifest.ocdbt",
+            "default/ocdbt.process_1/manifest.ocdbt"} <= manifest_files
+    assert any(n.startswith("default/ocdbt.process_1/ocdbt_meta/") for n in manifest_files)
 
     # orbax reads it too.
     ocp = pytest.importorskip("orbax.checkpoint")

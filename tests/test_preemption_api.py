@@ -21,7 +21,7 @@ import asyncckpt.preemption as preemption
 from asyncckpt import _coordination as coord
 from asyncckpt._closing import ClosingContext
 from asyncckpt.engine.files import FileRecord
-from asyncckpt.jax import _distributed
+from asyncckpt.jax import _distributed, _parts
 from tests.helpers import subprocess_env
 
 PUBLIC = {
@@ -142,22 +142,23 @@ def test_jax_commit_protocol_runs_over_the_shared_store():
     assert key == p1.save_key(0, 7)
     record = FileRecord("a/b", 3, 123)
 
+    digest = _parts.encode(1, [record])[1]
+
     def primary():
-        records = p0.gather(key)
+        digests, failures = p0.collect(key)
         p0.announce(key)
-        return records
+        return digests, failures
 
     def other():
-        p1.report_done(key, [record])
+        p1.report_done(key, digest)
         p1.wait_committed(key, 7)
 
     results, errors = _run([primary, other])
-    assert errors == [None, None] and results[0] == [record]
-    # A failure on one process reaches the other as a CoordinationError.
+    assert errors == [None, None] and results[0] == ({1: digest}, {})
+    # A failure on one process reaches the other.
     key = p0.save_key(1, 8)
     p1.report_done(key, None, error=OSError("No space left on device"))
-    with pytest.raises(coord.CoordinationError, match="No space left"):
-        p0.gather(key)
+    assert "No space left" in p0.collect(key)[1][1]
     p0.announce(key, error=OSError("disk"))
     with pytest.raises(_distributed.DistributedSaveError, match="step 8 failed: process 0: OSE"):
         p1.wait_committed(key, 8)

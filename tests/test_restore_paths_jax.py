@@ -1,4 +1,8 @@
-"""The JAX restore pipeline: chunks read in pieces, checked as they arrive, exact."""
+"""The JAX restore pipeline: chunks read in pieces, checked as they arrive, exact.
+
+These checkpoints are saved in the zarr-file layout (``use_ocdbt=False``), whose chunk
+files the restore reads itself.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError  # noqa: E402
 
+# These tests read the chunk files of the zarr-file layout (OCDBT: tests/test_jax_ocdbt.py).
+PLAIN = aj.FormatOptions(use_ocdbt=False)
+
 
 def _mesh(shape, names):
     return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
@@ -37,7 +44,7 @@ def test_chunks_read_in_many_pieces_restore_exactly_onto_another_sharding(
         "scale": jnp.float32(0.25),
         "step": 7,
     }
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with aj.CheckpointManager(ckpt_dir, format_options=PLAIN) as mgr:
         mgr.save(1, state)
     mesh2 = _mesh((2, 2), ("x", "y"))
     target = {
@@ -48,7 +55,7 @@ def test_chunks_read_in_many_pieces_restore_exactly_onto_another_sharding(
                                       sharding=NamedSharding(mesh2, P())),
         "step": 0,
     }
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with aj.CheckpointManager(ckpt_dir, format_options=PLAIN) as mgr:
         got = mgr.restore(1, target=target)
     assert got["w"].sharding == target["w"].sharding and got["w"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got["w"]).view(np.uint16),
@@ -72,7 +79,7 @@ def test_cold_chunks_read_directly_into_huge_pages_are_checked_and_restored_exac
     rows = 2 * (reads.HUGE // 4 // 64) + 2  # two chunks just over the huge-page size
     state = {"w": jax.device_put(rng.standard_normal((rows, 64)).astype(np.float32),
                                  NamedSharding(mesh, P("d")))}
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with aj.CheckpointManager(ckpt_dir, format_options=PLAIN) as mgr:
         mgr.save(1, state)
     chunk = ckpt_dir / "1" / "default" / "w" / "1.0"
     assert chunk.stat().st_size > reads.HUGE
@@ -94,7 +101,7 @@ def test_cold_chunks_read_directly_into_huge_pages_are_checked_and_restored_exac
     assert str(chunk) in opened
     flip_byte(chunk, chunk.stat().st_size // 2 + 1, mask=0x01)
     evict(chunk)
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with aj.CheckpointManager(ckpt_dir, format_options=PLAIN) as mgr:
         got = mgr.restore(1, target=target)
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
     assert opened.count(str(chunk)) == 2
@@ -103,7 +110,7 @@ def test_cold_chunks_read_directly_into_huge_pages_are_checked_and_restored_exac
 def test_the_restored_arrays_other_files_are_checked_in_the_same_reads(ckpt_dir, monkeypatch):
     """Metadata files are checksummed alongside the chunks (one ``read_all``), still caught."""
     state = {"w": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones(8)}
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with aj.CheckpointManager(ckpt_dir, format_options=PLAIN) as mgr:
         mgr.save(1, state)
     calls: list[list[str]] = []
     real = reads.read_all
@@ -113,7 +120,7 @@ def test_the_restored_arrays_other_files_are_checked_in_the_same_reads(ckpt_dir,
         return real(file_reads, **kw)
 
     monkeypatch.setattr(reads, "read_all", counted)
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with aj.CheckpointManager(ckpt_dir, format_options=PLAIN) as mgr:
         got = mgr.restore(1, target=jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state))
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))

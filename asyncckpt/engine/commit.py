@@ -56,6 +56,11 @@ def _settle(path: str) -> None:
         _live.discard(os.path.abspath(path))
 
 
+def claim_temp(path: str) -> str:
+    """This process uses the temporary at ``path`` now (a cleanup leaves it alone)."""
+    return _claim(path)
+
+
 def forget_temp(path: str) -> None:
     """This process no longer uses the temporary at ``path`` (another one
     published or removes it), so a cleanup may treat it as any other."""

@@ -19,6 +19,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from asyncckpt.jax._args import PLACEHOLDER
 from asyncckpt.jax._compat import step_already_exists_error
 from asyncckpt.jax._distributed import CoordinationError
+from asyncckpt.jax._ocdbt import FormatOptions
 from asyncckpt.jax.manager import CheckpointManager, RootMetadata, StepMetadata
 
 # asyncckpt.jax.checkpointer imports orbax (its base class): loaded on first use.
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointManager",
     "Checkpointer",
     "CoordinationError",
+    "FormatOptions",
     "PyTreeCheckpointer",
     "RootMetadata",
     "StandardCheckpointer",

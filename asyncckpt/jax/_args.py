@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from asyncckpt.jax import _compat, _tree
+from asyncckpt.jax import _tree
 from asyncckpt.jax import _format as fmt
+from asyncckpt.jax._ocdbt import check_target_size
 
 PLACEHOLDER = ...  # orbax's PLACEHOLDER: a target leaf that is not restored
 
@@ -43,12 +44,16 @@ class SaveItem:
     per leaf in ``_tree.flatten`` order, ``itemsize`` the element size before a
     ``dtype`` cast (orbax chooses the chunks by it); None when every leaf is
     written as it is.
+
+    ``ocdbt_target_data_file_size``: the save's own (``StandardSave(...,
+    ocdbt_target_data_file_size=...)``), None when not given.
     """
 
     name: str
     kind: Literal["pytree", "json"]
     value: Any
     layout: tuple | None = None
+    ocdbt_target_data_file_size: int | None = None
 
 
 # SaveArgs fields asyncckpt honours; any other one set is refused.
@@ -158,16 +163,19 @@ def _unsupported(what: Any, why: str) -> TypeError:
 def _one_save(name: str, arg: Any) -> SaveItem:
     kind = _orbax_name(arg)
     if kind in _PYTREE_SAVE:
-        _compat.check_format(f"item {name!r}",
-                             ocdbt_target_data_file_size=getattr(
-                                 arg, "ocdbt_target_data_file_size", None))
+        target = getattr(arg, "ocdbt_target_data_file_size", None)
+        try:
+            check_target_size(target)
+        except ValueError as e:
+            raise ValueError(f"item {name!r}: {e}") from None
         if getattr(arg, "custom_metadata", None) is not None:
             raise ValueError(f"item {name!r}: per-item custom_metadata is not supported; pass "
                              "custom_metadata= to save() (stored for the step)")
         save_args = getattr(arg, "save_args", None)
         if save_args is None:
-            return SaveItem(name, "pytree", arg.item)
-        return SaveItem(name, "pytree", *_apply_save_args(name, arg.item, save_args))
+            return SaveItem(name, "pytree", arg.item, ocdbt_target_data_file_size=target)
+        tree, layout = _apply_save_args(name, arg.item, save_args)
+        return SaveItem(name, "pytree", tree, layout=layout, ocdbt_target_data_file_size=target)
     if kind in _JSON_SAVE:
         return _json_item(name, arg.item)
     raise _unsupported(arg, "asyncckpt.jax saves StandardSave, PyTreeSave and JsonSave items "

@@ -2,7 +2,10 @@
 
 Split from ``_restore`` (which places the arrays): ``ChunkStore`` plans
 and runs the reads (``engine.reads``) of the chunk files a restore needs,
-and checks the other files of the restored arrays in the same batch.
+and checks the other files of the restored arrays in the same batch. In an
+OCDBT item (``use_values``) the chunks are byte ranges of the databases'
+data files: each data file is read once, the ranges straight into their
+buffers, and checked whole in the same pass.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ class ChunkStore:
         self._checksums = checksums
         self._data: dict[str, np.ndarray | None] = {}
         self._checked: set[str] = set()  # names of files checked without keeping their bytes
+        self._values: tuple[str, Any] | None = None  # OCDBT: (item, its OcdbtIndex)
+
+    def use_values(self, item: str, index: Any) -> None:
+        """Chunks of ``item`` are values of its OCDBT database (``_tsarrays.OcdbtIndex``)."""
+        self._values = (item, index)
+
+    @property
+    def reads_values(self) -> bool:
+        return self._values is not None
 
     def _name(self, path: str) -> str:
         """``path``'s name relative to the step, as the manifest spells it."""
@@ -99,8 +111,64 @@ class ChunkStore:
             raise self._corrupt(path, f"has {size} bytes, the manifest records {rec.size}")
         return reads.FileRead(path, size, [], checksum=True, algorithm=rec.algorithm)
 
+    def prefetch_values(self, paths: Iterable[str], *, mine: set[str] | None = None) -> None:
+        """OCDBT: reads these chunks (values) and keeps their bytes; checks data files whole.
+
+        Every data file holding one of the chunks is read once: the chunks'
+        byte ranges straight into aligned buffers, the rest (when the file's
+        checksum is this process's to check: ``mine``, by name; None: all)
+        into scratch memory, so its checksum is computed in the same pass.
+        Inline values (small) come with the B-tree, checked with its files.
+        """
+        assert self._values is not None
+        item, index = self._values
+        top = os.path.join(self._dir, item)
+        todo = sorted(set(paths) - set(self._data))
+        by_file: dict[str, list[tuple[int, np.ndarray, str]]] = {}
+        for path in todo:
+            where = index.get(os.path.relpath(path, top).replace(os.sep, "/"))
+            if where is None or isinstance(where, bytes):
+                self._data[path] = None if where is None else np.frombuffer(where, np.uint8).copy()
+                continue
+            file, offset, length = where
+            buf = reads.aligned_empty(length, file_offset=offset)
+            by_file.setdefault(f"{item}/{file}", []).append((offset, buf, path))
+        if self._remote is not None:
+            self._remote.fetch_names(list(by_file))
+        plans = []
+        for name, dests in sorted(by_file.items()):
+            rec = self._records.get(name)
+            path = os.path.join(self._dir, *name.split("/"))
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"checkpoint {self._dir!r} is incomplete: file {path!r} is missing",
+                    checkpoint=self._dir, file=path) from None
+            if any(o + len(b) > size for o, b, _ in dests):
+                raise self._corrupt(path, f"has {size} bytes, shorter than its values in the "
+                                    "database's B-tree (truncated)")
+            checksum = (self._checksums and rec is not None and rec.crc is not None
+                        and (mine is None or name in mine) and name not in self._checked
+                        and not self._checked_on_fetch(name))
+            fr = reads.FileRead(path, size, [(o, b) for o, b, _ in dests], checksum=checksum,
+                                algorithm=rec.algorithm if checksum else reads.CRC32)
+            plans.append((name, rec, fr, dests))
+        try:
+            reads.read_all([fr for _, _, fr, _ in plans])
+        except reads.ShortReadError as e:
+            raise self._corrupt(e.path, "is shorter than its manifest records "
+                                "(truncated while being read)") from e
+        for name, rec, fr, dests in plans:
+            if fr.crc is not None:
+                if fr.crc != rec.crc:
+                    raise self._corrupt(fr.path, f"fails its {rec.mismatch(fr.crc)}")
+                self._checked.add(name)
+            for _, buf, path in dests:
+                self._data[path] = buf
+
     def prefetch(self, paths: Iterable[str], *,
-                 rest_of: tuple[str, set[str]] | None = None) -> None:
+                 rest_of: tuple[str, set[str] | None] | None = None) -> None:
         """Reads (and checks) these files in parallel and keeps their bytes.
 
         Each file is read straight into the aligned buffer its arrays are
@@ -148,28 +216,33 @@ class ChunkStore:
         for path, plan in plans.items():
             self._data[path] = None if plan is None else plan[1]
 
-    def wanted(self, item: str, params: set[str]) -> list[str]:
+    def wanted(self, item: str, params: set[str] | None) -> list[str]:
         """Names of the manifest's files a restore of these arrays of ``item`` relies on.
 
         ``item`` ``""``: the pytree is the checkpoint's root (a checkpointer's
-        path), its arrays' directories are top-level.
+        path), its arrays' directories are top-level. ``params`` None: every
+        file of the item (its arrays share data files: OCDBT).
         """
 
         def wanted(name: str) -> bool:
             parts = name.split("/")
             if not item:
-                return len(parts) == 1 or parts[0] in params
+                return len(parts) == 1 or params is None or parts[0] in params
             if len(parts) <= 2:  # step-level files and the item's own metadata files
                 return len(parts) == 1 or parts[0] == item
-            return parts[0] == item and parts[1] in params
+            return parts[0] == item and (params is None or parts[1] in params)
 
         return [name for name in sorted(self._records) if wanted(name)]
+
+    def names(self, paths: Iterable[str]) -> set[str]:
+        """These files' names relative to the step, as the manifest spells them."""
+        return {self._name(p) for p in paths}
 
     def read_names(self) -> set[str]:
         """Names (relative to the step) of the files read here so far."""
         return {self._name(p) for p in self._data}
 
-    def check_the_rest(self, item: str, params: set[str],
+    def check_the_rest(self, item: str, params: set[str] | None,
                        share: tuple[int, int] | None = None,
                        read_elsewhere: set[str] | frozenset[str] = frozenset()) -> None:
         """Checksums the files of the restored arrays not read here (other processes' chunks).
@@ -186,6 +259,17 @@ class ChunkStore:
         rest = self._unchecked(item, params, self.read_names() | set(read_elsewhere))
         if share is not None:
             rest = rest[share[0]::share[1]]
+        self._check_records(rest)
+
+    def check_names(self, names: Iterable[str]) -> None:
+        """Checksums these files (names relative to the step) unless checked already."""
+        if not self._checksums:
+            return
+        self._check_records([self._records[n] for n in sorted(set(names))
+                             if n in self._records and n not in self._checked
+                             and self._records[n].crc is not None])
+
+    def _check_records(self, rest: list[FileRecord]) -> None:
         if not rest:
             return
         if self._remote is not None:
@@ -205,8 +289,10 @@ class ChunkStore:
         with ThreadPoolExecutor(min(_READERS, len(rest)),
                                 thread_name_prefix="asyncckpt-verify") as pool:
             list(pool.map(check, rest))
+        self._checked.update(rec.name for rec in rest)
 
-    def _unchecked(self, item: str, params: set[str], read: set[str]) -> list[FileRecord]:
+    def _unchecked(self, item: str, params: set[str] | None, read: set[str]
+                   ) -> list[FileRecord]:
         """Records of the files of these arrays not in ``read`` nor checked yet, with a CRC."""
         return [self._records[n] for n in self.wanted(item, params)
                 if n not in read and n not in self._checked
@@ -215,5 +301,8 @@ class ChunkStore:
     def __call__(self, path: str) -> np.ndarray | None:
         """A chunk's bytes: prefetched, or read (and checked) now."""
         if path not in self._data:
-            self.prefetch([path])
+            if self._values is not None:
+                self.prefetch_values([path])
+            else:
+                self.prefetch([path])
         return self._data[path]

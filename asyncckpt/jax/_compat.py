@@ -70,10 +70,14 @@ class ItemSetup:
             asynchronously (an ``AsyncCheckpointer`` among them); None when
             none were given.
         timeout_s: The longest ``AsyncCheckpointer`` timeout among them.
+        handlers: orbax's handler objects by item name (``default`` for the
+            unnamed item), however they were given: their ``use_ocdbt``
+            decides each item's layout (``_ocdbt.ItemFormats``).
     """
 
     names: tuple[str, ...] | None = None
     kinds: dict[str, str] = field(default_factory=dict)
+    handlers: dict[str, Any] = field(default_factory=dict)
     named_items: bool = False
     use_async: bool | None = None
     timeout_s: float | None = None
@@ -84,7 +88,7 @@ def _handler_kind(name: str, handler: Any) -> str:
 
     Raises:
         ValueError: a handler type asyncckpt does not write, or one asking for
-            a format it does not write (``use_ocdbt=True``, ``use_zarr3=True``).
+            a format it does not write (``use_zarr3=True``).
     """
     kind = _HANDLER_KINDS.get(type(handler).__name__)
     if kind is None or not type(handler).__module__.startswith("orbax."):
@@ -96,33 +100,23 @@ def _handler_kind(name: str, handler: Any) -> str:
         # StandardCheckpointHandler, on the PyTreeCheckpointHandler it wraps.
         impl = getattr(handler, "_impl", handler)
         check_format(f"item {name!r}: {type(handler).__name__}",
-                     use_ocdbt=bool(getattr(impl, "_use_ocdbt", False)),
                      use_zarr3=bool(getattr(impl, "_use_zarr3", False)))
     return kind
 
 
-def check_format(what: str, *, use_ocdbt: bool = False, use_zarr3: bool = False,
-                 ocdbt_target_data_file_size: int | None = None) -> None:
-    """Refuses a format request asyncckpt cannot write yet (never writes another format).
+def check_format(what: str, *, use_zarr3: bool = False) -> None:
+    """Refuses a format request asyncckpt does not write (never writes another format).
 
-    asyncckpt writes orbax's zarr v2 layout without OCDBT; a handler or save
-    argument asking for OCDBT or zarr3 is refused here, the one place that
-    decides it, rather than written in the other format.
+    asyncckpt writes orbax's zarr v2 arrays (in OCDBT or as files, both
+    honoured: ``_ocdbt.ItemFormats``); a handler asking for zarr3 is refused
+    here rather than written in the other format.
 
     Raises:
         ValueError: naming the spelling to use instead.
     """
-    if use_ocdbt:
-        raise ValueError(f"{what} has use_ocdbt=True, which asyncckpt does not write yet "
-                         "(it writes orbax's zarr layout without OCDBT, which orbax restores): "
-                         "pass use_ocdbt=False, or leave item_handlers out")
     if use_zarr3:
         raise ValueError(f"{what} has use_zarr3=True; asyncckpt writes zarr v2 (which orbax "
                          "restores): pass use_zarr3=False")
-    if ocdbt_target_data_file_size is not None:
-        raise ValueError(f"{what}: ocdbt_target_data_file_size applies to OCDBT, which "
-                         "asyncckpt does not write yet; leave it out (SaveArgs(chunk_byte_size="
-                         "...) bounds the size of each written chunk file)")
 
 
 def item_setup(checkpointers: Any, item_names: Any, item_handlers: Any) -> ItemSetup:
@@ -149,30 +143,34 @@ def item_setup(checkpointers: Any, item_names: Any, item_handlers: Any) -> ItemS
     if isinstance(item_handlers, Mapping):
         kinds = {str(n): _handler_kind(n, h) for n, h in item_handlers.items()}
         names = tuple(dict.fromkeys([*(item_names or ()), *kinds]))
-        return ItemSetup(names=names, kinds=kinds)
+        return ItemSetup(names=names, kinds=kinds,
+                         handlers={str(n): h for n, h in item_handlers.items()})
     if item_names is not None:
         raise ValueError("item_handlers as one handler (the unnamed default item) and "
                          "item_names are mutually exclusive, as in orbax")
-    return ItemSetup(kinds={"default": _handler_kind("default", item_handlers)})
+    return ItemSetup(kinds={"default": _handler_kind("default", item_handlers)},
+                     handlers={"default": item_handlers})
 
 
 def _from_checkpointers(checkpointers: Any) -> ItemSetup:
     single = not isinstance(checkpointers, Mapping)
     by_name = {"default": checkpointers} if single else dict(checkpointers)
-    kinds, asynchronous, timeouts = {}, [], []
+    kinds, asynchronous, timeouts, handlers = {}, [], [], {}
     for name, ckptr in by_name.items():
         handler = getattr(ckptr, "handler", None)
         if handler is None or not any(c.__name__ == "Checkpointer" for c in type(ckptr).__mro__):
             raise ValueError(f"checkpointers[{name!r}] is not an orbax Checkpointer: "
                              f"{type(ckptr).__name__}")
         kinds[str(name)] = _handler_kind(name, handler)
+        handlers[str(name)] = handler
         is_async = any(c.__name__ == "AsyncCheckpointer" for c in type(ckptr).__mro__)
         asynchronous.append(is_async)
         if is_async:
             timeouts.append(async_checkpointer_timeout(ckptr))
     timeout = max((t for t in timeouts if t is not None), default=None)
     return ItemSetup(names=None if single else tuple(kinds), kinds=kinds,
-                     named_items=not single, use_async=any(asynchronous), timeout_s=timeout)
+                     named_items=not single, use_async=any(asynchronous), timeout_s=timeout,
+                     handlers=handlers)
 
 
 def async_checkpointer_timeout(ckptr: Any) -> float | None:

@@ -38,16 +38,18 @@ to ``save()``, in the same order, and ``should_save``'s answer (the save
 schedule, the preemption point agreed by JAX, and "not after the latest
 step", which holds for increasing steps).
 
-**One save.**
+**One save.** Nothing per file goes through the store: each process's file
+records go into its manifest part, next to its files (``_parts``).
 
-1. each non-primary process, once its files are durable, sets
-   ``done/<process>`` to its file records (or to its error);
-2. the primary waits for every ``done/<i>``, checks that every process's
-   recorded files are in the temporary directory with the recorded sizes
-   (a directory that is not shared between the processes fails here, naming
-   the missing files), writes the manifest, publishes the directory by
-   rename, applies retention, then sets ``commit``: ``ok``, or the verdict
-   naming every process's failure;
+1. each non-primary process, once its files are durable, writes its part
+   and sets ``done/<process>`` to ``ok:<files>:<crc32 of the part>`` (or
+   to its error, at most ``_MAX_TEXT`` characters);
+2. the primary waits for every ``done/<i>``, reads the parts in parallel
+   and checks each against its digest (a part it cannot find means the
+   directory is not shared between the processes: the save fails here,
+   naming it), merges OCDBT databases, writes the manifest, publishes the
+   directory by rename, applies retention, then sets ``commit``: ``ok``,
+   or the verdict naming every process's failure;
 3. every process raises the same ``DistributedSaveError`` for a failed
    save (on the process at fault, with its own error as the cause); the
    non-primary processes wait for ``commit`` before their save counts as
@@ -68,12 +70,19 @@ stale temporaries and then publishes a run token (``ready``) that names the
 temporary directories; the other processes wait for it, so no process writes
 into a directory that the cleanup could still remove.
 
-**Restore.** ``RestoreVerdicts`` (keys ``r<n>/<round>/<process>``) lets the
-processes of one restore tell each other which files they read (and so
-checked), so the files nobody read are split among them, and then share
-their integrity verdicts: corruption found by any process fails the
-checkpoint on every process, and all fall back to the same older step.
-Process 0 deletes a round's keys once every process has published the next.
+So per save each process sets one key and reads one (process 0 reads one
+per process and sets one), whatever the number of arrays and files.
+
+**Restore.** Each process computes, from the target's shardings, which
+chunk files every process reads (and so checks); the files nobody reads are
+split among the processes by index. ``RestoreVerdicts`` (keys
+``r<n>/<round>/<process>``) then shares their integrity verdicts: each
+process publishes its own, process 0 publishes the combined one
+(``r<n>/<round>/all``) once it has every process's, the others read that
+one: corruption found by any process fails the checkpoint on every process,
+and all fall back to the same older step. Two keys per process and round,
+nothing that grows with the number of files or quadratically with the
+number of processes. Process 0 deletes a round's keys at the next round.
 A process whose restore fails for any other reason (a storage error, a
 target that does not match) publishes ``r<n>/abort`` before raising; the
 others, waiting for its answer, raise ``PeerFailedError`` at once instead of
@@ -94,7 +103,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 from asyncckpt._coordination import (
     CoordinationError,
@@ -102,7 +111,6 @@ from asyncckpt._coordination import (
     JaxCoordinator,
 )
 from asyncckpt._coordination import Coordinator as KeyValueStore
-from asyncckpt.engine.files import FileRecord
 from asyncckpt.jax._verdicts import ABORT, RestoreVerdicts
 
 __all__ = [
@@ -114,6 +122,8 @@ logger = logging.getLogger(__name__)
 
 _ERROR = "error:"
 _OK = "ok"
+_DONE = "ok:"  # a process's part is written: ok:<files>:<crc32 of the part>
+_MAX_TEXT = 2000  # longest failure text a process sends (a fixed-size message)
 ABSENT = "did not take part"  # a process's failure raised before staging its part
 # Managers made per (process, directory key): the n in "d<hash>.<n>".
 _generations: collections.Counter[tuple[int, str]] = collections.Counter()
@@ -139,8 +149,9 @@ class DistributedSaveError(CoordinationError):
 
 
 def describe(error: BaseException) -> str:
-    """A failure as one line for the other processes."""
-    return f"{type(error).__name__}: {error}"
+    """A failure as one line for the other processes (at most ``_MAX_TEXT`` characters)."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT - 3] + "..."
 
 
 def manager_key(directory: str | os.PathLike) -> str:
@@ -161,35 +172,6 @@ def process_layout() -> tuple[int, int]:
 def _seq_of(save_key: str) -> int:
     """The sequence number in a key made by ``save_key``."""
     return int(save_key.rsplit("/s", 1)[1].split("-", 1)[0])
-
-
-def missing_files(tmp_dir: str, by_process: dict[int, list[FileRecord]]) -> dict[int, str]:
-    """Primary, before publishing: each process whose recorded files are not all in ``tmp_dir``.
-
-    Returns:
-        ``{process: what is missing}``, naming the files (empty: all there with
-        the recorded sizes). Files missing here mean the processes do not
-        share the directory: a commit would publish a checkpoint that cannot
-        be restored.
-    """
-    failures: dict[int, str] = {}
-    for i, records in sorted(by_process.items()):
-        bad = []
-        for r in records:
-            try:
-                size = os.stat(os.path.join(tmp_dir, *r.name.split("/"))).st_size
-            except FileNotFoundError:
-                bad.append(f"{r.name} (missing)")
-                continue
-            if size != r.size:
-                bad.append(f"{r.name} ({size} bytes, {r.size} recorded)")
-        if bad:
-            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-            failures[i] = (
-                f"{len(bad)} of the {len(records)} files it wrote are not in {tmp_dir!r}, where "
-                f"process 0 commits: {', '.join(bad[:5])}{more}. A multi-process save needs a "
-                "directory every process shares (see docs/storage.md)")
-    return failures
 
 
 class CommitCoordinator:
@@ -314,28 +296,27 @@ class CommitCoordinator:
 
     # -- one save --------------------------------------------------------------
 
-    def report_done(self, save_key: str, records: Sequence[FileRecord] | None,
+    def report_done(self, save_key: str, digest: str | None,
                     error: BaseException | None = None) -> None:
-        """Non-primary: its files are durable (or its part failed)."""
-        value = (
-            f"{_ERROR}{describe(error)}"
-            if error is not None
-            else json.dumps([r.to_json() for r in records or ()])  # checksum named by algorithm
-        )
+        """Non-primary: its files and its manifest part are durable (or its part failed).
+
+        ``digest``: the part's (``_parts.encode``), a few bytes whatever the
+        number of files.
+        """
+        value = f"{_ERROR}{describe(error)}" if error is not None else f"{_DONE}{digest}"
         self._set(f"{save_key}/done/{self.process_index}", value)
 
-    def collect(self, save_key: str) -> tuple[list[FileRecord], dict[int, str], dict[int, list]]:
+    def collect(self, save_key: str) -> tuple[dict[int, str], dict[int, str]]:
         """Primary: waits for every other process's answer.
 
         Returns:
-            ``(records, failures, by_process)``: every record reported,
+            ``(digests, failures)``: each process's part digest, and
             ``{process: failure}`` (a process that did not answer in time
-            included), and each process's records.
+            included).
         """
         deadline = time.monotonic() + self.timeout_s
-        records: list[FileRecord] = []
+        digests: dict[int, str] = {}
         failures: dict[int, str] = {}
-        by_process: dict[int, list] = {}
         silent = False
         for i in range(1, self.process_count):
             try:
@@ -346,28 +327,16 @@ class CommitCoordinator:
                 continue
             if value.startswith(_ERROR):
                 failures[i] = value[len(_ERROR):]
-                continue
-            mine = [FileRecord.from_json(d) for d in json.loads(value)]
-            by_process[i] = mine
-            records.extend(mine)
+            elif value.startswith(_DONE):
+                digests[i] = value[len(_DONE):]
+            else:
+                failures[i] = f"an answer process 0 does not understand: {value[:100]!r}"
         # An answer from a process's writer thread means that process has finished
         # every earlier save; one it gave on raising before staging (from its
         # training thread) does not.
         if not silent and not any(f.startswith(ABSENT) for f in failures.values()):
             self._reap_earlier(_seq_of(save_key))
-        return records, failures, by_process
-
-    def gather(self, save_key: str, *, raise_errors: bool = True) -> list[FileRecord]:
-        """Primary: waits for every other process's files and returns their records.
-
-        Raises:
-            CoordinationError: a process reported an error or did not answer.
-        """
-        records, failures, _ = self.collect(save_key)
-        if failures and raise_errors:
-            raise CoordinationError("other processes failed this save: " + "; ".join(
-                f"process {i}: {text}" for i, text in sorted(failures.items())))
-        return records
+        return digests, failures
 
     def _reap_earlier(self, seq: int) -> None:
         """Every process's writer answered save ``seq``: no one reads the earlier ones' keys."""
@@ -400,6 +369,8 @@ class CommitCoordinator:
         if error is not None:
             failures[0] = (error.failures.get(0, describe(error))
                            if isinstance(error, DistributedSaveError) else describe(error))
+        failures = {i: t if len(t) <= _MAX_TEXT else t[:_MAX_TEXT - 3] + "..."
+                    for i, t in failures.items()}
         if failures:
             self._announce_failures(save_key, failures)
         else:
@@ -445,7 +416,7 @@ class CommitCoordinator:
         """
         try:
             if self.primary:
-                _, failures, _ = self.collect(save_key)
+                _, failures = self.collect(save_key)
                 return DistributedSaveError(
                     step, self.announce(save_key, error=error, failures=failures))
             self.report_done(save_key, None, error=error)

@@ -161,6 +161,48 @@ def zarray_json(shape: Sequence[int], chunks: Sequence[int], dtype: str) -> str:
     )
 
 
+def split_chunk(chunk: Sequence[int], itemsize: int, limit: int | None) -> tuple[int, ...]:
+    """A chunk shape dividing ``chunk`` whose chunks hold at most ``limit`` bytes.
+
+    orbax makes the zarr chunks of an OCDBT checkpoint no larger than the
+    target data file size; this does the same with shapes of the form
+    ``(1, ..., 1, c, n, ...)`` (``c`` dividing that dimension), so that each
+    smaller chunk is one contiguous run of the bytes of the original chunk
+    in C order and is written from the staging buffer without a copy.
+    ``limit`` None or 0: ``chunk`` itself. A chunk of one element is never split.
+    """
+    chunk = tuple(int(c) for c in chunk)
+    if not limit or math.prod(chunk) * itemsize <= limit:
+        return chunk
+    out = list(chunk)
+    for d, n in enumerate(chunk):
+        inner = math.prod(chunk[d + 1:]) * itemsize  # bytes of one step along dimension d
+        fits = [c for c in range(n, 0, -1) if n % c == 0 and c * inner <= limit]
+        if fits:
+            out[d] = fits[0]
+            return tuple(out)
+        out[d] = 1  # even one step is too large: split the next dimension too
+    return tuple(out)
+
+
+def chunk_pieces(chunk: Sequence[int], sub: Sequence[int], coords: Sequence[int],
+                 shape: Sequence[int]) -> tuple[str | None, ...]:
+    """The chunk names of ``sub``-shaped pieces of the chunk at ``coords``, in byte order.
+
+    ``chunk`` is the shape the bytes were staged in (at chunk coordinates
+    ``coords`` of that grid), ``sub`` a ``split_chunk`` of it. Each piece
+    is a contiguous, equal run of those bytes; a piece wholly outside the
+    array's ``shape`` (padding of an edge chunk) is None: never written.
+    """
+    factors = [c // s for c, s in zip(chunk, sub, strict=True)]
+    out: list[str | None] = []
+    for local in np.ndindex(*factors):
+        grid = [c * f + i for c, f, i in zip(coords, factors, local, strict=True)]
+        inside = all(g * s < n for g, s, n in zip(grid, sub, shape, strict=True))
+        out.append(chunk_name(grid) if inside else None)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class TreeEntry:
     """One leaf in orbax's ``_METADATA``.
@@ -182,8 +224,9 @@ class TreeEntry:
         return self.value_type not in (JAX_ARRAY, NUMPY_ARRAY, SCALAR)
 
 
-def tree_metadata_json(entries: Sequence[TreeEntry], custom_metadata: Any = None) -> str:
-    """orbax's ``_METADATA`` for a non-OCDBT, zarr v2 checkpoint."""
+def tree_metadata_json(entries: Sequence[TreeEntry], custom_metadata: Any = None, *,
+                       use_ocdbt: bool = False) -> str:
+    """orbax's ``_METADATA`` for a zarr v2 checkpoint, OCDBT or not."""
     tree = {}
     for e in entries:
         value: dict[str, Any] = {"value_type": e.value_type, "skip_deserialize": e.skipped}
@@ -198,7 +241,7 @@ def tree_metadata_json(entries: Sequence[TreeEntry], custom_metadata: Any = None
     return json.dumps(
         {
             "tree_metadata": tree,
-            "use_ocdbt": False,
+            "use_ocdbt": use_ocdbt,
             "use_zarr3": False,
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": custom_metadata,
@@ -245,6 +288,16 @@ def read_tree_metadata(item_dir: str) -> list[TreeEntry]:
             checkpoint=os.path.dirname(item_dir),
             file=path,
         ) from e
+
+
+def tree_flag(item_dir: str, name: str) -> Any:
+    """A top-level field of ``_METADATA`` (``use_ocdbt``, ``use_zarr3``); None if absent."""
+    try:
+        with open(os.path.join(item_dir, TREE_METADATA), encoding="utf-8") as f:
+            body = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return body.get(name) if isinstance(body, dict) else None
 
 
 def sharding_json(sharding: Any) -> str | None:
@@ -393,16 +446,22 @@ class ZarrArray:
         checkpoint: Checkpoint path, for error messages.
         source: Reads a chunk file's bytes; restores pass one that verifies
             and caches what it reads.
+        metadata: The ``.zarray`` contents when they are not a file (an
+            OCDBT key); chunks are then still asked of ``source`` by the path
+            they would have as files.
     """
 
-    def __init__(self, array_dir: str, *, checkpoint: str, source: ChunkSource = read_file_bytes):
+    def __init__(self, array_dir: str, *, checkpoint: str, source: ChunkSource = read_file_bytes,
+                 metadata: bytes | None = None):
         self.dir = array_dir
         self._checkpoint = checkpoint
         self._source = source
         meta_path = os.path.join(array_dir, ZARRAY)
         try:
-            with open(meta_path, encoding="utf-8") as f:
-                meta = json.load(f)
+            if metadata is None:
+                with open(meta_path, "rb") as f:
+                    metadata = f.read()
+            meta = json.loads(metadata)
             self.shape = tuple(int(d) for d in meta["shape"])
             self.chunks = tuple(int(d) for d in meta["chunks"])
             self.dtype = numpy_dtype(meta["dtype"])

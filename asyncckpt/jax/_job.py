@@ -3,12 +3,14 @@
 Runs on the engine's writer thread. ``write`` puts this process's chunk files
 (and, on the primary, the metadata files) into the shared temporary
 directory, straight from the slot's buffers, with CRC32s computed as they are
-written; ``commit`` waits for the files to be durable, lets the processes
-agree (see ``_distributed``), writes the manifest and publishes the step
-directory with one rename (or, in orbax's commit-file mode, writes the step
-directory in place and commits it by creating ``commit_success.txt`` last);
-``after_commit`` then runs the manager's callback and tells the other
-processes, where an error no longer fails the save.
+written; items stored as OCDBT instead go into this process's OCDBT database
+(``_ocdbt.DatabaseWriter``). ``commit`` waits for the files to be durable,
+lets the processes agree (see ``_distributed``), merges the OCDBT databases
+(primary), writes the manifest and publishes the step directory with one
+rename (or, in orbax's commit-file mode, writes the step directory in place
+and commits it by creating ``commit_success.txt`` last); ``after_commit``
+then runs the manager's callback (retention) and tells the other processes,
+where an error no longer fails the save.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,12 +29,8 @@ from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import (
-    ABSENT,
-    Coordinator,
-    DistributedSaveError,
-    missing_files,
-)
+from asyncckpt.jax import _ocdbt, _parts
+from asyncckpt.jax._distributed import ABSENT, Coordinator, DistributedSaveError
 from asyncckpt.jax._snapshot import StagedTree
 from asyncckpt.options import AsyncOptions
 
@@ -82,6 +80,7 @@ class JaxSaveJob:
         make_dir_now: Create the (temporary or in-place) directory in the
             constructor, on the saving thread (orbax's
             ``create_directories_asynchronously=False``).
+        ocdbt: Items stored as OCDBT -> their target data file size (0: no limit).
     """
 
     def __init__(
@@ -106,6 +105,7 @@ class JaxSaveJob:
         commit_marker: str | None = None,
         deadline: float | None = None,
         make_dir_now: bool = False,
+        ocdbt: Mapping[str, int] | None = None,
     ):
         self.label = dir_name or str(step)
         self.step = step
@@ -124,6 +124,8 @@ class JaxSaveJob:
         self._shards = shards
         self._on_temp_made = on_temp_made
         self._replace = replace
+        self._ocdbt = dict(ocdbt or {})
+        self._dbs: dict[str, _ocdbt.DatabaseWriter] = {}
         self._primary = coordinator is None or coordinator.primary
         self._init_ns = time.time_ns()
         self._tmp: str | None = None
@@ -197,11 +199,24 @@ class JaxSaveJob:
                 pause=self._pause,
             )
             self._writer = writer
+            splits = staged.splits
             for name, buf in staged.chunks:  # names are relative to the step directory
                 # A byte view: extension dtypes (bfloat16) have no buffer format.
-                writer.write(name, (buf.reshape(-1).view(np.uint8),))
+                data = buf.reshape(-1).view(np.uint8)
+                if (db := self._database(name)) is None:
+                    writer.write(name, (data,))
+                elif (pieces := splits.get(name)) is None:
+                    db.put(name.split("/", 1)[1], data)
+                else:  # equal, contiguous runs of the chunk's bytes
+                    size = len(data) // len(pieces)
+                    for k, piece in enumerate(pieces):
+                        if piece is not None:
+                            db.put(piece.split("/", 1)[1], data[k * size:(k + 1) * size])
             for name, data in staged.metadata_files:
-                writer.write(name, (data,))
+                if (db := self._database(name)) is None:
+                    writer.write(name, (data,))
+                else:
+                    db.put(name.split("/", 1)[1], data)
             if self._primary:
                 step_meta = fmt.step_metadata_json(
                     metrics=self._metrics,
@@ -215,6 +230,25 @@ class JaxSaveJob:
                 writer.write(OWNER_MARKER, (owner_marker_bytes(),))
         finally:
             self._staged = None  # the slot is reused once this returns
+
+    def _database(self, name: str) -> _ocdbt.DatabaseWriter | None:
+        """The OCDBT database a file of the step goes into (None: a file of its own).
+
+        In an OCDBT item, the files of its arrays (``<item>/<param>/...``) are
+        keys of this process's database; the item's own files (``_METADATA``,
+        ``_sharding``) stay files.
+        """
+        item, _, rest = name.partition("/")
+        if item not in self._ocdbt or "/" not in rest:
+            return None
+        db = self._dbs.get(item)
+        if db is None:
+            assert self._tmp is not None and self._writer is not None
+            index = 0 if self._coord is None else self._coord.process_index
+            db = self._dbs[item] = _ocdbt.DatabaseWriter(
+                self._tmp, item, index, target=self._ocdbt[item], files=self._writer,
+                pause=self._pause)
+        return db
 
     # -- commit: durable, agreed, published ----------------------------------------
 
@@ -232,12 +266,18 @@ class JaxSaveJob:
 
     def _commit(self, stats: SaveStats) -> None:
         assert self._writer is not None and self._tmp is not None
+        for db in self._dbs.values():  # the last values, and the files TensorStore wrote
+            db.finish()
         records = self._writer.finish()
-        if self._shards is not None:  # no shared directory: this process's files go up
-            self._shards.upload(self.label, self._tmp, records)
         if not self._primary:
             assert self._coord is not None and self._save_key is not None
-            self._coord.report_done(self._save_key, records)
+            # This process's records go into its manifest part, next to its files;
+            # process 0 is told only the part's digest.
+            part, digest = _parts.write(self._tmp, self._coord.process_index, records,
+                                        fsync=self._options.fsync)
+            if self._shards is not None:  # no shared directory: this process's files go up
+                self._shards.upload(self.label, self._tmp, [*records, part])
+            self._coord.report_done(self._save_key, digest)
             self._reported = True
             error = self._coord.verdict(self._save_key, self.step)
             if error is not None:
@@ -246,19 +286,14 @@ class JaxSaveJob:
                 self._shards.committed_elsewhere()  # [storage] the new step in its listing
             self._release_tmp()  # published (and owned) by the primary
             return
+        if self._shards is not None:
+            self._shards.upload(self.label, self._tmp, records)
         if self._coord is not None:
-            assert self._save_key is not None
-            others, failures, by_process = self._coord.collect(self._save_key)
-            if self._shards is None:
-                # A directory the processes do not share: their files are not here.
-                failures.update(missing_files(self._tmp, by_process))
-            if failures:
-                self._announced = True
-                raise DistributedSaveError(
-                    self.step, self._coord.announce(self._save_key, failures=failures))
-            records = records + others
+            records = records + self._others_records()
         if self._shards is not None:  # every process's objects, before the manifest
             self._shards.check(self.label, records)
+        if self._ocdbt:
+            records = records + self._merge(records)
         self._extra = {
             "num_processes": 1 if self._coord is None else self._coord.process_count,
             "metrics": self._metrics,
@@ -289,6 +324,54 @@ class JaxSaveJob:
         self._published = True
         if self._on_published is not None:
             self._on_published(self.step)
+
+    def _others_records(self) -> list:
+        """Primary: every other process's file records, from their manifest parts.
+
+        Raises:
+            DistributedSaveError: a process failed, did not answer, or its part
+                is not where the primary commits (a directory not shared).
+        """
+        assert self._coord is not None and self._save_key is not None and self._tmp is not None
+        digests, failures = self._coord.collect(self._save_key)
+        parts: dict = {}
+        if not failures:
+            if self._shards is None:
+                reader, where = _parts.local_reader(self._tmp), repr(self._tmp)
+            else:
+                reader, where = self._shards.reader(self.label), f"{self._shards.url}/{self.label}/"
+            parts, failures = _parts.read_all(digests, reader, where=where)
+        if failures:
+            self._announced = True
+            raise DistributedSaveError(
+                self.step, self._coord.announce(self._save_key, failures=failures))
+        if self._shards is None:
+            _parts.remove(self._tmp, list(parts))  # not part of the published checkpoint
+        return [r for i in sorted(parts) for r in parts[i]]
+
+    def _merge(self, records: list) -> list:
+        """Primary: one OCDBT database per item over every process's; the new files' records.
+
+        Without a shared directory (``shards``), the other processes' B-tree
+        nodes are fetched first (their data files are not: the merged tree
+        only refers to them), and the merged root is uploaded after.
+        """
+        assert self._tmp is not None
+        if self._shards is not None:
+            wanted = set(_ocdbt.merge_inputs([r.name for r in records]))
+            here = os.path.join(self._tmp, "")
+            self._shards.download(self.label, self._tmp, [
+                r for r in records if r.name in wanted
+                and not os.path.exists(here + r.name)])
+        merged = DurableWriter(self._tmp, fsync=self._options.fsync,
+                               checksums=self._options.checksums, pause=self._pause)
+        for item in sorted(self._ocdbt):
+            if os.path.isdir(os.path.join(self._tmp, item)):
+                _ocdbt.merge(self._tmp, item, files=merged)
+        new = merged.finish()
+        if self._shards is not None:
+            self._shards.upload(self.label, self._tmp, new)
+        return new
 
     def after_commit(self, stats: SaveStats) -> None:
         """Published: the manager's callback (retention), then tell the others."""

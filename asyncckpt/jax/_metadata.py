@@ -19,7 +19,7 @@ from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.manifest import read_manifest
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.jax import _args, _tree
+from asyncckpt.jax import _args, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt
 
 
@@ -114,11 +114,13 @@ def is_json_item(step_dir: str, name: str, handlers: dict | None = None) -> bool
 def describe_tree(item_dir: str) -> Any:
     """A tree of ``jax.ShapeDtypeStruct`` (and empty values) like the saved pytree."""
     pairs = []
-    for e in fmt.read_tree_metadata(item_dir):
+    entries = fmt.read_tree_metadata(item_dir)
+    arrays = _tsarrays.ItemArrays(item_dir, entries, checkpoint=item_dir)  # [ocdbt] any layout
+    for e in entries:
         if e.skipped:
             pairs.append((e.path, _tree.empty_value(e.value_type)))
             continue
-        array = fmt.ZarrArray(os.path.join(item_dir, e.path.param), checkpoint=item_dir)
+        array = arrays(e.path.param)
         pairs.append((e.path, jax.ShapeDtypeStruct(array.shape, np.dtype(array.dtype))))
     return _tree.build_tree(pairs)
 

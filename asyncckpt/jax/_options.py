@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 # work; asyncckpt's behaviour with any value is what orbax's is (why, for each,
 # in docs/compat.md), so any value is accepted.
 _HINTS = frozenset({
-    "enable_background_delete",  # deletions already run off the training thread
+    "enable_background_delete",  # deleted steps' files are removed on a background thread
     "num_deletion_threads",  # the writer thread deletes
     "lightweight_initialize",  # step records are read lazily, when a rule needs them
     "single_host_load_and_broadcast",  # listing is one local directory read

@@ -10,8 +10,9 @@ Only then are the arrays placed on the target's sharding with
 ``jax.make_array_from_callback``: each device asks for its own region, which
 may span several saved chunks or a part of one, so a checkpoint written on
 one mesh restores onto any other (another device count, another process
-count). Checkpoints written by orbax itself with compression or OCDBT are
-handed to orbax.
+count). Items stored as OCDBT (asyncckpt's or orbax's), compressed or as
+zarr v3 are read through TensorStore (``_tsarrays.ItemArrays``); their files
+are checked as a whole, since one data file holds many arrays.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from asyncckpt.errors import (
     CorruptCheckpointError,
     UnsupportedObjectError,
 )
-from asyncckpt.jax import _args, _metadata, _tree
+from asyncckpt.jax import _args, _metadata, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._chunks import ChunkStore
 from asyncckpt.jax._options import StepNames
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 
 # Set by a multi-process manager around its restores (``shared_verdicts``).
+# A saved array as the restore reads it: plain zarr files, or through TensorStore.
+Array = fmt.ZarrArray | _tsarrays.TsArray
+
 _VERDICTS: contextvars.ContextVar[Any] = contextvars.ContextVar("asyncckpt_verdicts",
                                                                 default=None)
 
@@ -59,15 +63,34 @@ def shared_verdicts(verdicts: Any) -> Iterator[None]:
         _VERDICTS.reset(token)
 
 
-def verified(store: ChunkStore, paths: list[str], item: str, params: set[str],
-             step_dir: str) -> None:
+def verified(store: ChunkStore, paths: list[str], item: str, params: set[str] | None,
+             step_dir: str, read_by_all: Callable[[], list[str]] | None = None) -> None:
     """Reads and checks this process's chunks, then the other files of the restored arrays.
 
+    ``params`` None: every file of the item (an item read through TensorStore).
+
     One process checks every file. Several processes each check what they
-    read plus their share of the files (partitioned by process index), and
-    then agree: a damaged file found by any of them fails the restore on all.
+    read plus their share of the files nobody reads (partitioned by process
+    index; ``read_by_all`` gives the chunk files every process reads, the
+    same list everywhere), and then agree: a damaged file found by any of
+    them fails the restore on all.
     """
     verdicts = _VERDICTS.get()
+    if store.reads_values:  # OCDBT: every file of the item, each whole (shared data files)
+        wanted = store.wanted(item, None)
+        mine = None if verdicts is None else set(
+            wanted[verdicts.process_index::verdicts.process_count])
+        error = None
+        try:
+            store.prefetch_values(paths, mine=mine)
+            store.check_names(wanted if mine is None else mine)
+        except CorruptCheckpointError as e:
+            if verdicts is None:
+                raise
+            error = e
+        if verdicts is not None:
+            verdicts.agree(f"{os.path.basename(step_dir)}/{item}", error)
+        return
     if verdicts is None:
         store.prefetch(paths, rest_of=(item, params))
         store.check_the_rest(item, params)  # what prefetch did not (a remote step's files)
@@ -75,51 +98,12 @@ def verified(store: ChunkStore, paths: list[str], item: str, params: set[str],
     error = None
     try:
         store.prefetch(paths)
+        store.check_the_rest(
+            item, params, share=(verdicts.process_index, verdicts.process_count),
+            read_elsewhere=store.names(read_by_all() if read_by_all is not None else []))
     except CorruptCheckpointError as e:
         error = e
-    # Which files each process read (and checked): a bitmap over the wanted files.
-    wanted = store.wanted(item, params)
-    read = store.read_names()
-    mine = sum(1 << k for k, name in enumerate(wanted) if name in read)
-    elsewhere = 0
-    for bits in verdicts.exchange(f"reads of {item}", format(mine, "x")):
-        elsewhere |= int(bits, 16)
-    if error is None:
-        try:
-            store.check_the_rest(
-                item, params, share=(verdicts.process_index, verdicts.process_count),
-                read_elsewhere={n for k, n in enumerate(wanted) if elsewhere >> k & 1})
-        except CorruptCheckpointError as e:
-            error = e
     verdicts.agree(f"{os.path.basename(step_dir)}/{item}", error)
-
-
-def _needs_orbax(item_dir: str, entries: list[fmt.TreeEntry]) -> bool:
-    if fmt.is_ocdbt(item_dir):
-        return True
-    for e in entries:
-        if not e.skipped:
-            try:
-                return fmt.ZarrArray(os.path.join(item_dir, e.path.param),
-                                     checkpoint=item_dir).compressed
-            except CorruptCheckpointError:
-                return False
-    return False
-
-
-def _restore_with_orbax(item_dir: str, target: Any) -> Any:
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:
-        raise CorruptCheckpointError(
-            f"{item_dir!r} was written by orbax in a compressed or OCDBT format that only "
-            "orbax reads; install orbax-checkpoint (pip install 'asyncckpt[jax]')",
-            checkpoint=os.path.dirname(item_dir),
-        ) from e
-    logger.info("%s is an orbax (compressed/OCDBT) checkpoint: restoring through orbax",
-                item_dir)
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(item_dir, target)
 
 
 def restore_tree(
@@ -170,20 +154,15 @@ def restore_tree(
                     step_dir)
     item_dir = os.path.join(step_dir, item)
     entries = fmt.read_tree_metadata(item_dir)
-    if restore_args is not None:
-        target = _target_from_restore_args(item_dir, entries, target, restore_args)
-    if _needs_orbax(item_dir, entries):
-        if partial or restore_args is not None or _has_placeholder(target):
-            raise UnsupportedObjectError(
-                f"{item_dir!r} is an orbax (compressed/OCDBT) checkpoint; restore it whole, "
-                "or restore the subset with orbax's own manager"
-            )
-        if remote is not None:
-            remote.fetch_all()
-        if manifest is not None:
-            verify_files(step_dir, manifest.files, checksums=checksums, checkpoint=step_dir)
-        return _restore_with_orbax(item_dir, target)
     store = ChunkStore(step_dir, manifest, checksums=checksums, remote=remote)
+    opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store)
+    if opener.through_tensorstore and remote is not None:
+        # TensorStore reads the item's files itself: all of them are fetched first.
+        remote.fetch_names([n for n in remote.records if n.startswith(f"{item}/")])
+    elif opener.index is not None:
+        store.use_values(item, opener.index)  # [ocdbt] chunks are byte ranges of data files
+    if restore_args is not None:
+        target = _target_from_restore_args(entries, target, restore_args, opener)
     if target is None:
         pairs = [(e, None) for e in entries]
         treedef = None
@@ -192,16 +171,15 @@ def restore_tree(
         pairs = list(zip(_match(step_dir, entries, target, partial=partial), leaves,
                          strict=True))
     selected = [(e, leaf) for e, leaf in pairs if not e.skipped and leaf is not PLACEHOLDER]
-    arrays = {
-        e.path.param: fmt.ZarrArray(os.path.join(item_dir, e.path.param),
-                                    checkpoint=step_dir, source=store)
-        for e, _ in selected
-    }
+    arrays = {e.path.param: opener(e.path.param) for e, _ in selected}
     for e, leaf in selected:  # check every leaf before reading any bytes
         _check_target(e, arrays[e.path.param], leaf, step_dir)
+    whole = opener.through_tensorstore or opener.index is not None  # files shared by arrays
     verified(store, [path for e, leaf in selected
                      for path in _chunks_needed(arrays[e.path.param], leaf)],
-             item, {e.path.param for e, _ in selected}, step_dir)
+             item, None if whole else {e.path.param for e, _ in selected},
+             step_dir, lambda: [path for e, leaf in selected
+                                for path in _chunks_read_by_any(arrays[e.path.param], leaf)])
     values = [leaf if leaf is PLACEHOLDER else _read_leaf(e, arrays.get(e.path.param), leaf)
               for e, leaf in pairs]
     if treedef is None:
@@ -212,12 +190,8 @@ def restore_tree(
 PLACEHOLDER = ...  # orbax.checkpoint.PLACEHOLDER
 
 
-def _has_placeholder(target: Any) -> bool:
-    return target is not None and any(x is PLACEHOLDER for x in _tree.flatten(target)[0])
-
-
-def _target_from_restore_args(item_dir: str, entries: list[fmt.TreeEntry], target: Any,
-                              restore_args: Any) -> Any:
+def _target_from_restore_args(entries: list[fmt.TreeEntry], target: Any, restore_args: Any,
+                              opener: _tsarrays.ItemArrays) -> Any:
     """A target tree from orbax ``RestoreArgs``: each leaf's type, dtype and sharding."""
     by_param = {e.path.param: e for e in entries}
     args_leaves, args_def = jax.tree_util.tree_flatten(
@@ -236,7 +210,7 @@ def _target_from_restore_args(item_dir: str, entries: list[fmt.TreeEntry], targe
         if given is PLACEHOLDER or arg is PLACEHOLDER or entry is None or entry.skipped:
             out.append(PLACEHOLDER if PLACEHOLDER in (given, arg) else given)
             continue
-        saved = fmt.ZarrArray(os.path.join(item_dir, entry.path.param), checkpoint=item_dir)
+        saved = opener(entry.path.param)
         dtype = np.dtype(getattr(arg, "dtype", None) or saved.dtype)
         shape = tuple(getattr(arg, "global_shape", None) or getattr(arg, "shape", None)
                       or saved.shape)
@@ -293,7 +267,7 @@ def _match(step_dir: str, entries: list[fmt.TreeEntry], target: Any, *,
     return [by_param[p.param] for p in paths]
 
 
-def _chunks_needed(array: fmt.ZarrArray, target: Any) -> list[str]:
+def _chunks_needed(array: Array, target: Any) -> list[str]:
     """The chunk files this process reads for one leaf."""
     if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and target.sharding is not None:
         regions = target.sharding.addressable_devices_indices_map(array.shape).values()
@@ -302,11 +276,25 @@ def _chunks_needed(array: fmt.ZarrArray, target: Any) -> list[str]:
     return array.chunk_paths(None)
 
 
+def _chunks_read_by_any(array: Array, target: Any) -> list[str]:
+    """The chunk files any process of this run reads for one leaf (``_chunks_needed`` of each).
+
+    Every process computes the same list from the target's sharding (its
+    devices' regions, whichever process holds them), so which files are
+    read, and so checked, is known without a word between the processes.
+    """
+    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and target.sharding is not None:
+        regions = target.sharding.devices_indices_map(array.shape).values()
+        return [p for index in {_key(i, array.shape): i for i in regions}.values()
+                for p in array.chunk_paths(index)]
+    return array.chunk_paths(None)  # every process reads all of it
+
+
 def _key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
 
 
-def _check_target(entry: fmt.TreeEntry, array: fmt.ZarrArray, target: Any,
+def _check_target(entry: fmt.TreeEntry, array: Array, target: Any,
                   step_dir: str) -> None:
     display = entry.path.display
     if target is None:
@@ -328,7 +316,7 @@ def _check_target(entry: fmt.TreeEntry, array: fmt.ZarrArray, target: Any,
         )
 
 
-def _read_leaf(entry: fmt.TreeEntry, array: fmt.ZarrArray | None, target: Any) -> Any:
+def _read_leaf(entry: fmt.TreeEntry, array: Array | None, target: Any) -> Any:
     if entry.skipped or array is None:
         if target is None or _tree.is_empty_leaf(target):
             return _tree.empty_value(entry.value_type) if target is None else target
@@ -359,7 +347,7 @@ def _check_shape(display: str, saved: tuple, wanted: tuple, step_dir: str) -> No
         )
 
 
-def _to_device(array: fmt.ZarrArray, dtype: np.dtype, sharding: Any) -> jax.Array:
+def _to_device(array: Array, dtype: np.dtype, sharding: Any) -> jax.Array:
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     seen: set[tuple] = set()

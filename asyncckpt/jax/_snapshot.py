@@ -27,7 +27,7 @@ import logging
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,10 @@ class ChunkPlan:
         source: The part of the shard (or host value) this chunk holds, when
             ``SaveArgs(chunk_byte_size=...)`` splits it into several chunks;
             None for the whole of it.
+        pieces: OCDBT with chunks split to fit the target data file size: the
+            chunk names (relative to the item) of the equal, contiguous runs
+            of the staged bytes, in order (None for padding never written);
+            None when the staged chunk is one zarr chunk.
     """
 
     shard: int
@@ -75,6 +79,7 @@ class ChunkPlan:
     shape: tuple[int, ...]
     region: tuple[slice, ...] | None = None
     source: tuple[slice, ...] | None = None
+    pieces: tuple[str | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,17 @@ class Plan:
             self._named[key] = columns
         return self._named[key]
 
+    def splits(self, item: str) -> dict[str, tuple[str | None, ...]]:
+        """Staged chunk name -> its pieces' names under ``item`` (chunks split for OCDBT)."""
+        key = ("splits", item)
+        splits = self._named.get(key)
+        if splits is None:
+            splits = {f"{item}/{c.file}": tuple(None if p is None else f"{item}/{p}"
+                                                for p in c.pieces)
+                      for lp in self.leaves for c in lp.chunks if c.pieces is not None}
+            self._named[key] = splits
+        return splits
+
     def layout(self, item: str) -> dict[str, int]:
         """Byte size of each staging buffer a save under ``item`` takes, by file."""
         return {st[3]: math.prod(st[4]) * st[5].itemsize
@@ -230,12 +246,16 @@ class StagedTree:
         metadata_files: ``(file, bytes)`` written by the primary.
         keepalive: Host-memory arrays the views in ``chunks`` belong to.
         size: The bytes of both when known in advance (a plan's); -1 to count them.
+        splits: Chunks stored as several zarr chunks (OCDBT): staged name ->
+            the names of its equal, contiguous pieces (see ``ChunkPlan.pieces``).
     """
 
     chunks: tuple[tuple[str, np.ndarray], ...]
     metadata_files: tuple[tuple[str, bytes], ...]
     keepalive: tuple[Any, ...] = ()
     size: int = field(default=-1, compare=False, repr=False)
+    splits: Mapping[str, tuple[str | None, ...]] = field(default_factory=dict, compare=False,
+                                                         repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -252,6 +272,7 @@ class StagedTree:
             tuple(c for t in trees for c in t.chunks),
             tuple(m for t in trees for m in t.metadata_files),
             tuple(k for t in trees for k in t.keepalive),
+            splits={k: v for t in trees for k, v in t.splits.items()},
         )
 
 
@@ -371,7 +392,7 @@ def _chunk_plans(shard: int, param: str, origin: Sequence[int], size: tuple[int,
 
 def _plan_jax_leaf(
     leaf: jax.Array, path: _tree.LeafPath, files: list, shardings: dict,
-    sub: tuple[int | None, tuple[int, ...], int] | None = None,
+    sub: tuple[int | None, tuple[int, ...], int] | None = None, ocdbt: int | None = None,
 ) -> tuple[LeafPlan, fmt.TreeEntry]:
     display = path.display
     if leaf.is_deleted():
@@ -384,10 +405,13 @@ def _plan_jax_leaf(
     dtype = np.dtype(leaf.dtype)
     zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
     chunk = _chunk_grid(leaf, display)
-    disk_chunk = tuple(max(1, c) for c in chunk)
-    if sub is not None and chunk:
+    staged_chunk = tuple(max(1, c) for c in chunk)
+    if sub is not None and chunk:  # SaveArgs chunking: each disk chunk a chunk plan of its own
         size, axes, itemsize = sub
         disk_chunk = fmt.sub_chunk_shape(leaf.shape, chunk, itemsize, size, axes)
+    else:  # OCDBT may split a staged chunk into pieces that fit its data files
+        sub = None
+        disk_chunk = fmt.split_chunk(staged_chunk, dtype.itemsize, ocdbt)
     chunks: list[ChunkPlan] = []
     if 0 not in leaf.shape:
         for i, shard in enumerate(leaf.addressable_shards):
@@ -395,8 +419,15 @@ def _plan_jax_leaf(
                 continue  # another device (maybe another process) writes this data
             bounds = [s.indices(d)[:2] for s, d in zip(shard.index, leaf.shape, strict=True)]
             size = tuple(b - a for a, b in bounds)
-            chunks += _chunk_plans(i, path.param, [a for a, _ in bounds], size, chunk,
-                                   disk_chunk, leaf.shape)
+            if sub is not None:
+                chunks += _chunk_plans(i, path.param, [a for a, _ in bounds], size, chunk,
+                                       disk_chunk, leaf.shape)
+                continue
+            coords = tuple(a // c for (a, _), c in zip(bounds, chunk, strict=True))
+            region = None if size == chunk else tuple(slice(0, n) for n in size)
+            file = f"{path.param}/{fmt.chunk_name(coords)}"
+            chunks.append(ChunkPlan(i, file, chunk, region, pieces=_pieces(
+                path, staged_chunk, disk_chunk, coords, leaf.shape)))
     files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(leaf.shape, disk_chunk, zdtype)))
     shardings[path.param] = fmt.sharding_json(leaf.sharding)
     entry = fmt.TreeEntry(path, fmt.JAX_ARRAY, chunk)
@@ -410,9 +441,18 @@ def _plan_jax_leaf(
     return LeafPlan("jax", display, dtype, tuple(chunks), pinned, host_view, whole), entry
 
 
+def _pieces(path: _tree.LeafPath, chunk: tuple[int, ...], disk_chunk: tuple[int, ...],
+            coords: tuple[int, ...], shape: tuple[int, ...]) -> tuple[str | None, ...] | None:
+    """``ChunkPlan.pieces`` of a staged chunk (None: stored as one zarr chunk)."""
+    if disk_chunk == chunk:
+        return None
+    return tuple(None if n is None else f"{path.param}/{n}"
+                 for n in fmt.chunk_pieces(chunk, disk_chunk, coords, shape))
+
+
 def _plan_host_leaf(
     leaf: Any, kind: str, path: _tree.LeafPath, files: list, primary: bool,
-    sub: tuple[int | None, tuple[int, ...], int] | None = None,
+    sub: tuple[int | None, tuple[int, ...], int] | None = None, ocdbt: int | None = None,
 ) -> tuple[LeafPlan, fmt.TreeEntry]:
     display = path.display
     if kind == "scalar":
@@ -420,29 +460,35 @@ def _plan_host_leaf(
     else:  # a NumPy array or NumPy scalar: orbax stores both as np.ndarray
         dtype, shape, value_type = np.dtype(leaf.dtype), tuple(leaf.shape), fmt.NUMPY_ARRAY
     zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
-    whole = tuple(max(1, d) for d in shape)
-    disk_chunk = whole
+    staged_chunk = tuple(max(1, d) for d in shape)
     if sub is not None and shape:
         size, axes, itemsize = sub
         disk_chunk = fmt.sub_chunk_shape(shape, shape, itemsize, size, axes)
+    else:
+        sub = None
+        disk_chunk = fmt.split_chunk(staged_chunk, dtype.itemsize, ocdbt)
     chunks: tuple[ChunkPlan, ...] = ()
     # Host values are the same on every process; the primary writes them.
     if primary and 0 not in shape:
-        if disk_chunk == whole:
-            chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name((0,) * len(shape))}", shape),)
+        coords = (0,) * len(shape)
+        if sub is None:
+            chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name(coords)}", shape, None,
+                                pieces=_pieces(path, staged_chunk, disk_chunk, coords, shape)),)
         else:
-            chunks = tuple(_chunk_plans(-1, path.param, (0,) * len(shape), shape, shape,
-                                        disk_chunk, shape))
+            chunks = tuple(_chunk_plans(-1, path.param, coords, shape, shape, disk_chunk, shape))
     files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(shape, disk_chunk, zdtype)))
     return LeafPlan(kind, display, dtype, chunks), fmt.TreeEntry(path, value_type)
 
 
 def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
-               layout: tuple | None = None) -> Plan:
+               layout: tuple | None = None, ocdbt: int | None = None) -> Plan:
     """Plans the save of ``tree`` (whose flattened leaves are ``leaves``).
 
     ``layout``: per leaf, ``(chunk_byte_size, shard_axes, itemsize)`` of its
     ``SaveArgs`` or None (see ``_args.SaveItem``); None: every leaf written as it is.
+    ``ocdbt``: None for the plain zarr layout; for OCDBT, the target data file
+    size (0: no limit), which zarr chunks are split to fit (leaves chunked by
+    their ``SaveArgs`` keep those chunks).
 
     Raises:
         UnsupportedObjectError: a leaf's type, dtype, name or sharding cannot
@@ -458,9 +504,9 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
     for leaf, path, sub in zip(leaves, paths, subs, strict=True):
         kind = _kind(leaf)
         if kind == "jax":
-            plan, entry = _plan_jax_leaf(leaf, path, files, shardings, sub)
+            plan, entry = _plan_jax_leaf(leaf, path, files, shardings, sub, ocdbt)
         elif kind in ("numpy", "npscalar", "scalar"):
-            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary, sub)
+            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary, sub, ocdbt)
         elif kind == "empty":
             plan = LeafPlan("empty", path.display, None, ())
             entry = fmt.TreeEntry(path, _tree.empty_type_name(leaf) or "None")
@@ -472,7 +518,8 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
             )
         plans.append(plan)
         entries.append(entry)
-    files.append((fmt.TREE_METADATA, fmt.tree_metadata_json(entries)))
+    files.append((fmt.TREE_METADATA,
+                  fmt.tree_metadata_json(entries, use_ocdbt=ocdbt is not None)))
     # orbax reads _sharding only if every jax.Array leaf is described in it.
     if shardings and all(v is not None for v in shardings.values()):
         files.append((fmt.SHARDING_FILE, fmt.sharding_file_json(shardings)))  # type: ignore[arg-type]
@@ -496,8 +543,8 @@ class Snapshotter:
         self._has_empty: OrderedDict[Any, bool] = OrderedDict()
         # The plan used last, for a tree without empty subtrees (see ``plan``):
         # (plain tree definition, leaf signatures, plan, and when every leaf is
-        # a jax.Array: (leaf types, each leaf's (aval, sharding))).
-        self._last: tuple[Any, tuple, Plan, tuple | None] | None = None
+        # a jax.Array: (leaf types, each leaf's (aval, sharding)), its layout).
+        self._last: tuple[Any, tuple, Plan, tuple | None, int | None] | None = None
 
     def _flatten(self, tree: Any) -> tuple[list[Any], Any, bool]:
         """``_tree.flatten(tree)``, without its per-node Python callback where possible.
@@ -524,8 +571,11 @@ class Snapshotter:
             return *_tree.flatten(tree), True
         return leaves, treedef, False
 
-    def plan(self, tree: Any, layout: tuple | None = None) -> tuple[Plan, list[Any]]:
+    def plan(self, tree: Any, layout: tuple | None = None,
+             ocdbt: int | None = None) -> tuple[Plan, list[Any]]:
         """The plan for ``tree`` (cached) and its flattened leaves.
+
+        ``ocdbt``: the layout, as ``build_plan`` takes it (None: plain zarr).
 
         The plan used last is checked first, comparing (not hashing) the tree
         definition and leaf signatures, mostly the same objects from save to
@@ -534,9 +584,9 @@ class Snapshotter:
         ``layout`` (``SaveArgs`` chunking, per leaf) is part of the plan's key.
         """
         if layout is not None:
-            return self._plan_general(tree, layout)
+            return self._plan_general(tree, layout, ocdbt)
         last = self._last
-        if last is not None:
+        if last is not None and last[4] == ocdbt:
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             if treedef == last[0]:
                 arrays = last[3]
@@ -546,15 +596,16 @@ class Snapshotter:
                         return last[2], leaves
                 elif tuple(map(_signature, leaves)) == last[1]:
                     return last[2], leaves
-        return self._plan_general(tree, None)
+        return self._plan_general(tree, None, ocdbt)
 
-    def _plan_general(self, tree: Any, layout: tuple | None) -> tuple[Plan, list[Any]]:
+    def _plan_general(self, tree: Any, layout: tuple | None,
+                      ocdbt: int | None) -> tuple[Plan, list[Any]]:
         leaves, treedef, has_empty = self._flatten(tree)
         sigs = tuple(map(_signature, leaves))
-        key = (treedef, sigs) if layout is None else (treedef, sigs, layout)
+        key = (treedef, sigs, ocdbt) if layout is None else (treedef, sigs, ocdbt, layout)
         plan = self._cache.get(key)
         if plan is None:
-            plan = build_plan(tree, leaves, primary=self._primary, layout=layout)
+            plan = build_plan(tree, leaves, primary=self._primary, layout=layout, ocdbt=ocdbt)
             self._cache[key] = plan
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -565,11 +616,12 @@ class Snapshotter:
         arrays = None
         if _aval_sharding is not None and all(s[0] is _ArrayImpl for s in sigs):
             arrays = (tuple(map(type, leaves)), tuple(s[1:] for s in sigs))
-        self._last = None if has_empty or layout is not None else (treedef, sigs, plan, arrays)
+        self._last = (None if has_empty or layout is not None
+                      else (treedef, sigs, plan, arrays, ocdbt))
         return plan, leaves
 
     def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM,
-              layout: tuple | None = None) -> StagedTree:
+              layout: tuple | None = None, ocdbt: int | None = None) -> StagedTree:
         """Copies this process's part of ``tree`` into ``slot``'s buffers.
 
         Returns once every value is in host memory that nothing else
@@ -581,8 +633,9 @@ class Snapshotter:
             item: The item directory the files go in (several items share a
                 slot); ``""`` puts them at the checkpoint's root.
             layout: ``SaveArgs`` chunking per leaf (see ``plan``).
+            ocdbt: The layout (None: plain zarr; else OCDBT, see ``build_plan``).
         """
-        plan, leaves = self.plan(tree) if layout is None else self.plan(tree, layout)
+        plan, leaves = self.plan(tree, layout, ocdbt)
         slot.reserve(plan.nbytes)  # over the host memory budget: raises, nothing allocated
         plan_leaves = plan.leaves
         live = plan.live
@@ -603,7 +656,7 @@ class Snapshotter:
             sources = map(np.asarray, arrays)
             copy_arrays(list(zip(buffers, sources, strict=True)))
             return StagedTree(tuple(zip(files, buffers, strict=True)), plan.metadata_for(item), (),
-                              plan.nbytes)
+                              plan.nbytes, plan.splits(item))
         # 1. Start every device-to-host transfer before waiting on any.
         pinned: dict[int, Any] = {}
         if plan.pinned:
@@ -648,7 +701,7 @@ class Snapshotter:
                 _set_scalar(buf, leaves[i], plan_leaves[i])
         copy_arrays(pairs)
         return StagedTree(tuple(chunks), plan.metadata_for(item), tuple(pinned.values()),
-                          plan.nbytes)
+                          plan.nbytes, plan.splits(item))
 
 
 _is_deleted = operator.methodcaller("is_deleted")

@@ -1,11 +1,15 @@
 """Restore verdicts shared between the processes of a multi-process JAX restore.
 
 Part of the protocol described in ``asyncckpt.jax._distributed``: the
-processes of one restore tell each other which files they read (and so
-checked), split the files nobody read among themselves, and share their
-integrity verdicts, so all accept or skip a checkpoint together. A process
-whose restore fails for another reason publishes ``abort``; the others stop
-waiting for it and raise ``PeerFailedError``.
+processes of one restore share their integrity verdicts, so all accept or
+skip a checkpoint together. Each process publishes its own verdict; process
+0 gathers them and publishes the combined one, which the others read: two
+keys per process and round, whatever the number of files, and linear in the
+number of processes. (Which files each process reads, and so checks, every
+process computes itself from the target's shardings: nothing about files
+goes through the store.) A process whose restore fails for another reason
+publishes ``abort``; the others stop waiting for it and raise
+``PeerFailedError``.
 """
 
 from __future__ import annotations
@@ -25,18 +29,17 @@ logger = logging.getLogger(__name__)
 
 OK = "ok"
 ABORT = "abort"
+ALL = "all"  # process 0's combined verdict of a round
 # How often a process waiting for another's restore answer looks for its abort.
 _ABORT_POLL_S = 0.2
 
 
 class RestoreVerdicts:
-    """Shares what each process read, and its integrity verdict, for one restore.
+    """Shares each process's integrity verdict, for one restore.
 
-    Each process reads the chunks it needs; ``exchange`` tells everyone which
-    files were read, so the files nobody read are split among the processes
-    to check; ``agree`` publishes each process's verdict and waits for
-    everyone's, so all accept or reject a checkpoint together (and all fall
-    back to the same older step).
+    ``agree`` publishes this process's verdict of a checkpoint item and
+    returns once the combined verdict is known, so all accept or reject a
+    checkpoint together (and all fall back to the same older step).
 
     Args:
         coordinator: The manager's coordinator.
@@ -50,8 +53,11 @@ class RestoreVerdicts:
         self.process_index = coordinator.process_index
         self.process_count = coordinator.process_count
 
-    def exchange(self, what: str, mine: str) -> list[str]:
-        """Publishes ``mine`` and returns every process's value, by process index.
+    def combine(self, what: str, mine: str) -> str:
+        """Publishes ``mine``; returns the first value other than ``OK`` of any process.
+
+        Process 0 waits for every process's value and publishes the result
+        (``OK``, or ``<process>:<value>``); the others wait for that one.
 
         Raises:
             CoordinationTimeoutError: a process did not answer in time.
@@ -60,17 +66,21 @@ class RestoreVerdicts:
         c = self._coord
         key = f"{self._prefix}/{self._rounds}"
         self._rounds += 1
-        c._set(f"{key}/{c.process_index}", mine)
         deadline = time.monotonic() + c.timeout_s
-        values = [mine if i == c.process_index else
-                  self._wait(f"{key}/{i}", deadline, f"process {i}'s {what}")
-                  for i in range(c.process_count)]
-        if c.primary:
-            # Every process has published this round: none reads an earlier one.
-            for earlier in c._restore_keys:
-                c._store.delete(earlier)
-            c._restore_keys = [key]
-        return values
+        if not c.primary:
+            c._set(f"{key}/{c.process_index}", mine)
+            return self._wait(f"{key}/{ALL}", deadline, f"process 0's {what}")
+        combined = OK if mine == OK else f"0:{mine}"
+        for i in range(1, c.process_count):
+            value = self._wait(f"{key}/{i}", deadline, f"process {i}'s {what}")
+            if combined == OK and value != OK:
+                combined = f"{i}:{value}"
+        c._set(f"{key}/{ALL}", combined)
+        # Every process has published this round, so none reads an earlier one.
+        for earlier in c._restore_keys:
+            c._store.delete(earlier)
+        c._restore_keys = [key]
+        return combined
 
     def _wait(self, key: str, deadline: float, what: str) -> str:
         c = self._coord
@@ -111,15 +121,15 @@ class RestoreVerdicts:
             CoordinationTimeoutError: a process did not answer in time.
         """
         mine = OK if error is None else json.dumps(
-            {"message": str(error), "file": error.file, "checkpoint": error.checkpoint})
-        found = [(i, json.loads(v)) for i, v in
-                 enumerate(self.exchange(f"verdict of {name}", mine)) if v != OK]
-        if not found:
+            {"message": str(error)[:2000], "file": error.file, "checkpoint": error.checkpoint})
+        combined = self.combine(f"verdict of {name}", mine)
+        if combined == OK:
             return
         if error is not None:
             raise error
-        i, info = found[0]
+        process, _, text = combined.partition(":")
+        info = json.loads(text)
         raise CorruptCheckpointError(
-            f"{info['message']} (found by process {i})",
+            f"{info['message']} (found by process {process})",
             checkpoint=info.get("checkpoint"), file=info.get("file"),
         )

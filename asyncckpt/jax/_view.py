@@ -25,6 +25,7 @@ from typing import Any
 
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
+from asyncckpt.engine._removals import BackgroundRemover
 from asyncckpt.engine.lock import DirectoryLock
 from asyncckpt.jax import _metadata, _policies
 from asyncckpt.jax._options import ManagerConfig, StepNames
@@ -78,6 +79,8 @@ class DirectoryView:
         self._policy: tuple[ManagerConfig, retention.RetentionPolicy] | None = None
         self.users = 0  # open managers; the lock is released when the last closes
         self.dir_lock = DirectoryLock(directory)
+        # Deleted steps' files, removed off the writer thread (``delete_step_dir``).
+        self.removals = BackgroundRemover(os.path.basename(directory.rstrip(os.sep)) or "dir")
         # Released once no manager and no save in flight refers to this view.
         weakref.finalize(self, self.dir_lock.release)
 
@@ -404,10 +407,12 @@ class DirectoryView:
 def delete_step_dir(view: DirectoryView, step: int, todelete_subdir: str | None) -> None:
     """Removes a step: renamed out of the listing first, so a half-deleted step is never seen.
 
+    The rename is all this does on the calling thread (the writer's, for
+    retention); the files are removed by the view's ``removals`` thread.
     With ``todelete_subdir`` the step is only moved there (orbax's soft delete).
 
     Raises:
-        OSError: the rename or removal failed.
+        OSError: the rename failed.
     """
     path = view.step_dir(step)
     if todelete_subdir is not None:
@@ -422,14 +427,15 @@ def delete_step_dir(view: DirectoryView, step: int, todelete_subdir: str | None)
             return
         logger.debug("moved step %d to %s", step, trash)
         return
-    doomed = os.path.join(view.directory, f"{commit_lib.TEMP_PREFIX}deleted-{step}-"
-                          f"{uuid.uuid4().hex[:8]}")
+    doomed = commit_lib.claim_temp(os.path.join(
+        view.directory, f"{commit_lib.TEMP_PREFIX}deleted-{step}-{uuid.uuid4().hex[:8]}"))
     try:
         os.rename(path, doomed)
     except FileNotFoundError:
+        commit_lib.forget_temp(doomed)
         return
-    commit_lib.remove_tree(doomed)
-    logger.debug("deleted step %d in %s", step, view.directory)
+    view.removals.submit(doomed)
+    logger.debug("deleted step %d in %s (files removed in the background)", step, view.directory)
 
 
 _VIEWS: weakref.WeakValueDictionary[str, DirectoryView] = weakref.WeakValueDictionary()

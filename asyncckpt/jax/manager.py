@@ -23,6 +23,7 @@ from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
+from asyncckpt.jax._ocdbt import FormatOptions, ItemFormats
 from asyncckpt.jax._restore import restore_listed, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.jax._tiers import StepTiers
@@ -102,6 +103,9 @@ class CheckpointManager(ClosingContext):
             scratch directory and are durable once committed remotely).
         remote_options: Schedule, retention and retries of the remote tier
             (default: every step, ``max_to_keep`` as above).
+        format_options: How arrays are stored (``FormatOptions``: orbax's
+            OCDBT format or one zarr chunk file per shard). Handlers given as
+            ``item_handlers`` decide for their items (their ``use_ocdbt``).
 
     Raises:
         ValueError: an orbax option asyncckpt cannot honour (named), or
@@ -130,6 +134,7 @@ class CheckpointManager(ClosingContext):
         coordination_timeout_s: float = 1800.0,
         remote: str | None = None,
         remote_options: RemoteOptions | None = None,
+        format_options: FormatOptions | None = None,
     ):
         if options is not None:
             if (max_to_keep, save_interval_steps, keep_period, best_fn, best_mode,
@@ -167,6 +172,8 @@ class CheckpointManager(ClosingContext):
                                                directory=directory)
         self._shards = self._tiers.multiprocess(self._coord)  # URL directory: per-process uploads
         self._primary = self._coord is None or self._coord.primary
+        # [ocdbt] Which items are stored as OCDBT (handlers' use_ocdbt, format_options).
+        self._formats = ItemFormats(format_options, setup.handlers, os.fspath(directory))
         if self._config.create and not self._config.read_only:
             os.makedirs(self._directory, exist_ok=True)
         self._view = _view.view_for(self._directory, self._config.names,
@@ -464,7 +471,8 @@ class CheckpointManager(ClosingContext):
         for item in _args.save_items(state, args, named_items=setup.named_items,
                                      kinds=setup.kinds)[0]:
             if item.kind == "pytree":
-                plan = self._snapshotter.plan(item.value, item.layout)[0]
+                ocdbt = self._formats.layout(item.name, item.ocdbt_target_data_file_size)
+                plan = self._snapshotter.plan(item.value, item.layout, ocdbt)[0]
                 layout.update(plan.layout(item.name))
         self._engine.prepare_staging(layout)
 
@@ -504,13 +512,16 @@ class CheckpointManager(ClosingContext):
         ranked = self._config.best_fn is not None and self._config.write_metrics
         handlers, extra = fmt.item_files(items, metrics if ranked else None,
                                          primary=self._primary)
+        layouts = {i.name: self._formats.layout(i.name, i.ocdbt_target_data_file_size)
+                   for i in items if i.kind == "pytree"}  # [ocdbt] None: plain zarr
 
         config = self._config
         timeout = config.save_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def stage(slot):
-            trees = [self._snapshotter.stage(i.value, slot, item=i.name, layout=i.layout)
+            trees = [self._snapshotter.stage(i.value, slot, item=i.name, layout=i.layout,
+                                             ocdbt=layouts[i.name])
                      for i in items if i.kind == "pytree"]
             if extra or not trees:  # one pytree alone is staged as it is, not re-joined
                 trees.append(StagedTree((), tuple(extra)))
@@ -534,6 +545,7 @@ class CheckpointManager(ClosingContext):
                 commit_marker=config.commit_marker,
                 deadline=deadline,
                 make_dir_now=not config.create_directories_asynchronously,
+                ocdbt={n: t for n, t in layouts.items() if t is not None},
             )
 
         handle = self._engine.save(stage, label=str(step), step=step,
@@ -595,6 +607,7 @@ class CheckpointManager(ClosingContext):
                 f"the save of step {self._last_save.label if self._last_save else '?'} did "
                 f"not finish within the timeout of {self._config.save_timeout_s:.0f} s "
                 "(AsyncOptions.timeout_secs); it will not be committed") from e
+        self._view.removals.wait(timeout)  # [retention] deleted steps' files gone too
         self._tiers.wait(timeout)
         if self._finalized is not None:
             self._finalized.raise_pending()
@@ -617,6 +630,7 @@ class CheckpointManager(ClosingContext):
             return
         try:
             self._engine.close(timeout)
+            self._view.removals.wait(timeout)
         finally:
             self._closed = True
             view = self._view

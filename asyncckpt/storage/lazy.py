@@ -38,9 +38,16 @@ from asyncckpt.storage.protocol import RemoteCheckpoint, _pool_map
 
 
 def is_chunk(name: str) -> bool:
-    """Whether a file of a step (``item/param/0.0``) is an array chunk, not metadata."""
+    """Whether a file of a step is array data (``item/param/0.0``), not metadata.
+
+    In the OCDBT layout the data files are ``item/ocdbt.process_<i>/ocdbt_data/*``;
+    the databases' manifests and B-tree nodes (``manifest.ocdbt``,
+    ``ocdbt_meta/*``: small, and needed to list an item's arrays) are metadata.
+    """
     parts = name.split("/")
-    return len(parts) >= 3 and not parts[-1].startswith(".")
+    if len(parts) < 3 or parts[-1].startswith(".") or parts[-1] == "manifest.ocdbt":
+        return False
+    return "ocdbt_meta" not in parts[1:-1]
 
 
 class LazyStep:

@@ -168,6 +168,36 @@ def upload_files(
     _pool_map(put_one, sorted(records, key=lambda r: -r.size), concurrency)
 
 
+def download_files(
+    store: ObjectStore,
+    root_key: str,
+    directory: str,
+    records: Sequence[FileRecord],
+    *,
+    retry: RetryPolicy,
+    concurrency: int = 4,
+) -> None:
+    """Downloads these files of a checkpoint (under ``root_key``) into ``directory``.
+
+    Each file's size is checked against its record (a short object raises).
+
+    Raises:
+        StorageError: a download failed past its deadline, or a size differs.
+        FileNotFoundError: an object is missing.
+    """
+
+    def get_one(rec: FileRecord) -> None:
+        key = root_key + rec.name
+        path = os.path.join(directory, *rec.name.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        retry_call(lambda: store.get_file(key, path), what=f"download {key} ({store.url})",
+                   policy=retry)
+        if (size := os.path.getsize(path)) != rec.size:
+            raise StorageError(f"{store.url}: {key} has {size} bytes, {rec.size} were uploaded")
+
+    _pool_map(get_one, list(records), concurrency)
+
+
 def check_objects(
     store: ObjectStore,
     root_key: str,

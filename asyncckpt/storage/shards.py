@@ -7,9 +7,11 @@ scratch directory, and the bucket is where the checkpoint comes together.
 calls it on its background writer thread, never on the training thread:
 
 1. ``upload`` (every process, once its files are durable locally): puts its
-   own files under the step's prefix. Only then does a process report its
-   file records (name, size, checksum) to the primary; a failed upload is
-   reported as that process's error instead, and fails the save everywhere.
+   own files under the step's prefix, with its manifest part (the records
+   of its files: name, size, checksum). Only then does a process tell the
+   primary it is done; a failed upload is reported as that process's error
+   instead, and fails the save everywhere. The primary reads the parts
+   (``reader``).
 2. ``check`` (the primary, with every process's records): one listing must
    show every object with its recorded size. A missing or wrong-size object
    fails the save on every process, naming the objects; nothing is written
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from asyncckpt.engine.files import FileRecord
 from asyncckpt.storage import protocol
@@ -88,6 +90,33 @@ class ShardUploader:
             self._remote.committed()
         except Exception as e:  # listing is bookkeeping: the step is committed
             logger.warning("[process %d] cannot list %s: %s", self.process_index, self.url, e)
+
+    def download(self, name: str, directory: str, records: Sequence[FileRecord]) -> None:
+        """Primary: fetches these files of other processes (checked) into ``directory``.
+
+        What the primary must read of their parts to commit (the B-tree
+        nodes of their OCDBT databases, which it merges), never their data.
+        """
+        opts = self._remote.options
+        protocol.download_files(self._remote.store, f"{name}/", directory, records,
+                                retry=opts.retry, concurrency=opts.concurrency)
+
+    def reader(self, name: str) -> Callable[[str], bytes | None]:
+        """Primary: reads small files of checkpoint ``name`` by name (None: not there).
+
+        How it reads the other processes' manifest parts, uploaded with their files.
+        """
+        store, retry = self._remote.store, self._remote.options.retry
+
+        def read(file: str) -> bytes | None:
+            key = f"{name}/{file}"
+            try:
+                return retry_call(lambda: store.get(key), what=f"read {key} ({store.url})",
+                                  policy=retry)
+            except FileNotFoundError:
+                return None
+
+        return read
 
     def check(self, name: str, records: Sequence[FileRecord]) -> None:
         """Primary: every process's objects of ``name`` exist with their recorded sizes.

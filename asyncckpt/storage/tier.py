@@ -25,7 +25,8 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 from asyncckpt import catalog
@@ -127,6 +128,9 @@ class RemoteTier:
         self._listing: list[protocol.RemoteCheckpoint] | None = None
         # False where another process uploads (it would never see their commits).
         self.cache_listing = True
+        # Retention after an upload made on the caller's (writer) thread runs here.
+        self._retainer: ThreadPoolExecutor | None = None
+        self._retentions: list[Future] = []
 
     @property
     def url(self) -> str:
@@ -202,7 +206,7 @@ class RemoteTier:
         multi-process save, see ``protocol.upload_checkpoint``).
         """
         self.raise_pending_error()
-        return self._upload_and_retain(info, data_uploaded=data_uploaded)
+        return self._upload_and_retain(info, data_uploaded=data_uploaded, background=True)
 
     def _run(self) -> None:
         lower_thread_priority(self.options.nice)
@@ -233,8 +237,14 @@ class RemoteTier:
                     self._current = None
                     self._cv.notify_all()
 
-    def _upload_and_retain(self, info: catalog.CheckpointInfo, *, data_uploaded: bool = False
-                           ) -> protocol.RemoteCheckpoint:
+    def _upload_and_retain(self, info: catalog.CheckpointInfo, *, data_uploaded: bool = False,
+                           background: bool = False) -> protocol.RemoteCheckpoint:
+        """Uploads and commits ``info``, then applies the remote retention.
+
+        ``background``: the retention's deletions run on the retention thread
+        (the caller is the writer thread, whose next job is the next save);
+        the steps it will delete leave the cached listing at once.
+        """
         t0 = time.monotonic()
         remote = protocol.upload_checkpoint(
             self.store, info, retry=self.options.retry, concurrency=self.options.concurrency,
@@ -245,12 +255,38 @@ class RemoteTier:
             if self._listing is not None:
                 self._listing = _sorted_listing(
                     [c for c in self._listing if c.name != remote.name] + [remote])
+        if background:
+            self._retain_in_background(remote)
+            entry["total_seconds"] = time.monotonic() - t0
+            return remote
+        self._retain_logged(remote)
+        entry["total_seconds"] = time.monotonic() - t0  # retention included
+        return remote
+
+    def _retain_logged(self, remote: protocol.RemoteCheckpoint) -> None:
         try:
             self._retain(remote)
         except Exception as e:  # retention is housekeeping: the new step is committed
             logger.warning("%s: remote retention after %s failed: %s", self.url, remote.name, e)
-        entry["total_seconds"] = time.monotonic() - t0  # retention included
-        return remote
+
+    def _retain_in_background(self, remote: protocol.RemoteCheckpoint) -> None:
+        keep = self.options.max_to_keep
+        with self._cv:
+            if keep is not None and self._listing is not None and len(self._listing) > keep:
+                self._listing = [c for c in self._listing[:-keep] if c.name == remote.name] + (
+                    self._listing[-keep:])
+            if self._retainer is None:
+                self._retainer = ThreadPoolExecutor(
+                    1, thread_name_prefix="asyncckpt-retention",
+                    initializer=lower_thread_priority, initargs=(self.options.nice,))
+            try:
+                future = self._retainer.submit(self._retain_logged, remote)
+            except RuntimeError:  # the interpreter is shutting down: no new threads
+                future = None
+            else:
+                self._retentions = [f for f in self._retentions if not f.done()] + [future]
+        if future is None:
+            self._retain_logged(remote)
 
     def _retain(self, newest: protocol.RemoteCheckpoint) -> None:
         objects = self.store.list()
@@ -300,6 +336,11 @@ class RemoteTier:
                 if self._listing is not None:
                     return list(self._listing)
         found = protocol.list_committed(self.store)
+        keep = self.options.max_to_keep
+        if keep is not None and len(found) > keep:
+            # The older ones are the retention's: being deleted in the background
+            # (by this process's tier, or by the one that committed the newest).
+            found = found[-keep:]
         with self._cv:
             self._listing = list(found)
         return found
@@ -324,6 +365,10 @@ class RemoteTier:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"uploads to {self.url} still running after {timeout} s")
                 self._cv.wait(left)
+            retentions = list(self._retentions)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if retentions and futures_wait(retentions, left).not_done:
+            raise TimeoutError(f"retention in {self.url} still running after {timeout} s")
         if raise_errors:
             self.raise_pending_error()
 
@@ -337,6 +382,8 @@ class RemoteTier:
                 self._cv.notify_all()
             if self._thread is not None:
                 self._thread.join(timeout)
+            if self._retainer is not None:
+                self._retainer.shutdown(wait=True)
             self.store.close()
 
     def __enter__(self) -> RemoteTier:

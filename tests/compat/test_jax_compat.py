@@ -348,9 +348,10 @@ def _bytes_read() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc")
 def test_placeholder_and_partial_restore_read_only_the_selected_arrays(ckpt_dir):
+    """In the zarr-file layout; OCDBT data files hold many arrays (tests/test_jax_ocdbt.py)."""
     big = np.random.default_rng(0).random((1024, 1024), dtype=np.float32)  # 4 MiB
     tree = {"big": big, "small": {"x": jnp.arange(4.0), "y": np.ones(2, np.int8)}}
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with aj.CheckpointManager(ckpt_dir, format_options=aj.FormatOptions(use_ocdbt=False)) as mgr:
         mgr.save(1, tree)
         mgr.wait_until_finished()
         before = _bytes_read()

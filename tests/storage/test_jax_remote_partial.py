@@ -1,5 +1,8 @@
 """A JAX restore from the remote tier fetches only the files it reads.
 
+Saved in the zarr-file layout (one file per chunk); in the OCDBT layout the
+files are the item's databases (tests/storage/test_jax_remote_ocdbt.py).
+
 The store the tier uses is the real one (SeaweedFS / fake-gcs-server),
 given a counting subclass so the test sees every object it fetches.
 """
@@ -23,6 +26,8 @@ from asyncckpt.errors import CorruptCheckpointError  # noqa: E402
 from asyncckpt.storage import open_store  # noqa: E402
 from asyncckpt.storage.lazy import is_chunk  # noqa: E402
 from asyncckpt.storage.protocol import list_committed  # noqa: E402
+
+PLAIN = aj.FormatOptions(use_ocdbt=False)
 
 
 def _items(step: int) -> dict:
@@ -72,7 +77,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def test_partial_restore_of_one_item_fetches_only_its_chunks(remote_url):
-    with aj.CheckpointManager(remote_url) as mgr:
+    with aj.CheckpointManager(remote_url, format_options=PLAIN) as mgr:
         assert mgr.save(1, args=_save_args(_items(1)))
         mgr.wait_until_finished()
     chunks = _chunk_keys(remote_url, "1")
@@ -118,7 +123,7 @@ class _RecordedReads(reads.FileRead):
 
 
 def test_a_corrupt_needed_remote_chunk_fails_and_restore_falls_back(remote_url, monkeypatch):
-    with aj.CheckpointManager(remote_url) as mgr:
+    with aj.CheckpointManager(remote_url, format_options=PLAIN) as mgr:
         for step in (1, 2):
             assert mgr.save(step, args=_save_args(_items(step)))
         mgr.wait_until_finished()

@@ -9,7 +9,9 @@ processes and leave no step listed. The same wrapper holds process 1's first
 uploads until ``save()`` has returned: uploads belong to the background commit.
 A second manager uses two tiers: a local directory both processes share,
 uploaded by process 0 in the background; with the local copy gone, both
-processes fetch the step from S3 at once.
+processes fetch the step from S3 at once. Saved in the zarr-file layout, whose
+chunk files the faults and fetches below are about (OCDBT with several
+processes on S3: tests/storage/test_jax_remote_ocdbt.py).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ if pid == 1:
     tier_lib.open_store = lambda *a, **k: FaultyStore(real_open(*a, **k))
 
 out = {}
-mgr = aj.CheckpointManager(url, max_to_keep=2, coordination_timeout_s=60)
+PLAIN = aj.FormatOptions(use_ocdbt=False)
+mgr = aj.CheckpointManager(url, max_to_keep=2, coordination_timeout_s=60, format_options=PLAIN)
 assert str(mgr.directory) == url  # the manager reports its URL ...
 scratch = mgr._tiers.local_dir  # ... and stages in its own scratch directory
 out["scratch"] = scratch
@@ -150,7 +153,8 @@ out["custom"] = mgr.metadata(2).custom_metadata  # fetched: no scratch directory
 mgr.close()
 
 # Two tiers: a shared local directory, uploaded by process 0 in the background.
-mgr = aj.CheckpointManager(shared, remote=url2, coordination_timeout_s=60)
+mgr = aj.CheckpointManager(shared, remote=url2, coordination_timeout_s=60,
+                           format_options=PLAIN)
 mgr.save(7, state(7))
 mgr.wait_until_finished()  # process 0: its upload is committed too
 kv.barrier("uploaded", 60)

@@ -1,0 +1,364 @@
+"""orbax's OCDBT layout, written and read through TensorStore's ``ocdbt`` kvstore driver.
+
+With OCDBT an item directory holds a few large data files instead of one
+file per array shard. The layout is orbax's (``orbax.checkpoint`` writes it
+by default and reads it back)::
+
+    <step>/<item>/
+        _METADATA                   tree metadata, "use_ocdbt": true
+        _sharding                   shardings of the jax.Array leaves
+        manifest.ocdbt              the merged database: a B-tree over every process's keys
+        ocdbt_meta/<hash>           its B-tree nodes
+        ocdbt.process_<i>/          process i's own database
+            manifest.ocdbt
+            ocdbt_meta/<hash>       B-tree and version tree nodes (with small values inline)
+            ocdbt_data/<hash>       data files: the values (array chunks)
+
+B-tree nodes and values are kept in files apart, as orbax does with its
+``store_ocdbt_metadata_and_values_separately`` setting (by default orbax
+mixes both in ``d/``; it reads either): merging needs the nodes alone, so
+process 0 can merge the databases of processes whose files it only has in
+an object store by fetching their few small node files.
+
+The keys of a database are the zarr v2 keys of the non-OCDBT layout
+(``<param>/.zarray``, ``<param>/<i>.<j>``), so every array is still an
+uncompressed zarr array, only stored inside OCDBT. Each process writes its
+own database (``DatabaseWriter``), from the staged host buffers, on the
+background writer thread; the primary then merges them (``merge``: the
+parent database's B-tree refers to the children's data files by relative
+path, which is why the step directory can be renamed into place) and the
+save commits as any other (manifest with every file's checksum, one rename).
+
+Reading goes through TensorStore's zarr driver over the same kvstore
+(``_tsarrays``), which also reads orbax's own checkpoints.
+
+TensorStore is imported when a save or restore needs it, not at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncckpt.engine.files import DurableWriter
+
+logger = logging.getLogger(__name__)
+
+PROCESS_PREFIX = "ocdbt.process_"
+MANIFEST = "manifest.ocdbt"
+# orbax's prefixes for B-tree nodes and values stored apart.
+META_PREFIX = "ocdbt_meta/"
+DATA_PREFIX = "ocdbt_data/"
+# orbax's defaults for the target size of a data file: 2 GiB, 400 MiB on GCS.
+DEFAULT_TARGET_DATA_FILE_SIZE = 2**31
+GCS_TARGET_DATA_FILE_SIZE = 400 * 2**20
+# A process's database is committed every this many bytes: TensorStore holds a
+# copy of the values of a transaction until it commits, so this bounds that copy.
+_WINDOW = 256 << 20
+# orbax's OCDBT configuration: small values (the .zarray keys) inline in the
+# B-tree, one root node for fast traversal, a single-file manifest.
+_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000,
+           "manifest_kind": "single"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FormatOptions:
+    """How the arrays of a JAX checkpoint are stored on disk.
+
+    Attributes:
+        use_ocdbt: Store each pytree item in orbax's OCDBT format (a few data
+            files per process, written through TensorStore; the default, as in
+            orbax) instead of one zarr chunk file per array shard (False).
+            orbax reads both, and so does asyncckpt whatever this says. The
+            spelling of orbax's ``StandardCheckpointHandler`` /
+            ``PyTreeCheckpointHandler(use_ocdbt=...)``, which the manager
+            honours too when given as ``item_handlers``. OCDBT made saves
+            durable 10x sooner than chunk files on this project's VM (fsyncs
+            per file dominate there; ``benchmarks/bench_jax_ocdbt.py``).
+        ocdbt_target_data_file_size: With OCDBT, the size in bytes at which a
+            data file is closed and the next one started; zarr chunks of
+            larger shards are split so that each fits (as orbax does).
+            None: orbax's default (2 GiB, 400 MiB for a ``gs://``
+            directory); 0: no limit. A save's
+            ``PyTreeSave(..., ocdbt_target_data_file_size=...)`` overrides it.
+    """
+
+    use_ocdbt: bool = True
+    ocdbt_target_data_file_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_ocdbt, bool):
+            raise TypeError(f"use_ocdbt must be a bool, got {self.use_ocdbt!r}")
+        check_target_size(self.ocdbt_target_data_file_size)
+
+    def target_for(self, directory: str, override: int | None = None) -> int:
+        """The target data file size of a save into ``directory`` (``override``: the save's)."""
+        if override is not None:
+            return override
+        if self.ocdbt_target_data_file_size is not None:
+            return self.ocdbt_target_data_file_size
+        if str(directory).startswith("gs://"):
+            return GCS_TARGET_DATA_FILE_SIZE
+        return DEFAULT_TARGET_DATA_FILE_SIZE
+
+
+def check_target_size(size: Any) -> None:
+    """Raises ValueError unless ``size`` is None or an int >= 0 (orbax's rule)."""
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError("ocdbt_target_data_file_size must be an int >= 0 (0: no limit), got "
+                         f"{size!r}")
+
+
+def handler_uses_ocdbt(handler: Any) -> bool | None:
+    """Whether an orbax pytree handler instance writes OCDBT (None: not a pytree handler).
+
+    orbax keeps the constructor's ``use_ocdbt`` on the handler (on the
+    ``PyTreeCheckpointHandler`` a ``StandardCheckpointHandler`` wraps).
+
+    Raises:
+        ValueError: a pytree handler whose setting cannot be read.
+    """
+    kind = type(handler).__name__
+    if kind not in ("StandardCheckpointHandler", "PyTreeCheckpointHandler"):
+        return None
+    inner = getattr(handler, "_impl", handler)
+    value = getattr(inner, "_use_ocdbt", None)
+    if not isinstance(value, bool):
+        raise ValueError(f"cannot tell whether {kind} {handler!r} writes OCDBT (this orbax "
+                         "version keeps use_ocdbt elsewhere); pass "
+                         "format_options=asyncckpt.jax.FormatOptions(use_ocdbt=...) instead")
+    return value
+
+
+class ItemFormats:
+    """Which pytree items of a manager's saves are stored as OCDBT, and how.
+
+    Args:
+        options: The manager's ``FormatOptions`` (None: the defaults).
+        item_handlers: orbax handlers by item name, as the manager got them:
+            a pytree handler's ``use_ocdbt`` decides for its item.
+        directory: The manager's directory (a ``gs://`` one has a smaller
+            default target data file size, as in orbax).
+
+    Raises:
+        ValueError: ``options`` and a handler disagree on ``use_ocdbt``.
+    """
+
+    def __init__(self, options: FormatOptions | None, item_handlers: Any, directory: str):
+        self.options = options or FormatOptions()
+        self._directory = directory
+        self._by_item: dict[str, bool] = {}
+        if isinstance(item_handlers, dict):
+            for name, handler in item_handlers.items():
+                value = handler_uses_ocdbt(handler)
+                if value is None:
+                    continue
+                if options is not None and value != options.use_ocdbt:
+                    raise ValueError(
+                        f"item {name!r}: its handler says use_ocdbt={value}, format_options "
+                        f"says use_ocdbt={options.use_ocdbt}; give one of them")
+                self._by_item[name] = value
+
+    def layout(self, item: str, target_override: int | None = None) -> int | None:
+        """The layout of a save of ``item``: None (plain zarr), or OCDBT's target file size.
+
+        ``target_override``: the save's own ``ocdbt_target_data_file_size``.
+
+        Raises:
+            ValueError: a target size given for an item that is not OCDBT.
+        """
+        ocdbt = self._by_item.get(item, self.options.use_ocdbt)
+        if not ocdbt:
+            if target_override is not None:
+                raise ValueError(
+                    f"item {item!r}: ocdbt_target_data_file_size={target_override} applies "
+                    "to OCDBT saves only; this manager saves the item without OCDBT "
+                    "(format_options=FormatOptions(use_ocdbt=True), or a handler with "
+                    "use_ocdbt=True)")
+            return None
+        return self.options.target_for(self._directory, target_override)
+
+
+def load_tensorstore() -> Any:
+    """The ``tensorstore`` module, imported when a save or restore first needs it."""
+    try:
+        import tensorstore
+    except ImportError as e:  # pragma: no cover - a dependency of orbax and of asyncckpt[jax]
+        raise ImportError("OCDBT checkpoints need TensorStore: pip install tensorstore") from e
+    return tensorstore
+
+
+def kvstore_spec(path: str, *, target: int | None = None) -> dict:
+    """The ``ocdbt`` kvstore spec of the database in directory ``path``.
+
+    ``target`` (a data file size; writers only) adds orbax's write settings.
+    """
+    plain = {"driver": "file", "path": path.rstrip("/") + "/"}
+    # Data files are written in place (no rename each): the commit rename of the
+    # whole step directory is what makes them visible. (A merge copies from
+    # databases whose base is set up alike: TensorStore requires it.)
+    spec: dict[str, Any] = {"driver": "ocdbt",
+                            "base": {**plain, "file_io_locking": {"mode": "non_atomic"}}}
+    if target is not None:
+        spec["manifest"] = plain
+        spec["btree_node_data_prefix"] = META_PREFIX
+        spec["version_tree_node_data_prefix"] = META_PREFIX
+        spec["value_data_prefix"] = DATA_PREFIX
+        spec["config"] = dict(_CONFIG)
+        spec["assume_config"] = True
+        spec["target_data_file_size"] = target
+    return spec
+
+
+def _write_context() -> Any:
+    # asyncckpt fsyncs every file itself (DurableWriter.add_existing, on its
+    # fsync thread while it checksums): TensorStore's own fsyncs would only repeat them.
+    return load_tensorstore().Context({"file_io_sync": False, "file_io_concurrency": {"limit": 64}})
+
+
+_OS_ERROR = re.compile(r"os_error_code='(\d+)'")
+
+
+def wait(future: Any, what: str) -> Any:
+    """The result of a TensorStore future; its I/O failures raised as ``OSError``.
+
+    TensorStore reports a failed system call as a ``ValueError`` whose text
+    carries the errno (``[os_error_code='28']``); callers see the ``OSError``
+    a file write would have raised (``ENOSPC``, ``EIO``...), with TensorStore's
+    message. Other errors pass unchanged.
+    """
+    try:
+        return future.result()
+    except (ValueError, RuntimeError) as e:
+        m = _OS_ERROR.search(str(e))
+        if m is None:
+            raise
+        raise OSError(int(m.group(1)), f"{what}: {e}") from e
+
+
+def process_dir_name(process_index: int) -> str:
+    return f"{PROCESS_PREFIX}{process_index}"
+
+
+class DatabaseWriter:
+    """One process's OCDBT database of one item, written from staged buffers.
+
+    Values are copied into TensorStore (it takes ``bytes``) and committed every
+    ``_WINDOW`` bytes, so at most that much is held twice. ``finish`` commits
+    the rest and records every file TensorStore wrote with ``files`` (which
+    checksums and fsyncs it).
+
+    Args:
+        step_root: The temporary step directory.
+        item: The item's directory name.
+        process_index: This process (names its database directory).
+        target: Target data file size (0: no limit).
+        files: The save's file writer; records the database's files.
+        pause: The engine's gate, called before each value.
+    """
+
+    def __init__(self, step_root: str, item: str, process_index: int, *, target: int,
+                 files: DurableWriter, pause: Callable[[], None] | None = None):
+        self._ts = load_tensorstore()
+        self._rel = f"{item}/{process_dir_name(process_index)}"
+        self._root = step_root
+        self._path = os.path.join(step_root, item, process_dir_name(process_index))
+        os.makedirs(self._path, exist_ok=True)
+        self._files = files
+        self._pause = pause
+        self._kv = wait(self._ts.KvStore.open(kvstore_spec(self._path, target=target),
+                                              context=_write_context()), self._path)
+        self._txn: Any = None
+        self._view: Any = None
+        self._pending: list[Any] = []
+        self._bytes = 0
+        self.keys = 0
+
+    def put(self, key: str, data: Any) -> None:
+        """Adds one value (bytes, or any buffer: copied)."""
+        if self._pause is not None:
+            self._pause()
+        if self._txn is None:
+            self._txn = self._ts.Transaction()
+            self._view = self._kv.with_transaction(self._txn)
+        value = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
+        self._pending.append(self._view.write(key, value))
+        self._bytes += len(value)
+        self.keys += 1
+        if self._bytes >= _WINDOW:
+            self._commit()
+
+    def _commit(self) -> None:
+        if self._txn is None:
+            return
+        for f in self._pending:
+            wait(f, self._path)
+        wait(self._txn.commit_async(), self._path)
+        self._txn = self._view = None
+        self._pending = []
+        self._bytes = 0
+
+    def finish(self) -> None:
+        """Commits what is left and records the database's files (checksum, fsync)."""
+        self._commit()
+        record_tree(self._root, self._rel, self._files)
+
+
+def record_tree(root: str, rel: str, files: DurableWriter) -> None:
+    """Records every file under ``root/rel`` with ``files`` (written by TensorStore)."""
+    top = os.path.join(root, *rel.split("/"))
+    for dirpath, _, names in os.walk(top):
+        sub = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        for name in sorted(names):
+            files.add_existing(f"{sub}/{name}")
+
+
+def merge(step_root: str, item: str, *, files: DurableWriter) -> int:
+    """Primary: merges every process's database of ``item`` into the item's root database.
+
+    The root's B-tree refers to the values in the processes' data files (by
+    path relative to the item directory); only B-tree nodes are read and
+    written. Records the root's files with ``files``. Returns the number of
+    databases merged (none: nothing is written).
+    """
+    ts = load_tensorstore()
+    item_dir = os.path.join(step_root, item)
+    children = sorted(n for n in os.listdir(item_dir)
+                      if n.startswith(PROCESS_PREFIX)
+                      and os.path.exists(os.path.join(item_dir, n, MANIFEST)))
+    if not children:
+        return 0
+    context = _write_context()
+    parent = ts.KvStore.open(kvstore_spec(item_dir, target=DEFAULT_TARGET_DATA_FILE_SIZE),
+                             context=context)
+    opened = [ts.KvStore.open(kvstore_spec(os.path.join(item_dir, c)), context=context)
+              for c in children]
+    parent_kv = wait(parent, item_dir)
+    txn = ts.Transaction(atomic=True)
+    target = parent_kv.with_transaction(txn)
+    copies = [wait(child, item_dir).experimental_copy_range_to(target) for child in opened]
+    for c in copies:
+        wait(c, item_dir)
+    wait(txn.commit_async(), item_dir)
+    files.add_existing(f"{item}/{MANIFEST}")
+    for prefix in (META_PREFIX, DATA_PREFIX):
+        sub = os.path.join(item_dir, prefix.rstrip("/"))
+        if os.path.isdir(sub):
+            for name in sorted(os.listdir(sub)):
+                files.add_existing(f"{item}/{prefix}{name}")
+    return len(children)
+
+
+def merge_inputs(names: Sequence[str]) -> list[str]:
+    """Of a process's files (names relative to the step), those a merge reads.
+
+    Its databases' manifests and B-tree nodes; not its data files.
+    """
+    return [n for n in names if PROCESS_PREFIX in n
+            and (n.endswith(f"/{MANIFEST}") or f"/{META_PREFIX}" in n)]
