@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from asyncckpt.jax import _tree
 from asyncckpt.jax import _format as fmt
+from asyncckpt.jax import _tree
 from asyncckpt.jax._ocdbt import check_target_size
 
 PLACEHOLDER = ...  # orbax's PLACEHOLDER: a target leaf that is not restored

@@ -878,20 +878,36 @@ def test_item_names_together_with_item_handlers(ckpt_dir):
 
 
 def test_format_requests_asyncckpt_does_not_write_are_refused(ckpt_dir):
-    """use_ocdbt=True (orbax's handler default), use_zarr3=True and
-    ocdbt_target_data_file_size are refused, never written in another format."""
-    for handler, spelling in ((ocp.StandardCheckpointHandler(), "use_ocdbt=False"),
-                              (ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True),
-                               "use_zarr3=False")):
-        with pytest.raises(ValueError, match=spelling):
-            aj.CheckpointManager(ckpt_dir, item_handlers=handler)
-        with pytest.raises(ValueError, match=spelling):
-            aj.CheckpointManager(ckpt_dir, item_handlers={"state": handler})
-    with pytest.raises(ValueError, match="use_ocdbt=False"):
-        aj.CheckpointManager(ckpt_dir, ocp.PyTreeCheckpointer())
-    with aj.CheckpointManager(ckpt_dir) as mgr, pytest.raises(ValueError,
-                                                              match="chunk_byte_size"):
-        mgr.save(1, args=ocp.args.PyTreeSave(_state(1), ocdbt_target_data_file_size=2**20))
+    """use_zarr3=True is refused, never written in another format; OCDBT
+    (orbax's handler default) is honoured, however the handler is given."""
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)
+    with pytest.raises(ValueError, match="use_zarr3=False"):
+        aj.CheckpointManager(ckpt_dir, item_handlers=handler)
+    with pytest.raises(ValueError, match="use_zarr3=False"):
+        aj.CheckpointManager(ckpt_dir, item_handlers={"state": handler})
+    for n, spelling in enumerate((
+            {"item_handlers": ocp.StandardCheckpointHandler()},
+            {"checkpointers": ocp.PyTreeCheckpointer()})):
+        directory = ckpt_dir / f"ocdbt{n}"
+        if "checkpointers" in spelling:
+            mgr = aj.CheckpointManager(directory, spelling["checkpointers"])
+        else:
+            mgr = aj.CheckpointManager(directory, **spelling)
+        with mgr:
+            mgr.save(1, _state(1))
+            mgr.wait_until_finished()
+        item = directory / "1" / "default"
+        assert (item / "manifest.ocdbt").exists() or any(item.glob("ocdbt*")), sorted(
+            p.name for p in item.iterdir())
+        with ocp.CheckpointManager(directory) as theirs:
+            _same(theirs.restore(1, args=ocp.args.StandardRestore(_state(0))), _state(1))
+    with aj.CheckpointManager(ckpt_dir / "plain",
+                              item_handlers=ocp.StandardCheckpointHandler(use_ocdbt=False)) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait_until_finished()
+        with pytest.raises(ValueError, match="OCDBT saves only"):
+            mgr.save(2, args=ocp.args.PyTreeSave(_state(2), ocdbt_target_data_file_size=2**20))
+    assert not list((ckpt_dir / "plain" / "1" / "default").glob("ocdbt*"))
 
 
 def test_positional_checkpointers_form(tmp_path):
