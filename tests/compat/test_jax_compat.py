@@ -978,7 +978,8 @@ def _zarray_chunks(item_dir):
 def test_save_args_default_fields_change_nothing(tmp_path):
     tree = _chunk_tree()
     defaults = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(), tree)
-    with aj.CheckpointManager(tmp_path / "a") as mgr:
+    files = aj.FormatOptions(use_ocdbt=False)  # a file per chunk, to compare them
+    with aj.CheckpointManager(tmp_path / "a", format_options=files) as mgr:
         mgr.save(1, args=ocp.args.StandardSave(tree, save_args=defaults))
         mgr.save(2, args=ocp.args.StandardSave(tree))
         mgr.wait_until_finished()
@@ -1001,7 +1002,8 @@ def test_save_args_chunk_byte_size_and_dtype_write_what_orbax_writes(tmp_path):
         chunk_byte_size=32, shard_axes=(1,)), "n": ocp.SaveArgs(chunk_byte_size=800),
         "s": ocp.SaveArgs(dtype=np.int16)}
     save_args["x"] = ocp.SaveArgs(chunk_byte_size=1024, dtype=jnp.dtype("bfloat16"))
-    with aj.CheckpointManager(tmp_path / "ours") as mgr:
+    with aj.CheckpointManager(tmp_path / "ours",
+                              format_options=aj.FormatOptions(use_ocdbt=False)) as mgr:
         mgr.save(1, args=ocp.args.StandardSave(tree, save_args=save_args))
         mgr.wait_until_finished()
         ours = mgr.restore(1)
@@ -1022,6 +1024,20 @@ def test_save_args_chunk_byte_size_and_dtype_write_what_orbax_writes(tmp_path):
         got = theirs.restore(1)
         assert got["x"].dtype == jnp.bfloat16
         _same(got, ours)
+    # The same chunks in OCDBT (the default layout), as orbax's own OCDBT save has them.
+    with aj.CheckpointManager(tmp_path / "ocdbt") as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(tree, save_args=save_args))
+        mgr.wait_until_finished()
+        _same(mgr.restore(1), ours)
+    import json
+
+    import tensorstore as ts
+
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/ocdbt/1/default"}).result()
+    assert {p: json.loads(kv.read(f"{p}/.zarray").result().value)["chunks"]
+            for p in ("x", "y", "n")} == {"x": [8, 32], "y": [8, 1], "n": [100]}
+    with ocp.CheckpointManager(tmp_path / "ocdbt") as theirs:
+        _same(theirs.restore(1), ours)
 
 
 def test_chunk_shape_rule_is_orbaxs(tmp_path):
