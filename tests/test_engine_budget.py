@@ -243,3 +243,54 @@ def test_framework_saves_say_their_size_before_allocating(tmp_path):
         with pytest.raises(HostMemoryError, match=r"4\.0 MiB"):
             mgr.save(1, state)
         assert mgr.engine.staging_bytes == 0 and mgr.all_steps() == []
+
+
+def test_a_restore_makes_room_by_freeing_idle_staging(tmp_path):
+    """Staging plus a restore's memory stay within the budget: idle slots give way."""
+    gate = threading.Event()
+    gate.set()
+    rec = _Reserving(str(tmp_path), gate)
+    state = _state(1, _LAYOUT)
+    nbytes = _nbytes(state)
+    opts = AsyncOptions(num_slots=2, host_memory_limit=2 * nbytes + nbytes // 2)
+    with AsyncEngine(options=opts) as engine:
+        engine.save(rec.stage("a", state), label="a")
+        engine.sync()
+        assert engine.staging_bytes == 2 * nbytes  # two copies fit ...
+        assert engine.make_room_for_restore() == nbytes  # ... but not a third for a restore
+        assert engine.staging_bytes == nbytes
+        assert engine.make_room_for_restore() == 0  # it fits now
+        engine.save(rec.stage("b", _state(2, _LAYOUT)), label="b")  # slots come back on demand
+        engine.sync()
+    assert rec.read("b") == _bytes_of(_state(2, _LAYOUT))
+    with AsyncEngine(options=AsyncOptions(num_slots=2)) as engine:  # the machine has room
+        engine.save(rec.stage("c", state), label="c")
+        engine.sync()
+        assert engine.make_room_for_restore() == 0 and engine.staging_bytes == 2 * nbytes
+
+
+def test_framework_restores_make_room(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    jax = pytest.importorskip("jax")
+    import asyncckpt.jax as aj
+    import asyncckpt.tf as at
+
+    nbytes = 4 << 20
+    limit = AsyncOptions(host_memory_limit=2 * nbytes + nbytes // 2)
+    v = tf.Variable(np.ones((1024, 1024), np.float32))
+    with at.CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path / "tf"), max_to_keep=1,
+                              async_options=limit) as mgr:
+        mgr.save()
+        mgr.sync()
+        assert mgr.engine.staging_bytes // nbytes == 2  # (and the save counter's 8 bytes)
+        v.assign(np.zeros((1024, 1024), np.float32))
+        assert mgr.restore_or_initialize() is not None
+        assert mgr.engine.staging_bytes // nbytes == 1 and float(v.numpy()[0, 0]) == 1.0
+    state = {"w": jax.numpy.ones((1024, 1024), jax.numpy.float32)}
+    with aj.CheckpointManager(str(tmp_path / "jax"), async_options=limit) as mgr:
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        assert mgr.engine.staging_bytes == 2 * nbytes
+        got = mgr.restore(1)
+        assert mgr.engine.staging_bytes == nbytes
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.ones((1024, 1024), np.float32))

@@ -266,6 +266,11 @@ class StagingPool:
         return len(self._slots)
 
     @property
+    def layout_nbytes(self) -> int:
+        """Bytes of one staged state of the layout learnt last (0 before any)."""
+        return sum(self._layout.values())
+
+    @property
     def slot_cap(self) -> int | None:
         """Slots the host memory budget allows for the current layout (None: no cap)."""
         return self._slot_cap
@@ -311,6 +316,37 @@ class StagingPool:
             victim = min(self._free, key=lambda s: (s._ready == self._version, s.nbytes))
             self._retire(victim)
         return fits
+
+    def make_room(self, nbytes: int) -> int:
+        """Frees idle slots' buffers so that staging plus ``nbytes`` more fit the budget.
+
+        For a restore, whose destination arrays need host memory while the
+        slots hold theirs: free slots give their buffers up (the next save
+        allocates them again, as a first save does); busy ones keep theirs.
+        Returns the bytes freed (0 without a budget, or when it all fits).
+        """
+        if self._budget is None or nbytes <= 0:
+            return 0
+        with self._cond:
+            budget = self._budget(self.nbytes)
+            if budget.nbytes is None:
+                return 0
+            freed = 0
+            for slot in sorted(self._free, key=lambda s: s.nbytes, reverse=True):
+                if self.nbytes + nbytes <= budget.nbytes or not slot.nbytes:
+                    break
+                freed += slot.nbytes
+                slot.clear()
+                slot._ready, slot._changed = -1, True
+            if self.nbytes + nbytes > budget.nbytes:
+                logger.warning(
+                    "host memory budget: a restore of about %.1f MiB beside %.1f MiB of staging "
+                    "in use is over the budget of %.1f MiB (%s)", nbytes / 2**20,
+                    self.nbytes / 2**20, budget.nbytes / 2**20, budget.why)
+            elif freed:
+                logger.info("host memory budget: freed %.1f MiB of idle staging for a restore "
+                            "of about %.1f MiB", freed / 2**20, nbytes / 2**20)
+            return freed
 
     def _retire(self, slot: Slot) -> None:
         """Drops a slot the budget no longer allows, freeing its memory; ``_cond`` held."""

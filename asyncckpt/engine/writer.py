@@ -240,6 +240,17 @@ class AsyncEngine(ClosingContext):
         self._check_open()
         self._pool.prepare(layout, background=True)
 
+    def make_room_for_restore(self) -> int:
+        """Frees idle staging memory a restore of the staged state would push over the budget.
+
+        A restore allocates about one state for the values it reads; with
+        staging slots held beside it, that could exceed
+        ``AsyncOptions.host_memory_limit``. Idle slots give their buffers up
+        (the next save allocates them again); slots being written keep theirs.
+        The front ends call it before they restore. Returns the bytes freed.
+        """
+        return self._pool.make_room(self._pool.layout_nbytes)
+
     @property
     def staging_bytes(self) -> int:
         """Host memory held by the staging slots."""

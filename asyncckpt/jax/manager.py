@@ -683,6 +683,7 @@ class CheckpointManager(ClosingContext):
         # Multi-process: integrity verdicts are shared, so all processes agree;
         # any other failure here is announced, so no process waits for this one.
         verdicts = None if self._coord is None else self._coord.restore_verdicts()
+        self._engine.make_room_for_restore()  # idle staging gives way (host memory budget)
         t0, tried = time.time(), []
         try:
             requests, named = _args.restore_items(target, args, restore_kwargs)

@@ -518,6 +518,9 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
             restore path when it applies).
         """
         _inflight.wait_for(path)
+        engine = self._asyncckpt.engine_if_any
+        if engine is not None:
+            engine.make_room_for_restore()  # idle staging gives way (host memory budget)
         checksums = self._asyncckpt.restore_options.verify_checksums
         target = self._asyncckpt.urls.target(path)
         if target is None:
