@@ -312,12 +312,12 @@ def test_an_h5_model_file_is_keras_legacy_hdf5(tmp_path, name):
 
 
 def test_h5_files_on_the_other_backend(tmp_path):
-    """The legacy HDF5 cases again, in a child on the Keras backend this process is not on."""
+    """The ``m.h5`` case again, in a child on the Keras backend this process is not on."""
     other = "jax" if keras.backend.backend() == "tensorflow" else "tensorflow"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "keras_legacy_hdf5", "--basetemp", str(tmp_path / "t")],
+         "-k", "keras_legacy_hdf5 and not weights", "--basetemp", str(tmp_path / "t")],
         cwd=REPO_ROOT, env=subprocess_env(KERAS_BACKEND=other), capture_output=True,
         text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "2 passed" in proc.stdout
+    assert "1 passed" in proc.stdout

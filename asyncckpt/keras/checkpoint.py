@@ -181,6 +181,8 @@ class _CaptureLegacyFile(h5py.File, _CaptureH5):
     attrs = _CaptureH5.attrs
     create_group = _CaptureH5.create_group
     create_dataset = _CaptureH5.create_dataset
+    __eq__ = object.__eq__  # h5py's compare and hash the (absent) file id
+    __hash__ = object.__hash__
 
     def __bool__(self) -> bool:
         return True
