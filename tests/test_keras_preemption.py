@@ -93,12 +93,12 @@ def test_sigterm_in_a_real_fit_backs_up_at_the_next_batch_and_resumes_exactly(tm
     assert f"B {pause_at + 1}" not in lines.text.splitlines()
     store = ArrayStore(backup_dir)
     saved = store.restore()
-    assert saved.metadata["global_batches"] == pause_at
+    assert saved.step == pause_at and saved.metadata["global_batches"] == pause_at
     assert (saved.metadata["epoch"], saved.metadata["batch"]) == divmod(pause_at, 8)
     assert saved.metadata["preemption"]["total_run_calls"] == pause_at
     assert saved.metadata["preemption"]["estimates"]["step_s"]  # the handler's samples
     # Only the final backup remains (max_to_keep=1); the periodic one before it is gone.
-    assert store.all_steps() == [saved.step]
+    assert store.all_steps() == [pause_at]
 
     again = run_python(script, str(backup_dir), str(out), env=env)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -141,7 +141,7 @@ def test_grace_period_backs_up_at_the_notice_and_training_goes_on(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is previous
     # The notice's backup is kept beside the one taken when fit ended.
     store = ArrayStore(tmp_path / "b")
-    notice, final = (store.restore(s).metadata for s in store.all_steps())
-    assert (notice["global_batches"], notice["epoch"], notice["batch"]) == (5, 0, 5)
-    assert final["global_batches"] == 16
+    assert store.all_steps() == [5, 16]
+    notice = store.restore(5).metadata
+    assert (notice["epoch"], notice["batch"]) == (0, 5)
     assert int(np.asarray(model.optimizer.iterations.value)) == 16

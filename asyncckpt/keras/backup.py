@@ -580,7 +580,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             METADATA_KEY: self._preemption,
             "keras_version": keras.__version__,
         }
-        step = self._next_step
+        # The global batch count, or one past the previous backup where that is more
+        # (a backup taken again at the same position; steps must grow).
+        step = max(self._global, self._next_step)
         if retake and self._last_saved == self._global and self._last_step is not None:
             self._retention.replace(step, self._last_step)
         self._store.save(step, arrays, metadata)
