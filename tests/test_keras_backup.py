@@ -100,8 +100,8 @@ class Backup(ak.BackupAndRestore):
             sys.stdout.flush()
         super()._save(epoch, batch, **kw)
 
-    def _apply_restored(self):
-        super()._apply_restored()
+    def _apply_restored(self, **kw):
+        super()._apply_restored(**kw)
         m = self._restored.metadata
         print("R", m["global_batches"], m["epoch"], m["batch"], state_hash(self._model), flush=True)
 

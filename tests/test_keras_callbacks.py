@@ -97,7 +97,7 @@ def test_epoch_backups_resume_at_the_interrupted_epoch(tmp_path):
     model = _model()
     with pytest.raises(RuntimeError):
         model.fit(x, y, epochs=5, batch_size=16, callbacks=[backup, RaiseAt(epoch=3)], verbose=0)
-    backup.store.sync()  # the backup taken as epoch 3 began may still be in flight
+    backup.store.sync()  # the backup taken as epoch 2 ended may still be in flight
     assert ArrayStore(tmp_path / "b").all_steps() == [12]  # after epoch 2: 3 x 4 batches
     history = model.fit(x, y, epochs=5, batch_size=16, callbacks=[backup], verbose=0)
     assert backup.restored_position == (3, 0)
@@ -126,15 +126,17 @@ def test_restores_into_an_unbuilt_model_and_warns_without_resumable_data(tmp_pat
     with pytest.raises(RuntimeError):
         model.fit(x, y, epochs=2, batch_size=16, verbose=0,
                   callbacks=[backup, RaiseAt(batches=6)])
+    backup.store.sync()
     saved = ArrayStore(tmp_path / "b").restore()
-    assert (saved.metadata["epoch"], saved.metadata["batch"]) == (0, 3)
+    # Due after the 6th batch (batch 1 of epoch 1), taken before RaiseAt raised there.
+    assert (saved.metadata["epoch"], saved.metadata["batch"]) == (1, 2)
     other = _model(built=False)
     assert not other.built
     with pytest.warns(UserWarning, match="run again from its first batch"):
-        other.fit(x, y, epochs=1, batch_size=16, verbose=0,
+        other.fit(x, y, epochs=2, batch_size=16, verbose=0,
                   callbacks=[ak.BackupAndRestore(tmp_path / "b", save_freq=3)])
-    # Restored after 3 batches, then epoch 0 again from its first batch (Keras's behaviour).
-    assert int(np.asarray(other.optimizer.iterations.value)) == 3 + 4
+    # Restored after 6 batches, then epoch 1 again from its first batch (Keras's behaviour).
+    assert int(np.asarray(other.optimizer.iterations.value)) == 6 + 4
 
 
 def test_sigterm_backs_up_at_the_next_batch_and_exits(tmp_path):

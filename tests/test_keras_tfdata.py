@@ -31,7 +31,13 @@ import asyncckpt.keras as ak
 class Backup(ak.BackupAndRestore):
     def _make_store(self):
         store = super()._make_store()
-        store._on_commit = lambda step, stats: print("C", step, flush=True)  # durable
+        retention = store._on_commit
+
+        def on_commit(step, stats):
+            retention(step, stats)
+            print("C", step, flush=True)  # durable
+
+        store._on_commit = on_commit
         return store
 
 

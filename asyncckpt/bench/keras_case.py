@@ -127,9 +127,10 @@ def measure(nbytes: int, *, reps: int, workdir: str) -> dict:
         if tf_backend:
             model.fit(x, x, batch_size=8, epochs=1, steps_per_epoch=steps, shuffle=False,
                       callbacks=[eager, Idle(eager)], verbose=0)
-    # asyncckpt backs up before batches 1..steps-1 of each fit (the boundary after
-    # each batch); the first of each fit is a warm-up. Keras's saves after each batch.
-    n = steps - 1
+    # asyncckpt backs up at the end of every batch of each fit (the last batch's at
+    # the epoch's end, right after it); the first of each fit is a warm-up. Keras's
+    # saves after each batch.
+    n = steps
     keep = [i for i in range(len(Timed.times)) if i % n != 0]
     ours_t = [Timed.times[i] for i in keep]
     floor_t = [floor[i] for i in keep]

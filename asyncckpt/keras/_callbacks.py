@@ -9,6 +9,7 @@ attributes are listed here per class; any callback can take part by defining
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from typing import Any
@@ -40,22 +41,26 @@ def _unplain(value: Any) -> Any:
     return value
 
 
-def find_siblings(callback: Any) -> list[Any]:
+def find_siblings(callback: Any) -> tuple[list[Any], list[Any]]:
     """The other callbacks of the ``CallbackList`` now calling ``callback``.
 
-    Keras gives a callback no handle on its list, so this looks for the
-    ``CallbackList`` among the calling frames (it is the caller during
-    ``on_train_begin``). Returns [] when there is none (callback used alone).
+    Returns them all, and those listed after ``callback`` (which have not yet
+    run a hook that ``callback`` is running now). Keras gives a callback no
+    handle on its list, so this looks for the ``CallbackList`` among the
+    calling frames (it is the caller during ``on_train_begin``). Returns
+    ([], []) when there is none (callback used alone).
     """
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.callbacks.CallbackList) and any(
-            c is callback for c in owner.callbacks
-        ):
-            return [c for c in owner.callbacks if c is not callback]
+        if isinstance(owner, keras.callbacks.CallbackList):
+            position = next(
+                (i for i, c in enumerate(owner.callbacks) if c is callback), None)
+            if position is not None:
+                listed = owner.callbacks
+                return listed[:position] + listed[position + 1:], listed[position + 1:]
         frame = frame.f_back
-    return []
+    return [], []
 
 
 def find_local(name: str, kind: type) -> Any | None:
@@ -116,3 +121,18 @@ def apply(callbacks: list[Any], states: dict[str, dict], arrays: dict[str, np.nd
             else:
                 setattr(cb, name, _unplain(value))
     return matched
+
+
+def same_state(a: tuple[dict[str, dict], dict[str, Any]],
+               b: tuple[dict[str, dict], dict[str, Any]]) -> bool:
+    """Whether two ``collect`` results hold the same callback state."""
+    (states_a, arrays_a), (states_b, arrays_b) = a, b
+    if json.dumps(states_a, sort_keys=True, default=repr) != json.dumps(
+            states_b, sort_keys=True, default=repr):
+        return False
+    if arrays_a.keys() != arrays_b.keys():
+        return False
+    return all(
+        x is y or (x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y))
+        for x, y in ((arrays_a[k], arrays_b[k]) for k in arrays_a)
+    )

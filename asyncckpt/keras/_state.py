@@ -23,6 +23,7 @@ import numpy as np
 from asyncckpt.jobrunner.store import host_view
 
 GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
+MODEL_GROUPS = GROUPS[:3]  # all but the metric accumulators
 _JAX_KEYS = {
     "trainable": "trainable_variables",
     "non_trainable": "non_trainable_variables",
@@ -155,8 +156,11 @@ def ensure_optimizer_built(model: Any) -> None:
         opt.build(model.trainable_variables)
 
 
-def assign_state(model: Any, arrays: dict[str, np.ndarray], paths: dict[str, list[str]]) -> None:
+def assign_state(model: Any, arrays: dict[str, np.ndarray], paths: dict[str, list[str]],
+                 groups: tuple[str, ...] = GROUPS) -> None:
     """Assigns restored arrays to the model's variables, checking names and shapes.
+
+    ``groups`` selects what is assigned (every group is checked).
 
     Raises:
         ValueError: the model's variables do not match the checkpoint's.
@@ -182,7 +186,8 @@ def assign_state(model: Any, arrays: dict[str, np.ndarray], paths: dict[str, lis
                     f"variable {v.path}: checkpoint shape {tuple(arr.shape)} "
                     f"(saved as {saved[i]}), model shape {tuple(v.shape)}"
                 )
-            v.assign(arr)
+            if group in groups:
+                v.assign(arr)
     sg = _global_seed_generator()
     if GLOBAL_SEED in arrays:
         if sg is None:

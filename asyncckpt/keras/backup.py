@@ -7,13 +7,15 @@ import logging
 import os
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from asyncckpt.jobrunner.store import ArrayStore, Restored
+from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine.metrics import SaveStats
+from asyncckpt.jobrunner.store import DATA_NAME, INDEX_NAME, ArrayStore, Restored
 from asyncckpt.keras import _callbacks, _state, _tfdata
 from asyncckpt.keras._preemption import METADATA_KEY, KerasTarget, PreemptionOptions
 from asyncckpt.keras.data import ResumableDataset
@@ -64,6 +66,44 @@ class BackupOptions:
             exit_fn=functools.partial(exit_process, self.sigterm_exit_code)))
 
 
+@dataclass
+class _Retention:
+    """Keeps the newest ``keep`` backups; a retaken backup replaces its first copy.
+
+    Runs on the store's writer thread after each commit (``on_commit``);
+    ``replace`` is called on the training thread before the retake is saved.
+    """
+
+    keep: int
+    _replaces: dict[int, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def replace(self, step: int, replaced: int) -> None:
+        with self._lock:
+            self._replaces[step] = replaced
+
+    def after_commit(self, directory: str, step: int, stats: SaveStats) -> None:
+        del stats
+        with self._lock:
+            replaced = self._replaces.pop(step, None)
+        steps = [s for s in _list_steps(directory) if s != replaced]
+        drop = [s for s in steps[: -self.keep] if s != step]
+        if replaced is not None:
+            drop.append(replaced)
+        for s in drop:
+            commit_lib.remove_tree(os.path.join(directory, str(s)))
+
+
+def _list_steps(directory: str) -> list[int]:
+    """The numbers of the backups in ``directory``, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n) for n in names
+                  if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up the whole training state in the background; resumes ``fit`` exactly.
 
@@ -91,10 +131,23 @@ class BackupAndRestore(keras.callbacks.Callback):
       ``PreemptionCheckpointHandler`` decides at every batch boundary
       whether to back up and exit (``preemption_handler``).
 
-    Backups are taken at batch boundaries, just before the next batch (or at
-    the next epoch's start, or at the end of training), once every callback
-    has processed the batch or epoch that ended, so their state matches the
-    weights.
+    A backup that falls due is taken at the end of the batch or epoch it
+    falls due on, when this callback's hook runs, before the callbacks listed
+    after it run theirs (an exception they raise cannot lose it). One due at
+    the last batch of an epoch is taken at that epoch's end (no step runs in
+    between), after validation. If a callback listed after this one then
+    changes its recorded state while it processes the same batch or epoch
+    end (``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint`` or a
+    callback with ``get_state``), the backup is taken again at the next batch
+    boundary, so the newest backup holds their state too; list this callback
+    after those to save that second copy. With a ``tf.data`` input on the
+    TensorFlow backend a backup due at an epoch end is taken as the next
+    epoch's first batch begins, where the iterator whose state it holds
+    exists.
+
+    Restores read the newest backup that verifies: a corrupt or partial
+    newest backup (``double_checkpoint=True``) is logged, removed, and the
+    previous one is restored.
 
     Args:
         backup_dir: Directory of the backups; used by this callback only.
@@ -137,6 +190,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.options = options or BackupOptions()
         self._store: ArrayStore | None = None
         self._siblings: list[Any] = []
+        self._after: list[Any] = []  # the siblings listed after this callback
+        self._retention = _Retention(keep=2 if double_checkpoint else 1)
         self._reader: Any = None  # TensorFlow: the batched variable read, kept across backups
         self._reset_run()
 
@@ -148,8 +203,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batch = 0  # next batch of the current epoch, counted in the full epoch
         self._global = 0  # batches trained in total, across restarts
         self._since = 0  # batches since the last backup
-        self._pending = False
-        self._last_saved: int | None = None
+        self._pending = False  # due, to be taken at the next epoch end or boundary
+        self._last_saved: int | None = None  # global batch count of the newest backup
+        self._last_position: tuple[int, int] | None = None
+        self._last_step: int | None = None
+        self._saved_stopped = False
+        self._next_step = 1
+        # _callbacks.collect() of the callbacks listed after this one, when the newest
+        # backup was taken at a due point: compared at the next boundary (_incomplete).
+        self._recheck: tuple[dict, dict] | None = None
         self._epoch_done = False
         self._shortened: tuple[Any, int] | None = None
         self._tf_data: EpochIterator | None = None  # fit's epoch iterator over a tf.data input
@@ -179,13 +241,57 @@ class BackupAndRestore(keras.callbacks.Callback):
         m = self._restored.metadata
         return int(m["epoch"]), int(m["batch"])
 
+    # -- Keras's attribute names (its own tests, and code written for it, read them) --
+
+    @property
+    def _current_epoch(self) -> int:
+        """The epoch a backup taken now resumes at (Keras: ``epoch + 1`` once it ended)."""
+        return self._epoch + 1 if self._epoch_done else self._epoch
+
+    @property
+    def _last_batch_seen(self) -> int:
+        """Index of the last batch of the current epoch trained (0 once it ended, as Keras)."""
+        return 0 if self._epoch_done else max(self._batch - 1, 0)
+
+    @property
+    def _weights_path(self) -> str | None:
+        """The newest backup's array file (Keras: ``latest.weights.h5``)."""
+        return self._backup_file(-1, DATA_NAME)
+
+    @property
+    def _training_metadata_path(self) -> str | None:
+        """The newest backup's index, which holds its position (Keras: a JSON file)."""
+        return self._backup_file(-1, INDEX_NAME)
+
+    @property
+    def _prev_weights_path(self) -> str | None:
+        """The previous backup's array file (``double_checkpoint=True``)."""
+        return self._backup_file(-2, DATA_NAME)
+
+    @property
+    def _prev_training_metadata_path(self) -> str | None:
+        """The previous backup's index (``double_checkpoint=True``)."""
+        return self._backup_file(-2, INDEX_NAME)
+
+    def _backup_file(self, which: int, name: str) -> str | None:
+        """A file of the newest (-1) or previous (-2) backup once every save so far is durable.
+
+        None if there is no such backup.
+        """
+        if self._store is not None:
+            self._store.sync()
+        steps = _list_steps(os.path.abspath(self.backup_dir))
+        if len(steps) < -which:
+            return None
+        return os.path.join(os.path.abspath(self.backup_dir), str(steps[which]), name)
+
     # -- fit lifecycle ---------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         if self._store is not None:  # a previous fit() raised; flush what it started
             self._finish()
         self._reset_run()
-        self._siblings = _callbacks.find_siblings(self)
+        self._siblings, self._after = _callbacks.find_siblings(self)
         self._tf_data = _tfdata.find_tf_data_input()
         store = self._make_store()
         with _OPEN_LOCK:
@@ -195,12 +301,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._store = store
         with _OPEN_LOCK:
             _OPEN[store.directory] = store
-        if self._store.latest_step() is not None:
-            self._restored = self._store.restore()
+        steps = store.all_steps()
+        if steps:
+            self._restored = store.restore()  # the newest that verifies
+            self._drop_unverified(store, [s for s in steps if s > self._restored.step])
             meta = self._restored.metadata
             self._global = self._last_saved = int(meta["global_batches"])
             self._since = int(meta.get("since", 0))
             epoch, batch = int(meta["epoch"]), int(meta["batch"])
+            self._last_position = (epoch, batch)
+            self._last_step = self._restored.step
+            self._saved_stopped = bool(meta.get("stopped"))
+            self._next_step = self._restored.step + 1
             if meta.get("stopped"):
                 epoch = max(epoch, int(self.params.get("epochs", epoch)))
             self._model._initial_epoch = epoch
@@ -221,10 +333,23 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _make_store(self) -> ArrayStore:
         return ArrayStore(
             self.backup_dir,
-            max_to_keep=2 if self.double_checkpoint else 1,
+            max_to_keep=None,  # _Retention: a retaken backup replaces its first copy
             options=self.options.async_options,
             name="asyncckpt.keras.backup",
+            on_commit=functools.partial(self._retention.after_commit,
+                                        os.path.abspath(self.backup_dir)),
         )
+
+    def _drop_unverified(self, store: ArrayStore, steps: list[int]) -> None:
+        """Removes backups newer than the one restored: they did not verify."""
+        if not steps:
+            return
+        logger.warning(
+            "the newest backup(s) %s in %s do not verify (corrupt or partial); resuming "
+            "from the previous backup %d, and removing them", steps, self.backup_dir,
+            self._restored.step)
+        for s in steps:
+            commit_lib.remove_tree(store.step_dir(s))
 
     # -- preemption ---------------------------------------------------------------------
 
@@ -284,13 +409,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._first_epoch = False
             offset = 0
             if self._restored is not None:
-                self._apply_restored()
                 saved_epoch = int(self._restored.metadata["epoch"])
                 if epoch == saved_epoch and self.data is not None:
                     offset = int(self._restored.metadata["batch"])
                 elif epoch == saved_epoch and self._resumes_tf_data():
                     offset = int(self._restored.metadata["batch"])
                     self._iterator_state = self._restored.arrays[_tfdata.ITERATOR_KEY]
+                # The metric accumulators only where the epoch goes on from the saved
+                # batch; otherwise fit() has just reset them for an epoch's start.
+                self._apply_restored(metrics=offset > 0)
         else:
             offset = 0
             if self._tf_data is None:
@@ -342,7 +469,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._since += ran
             if self._since >= self.save_freq:
                 self._since = 0
-                self._pending = True
+                steps = (self.params or {}).get("steps")
+                if steps and done >= steps:
+                    self._pending = True  # the epoch ends next: taken at its end
+                else:
+                    self._take_due(self._epoch, done, epoch_end=False)
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch_done = True
@@ -350,8 +481,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             iterator, full = self._shortened
             iterator._num_batches = full
             self._shortened = None
-        if self.save_freq == "epoch":
-            self._pending = True
+        if self.save_freq == "epoch" or self._pending:
+            if self._tf_data is not None:
+                # Exact resumes need the next epoch's iterator, which exists from that
+                # epoch's first batch: the backup is taken there (_boundary).
+                self._pending = True
+            else:
+                self._take_due(epoch + 1, 0, epoch_end=True)
 
     def on_train_end(self, logs=None):
         store = self._store
@@ -365,11 +501,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 store.delete_all()
             else:
                 position = (self._epoch + 1, 0) if self._epoch_done else (self._epoch, self._batch)
-                if self._pending or self._last_saved != self._global:
-                    # No iterator state: the iterator of an epoch that has not begun is
-                    # not the one that epoch will use (Keras makes another).
-                    self._save(*position, stopped=bool(self._model.stop_training),
-                               iterator=False)
+                stopped = bool(self._model.stop_training)
+                retake = self._incomplete() or (stopped and not self._saved_stopped)
+                # No iterator state: the iterator of an epoch that has not begun is
+                # not the one that epoch will use (Keras makes another).
+                self._save(*position, stopped=stopped, iterator=False, retake=retake)
                 store.sync()
         finally:
             self._finish()
@@ -390,16 +526,44 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _boundary(self, epoch: int, batch: int) -> None:
         """Runs at a batch boundary: every callback has seen what came before it."""
         self._at = (epoch, batch)
+        if self._incomplete():
+            self._save(epoch, batch, retake=True)
+        elif self._pending:
+            self._save(epoch, batch)
+        self._pending = False
+        self._recheck = None
         if self._handler is not None:
             self._preemption_boundary()
-        if self._pending:
-            self._save(epoch, batch)
+
+    def _take_due(self, epoch: int, batch: int, *, epoch_end: bool) -> None:
+        """Takes the backup that fell due, before the callbacks listed after this one run."""
+        self._pending = False
+        stopped = epoch_end and bool(self._model.stop_training)
+        # No iterator state at an epoch end: the iterator of an epoch that has not
+        # begun is not the one that epoch will use (Keras makes another).
+        if self._save(epoch, batch, stopped=stopped, iterator=not epoch_end):
+            # What the callbacks listed after this one may still change at this
+            # batch or epoch end.
+            self._recheck = _callbacks.collect(self._after)
+
+    def _incomplete(self) -> bool:
+        """Whether the newest backup, taken at a due point, misses what came after it.
+
+        True when a callback listed after this one changed its recorded state
+        while it processed the same batch or epoch end.
+        """
+        check = self._recheck
+        if check is None or self._last_saved != self._global:
+            return False
+        return not _callbacks.same_state(check, _callbacks.collect(self._after))
 
     def _save(self, epoch: int, batch: int, *, stopped: bool = False,
-              iterator: bool = True) -> None:
-        self._pending = False
-        if self._last_saved == self._global:
-            return  # nothing trained since the last backup
+              iterator: bool = True, retake: bool = False) -> bool:
+        """Backs up the state at (epoch, batch); False if that backup exists already."""
+        self._recheck = None
+        if (not retake and self._last_saved == self._global
+                and self._last_position == (epoch, batch)):
+            return False  # nothing trained since the last backup, at the same position
         if self._reader is None and keras.backend.backend() == "tensorflow":
             self._reader = _state.tf_reader()
         arrays, paths = _state.snapshot_sources(self._model, self._reader)
@@ -421,10 +585,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             METADATA_KEY: self._preemption,
             "keras_version": keras.__version__,
         }
-        self._store.save(self._global, arrays, metadata)
-        self._last_saved = self._global
+        # The global batch count, or one past the previous backup where that is more
+        # (a backup taken again at the same position; steps must grow).
+        step = max(self._global, self._next_step)
+        if retake and self._last_saved == self._global and self._last_step is not None:
+            self._retention.replace(step, self._last_step)
+        self._store.save(step, arrays, metadata)
+        self._next_step = step + 1
+        self._last_saved, self._last_position, self._last_step = self._global, (epoch, batch), step
+        self._saved_stopped = stopped
+        return True
 
-    def _apply_restored(self, *, model: bool = True, callbacks: bool = True) -> None:
+    def _apply_restored(self, *, model: bool = True, callbacks: bool = True,
+                        metrics: bool = True) -> None:
         r = self._restored
         if not model:
             _callbacks.apply(self._siblings, r.metadata.get("callbacks", {}), r.arrays)
@@ -454,7 +627,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"{ {g: len(p) for g, p in paths.items()} } variables per group, the model "
                 f"{have}. Build the model (and compile it the same way) before fit()."
             )
-        _state.assign_state(model, r.arrays, paths)
+        _state.assign_state(model, r.arrays, paths,
+                            groups=_state.GROUPS if metrics else _state.MODEL_GROUPS)
         if not callbacks:
             return
         matched = _callbacks.apply(self._siblings, r.metadata.get("callbacks", {}), r.arrays)
