@@ -22,9 +22,15 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
-from asyncckpt import layout  # noqa: E402
+from asyncckpt import CorruptCheckpointError, layout  # noqa: E402
 from asyncckpt.engine import files as files_lib  # noqa: E402
-from asyncckpt.jax import _job  # noqa: E402
+from asyncckpt.engine.manifest import OWNER_MARKER  # noqa: E402
+from asyncckpt.jax import _job, _ocdbt  # noqa: E402
+from tests.helpers import flip_byte  # noqa: E402
+
+ts = pytest.importorskip("tensorstore")
+# What asyncckpt adds at the top of a checkpoint, beside orbax's files.
+_OURS = {layout.JAX_MANIFEST_NAME, OWNER_MARKER}
 
 
 def _mesh(shape, names):
@@ -72,6 +78,21 @@ def _orbax_restore(path, target):
         return c.restore(path, target)
 
 
+def _keys(path) -> list[str]:
+    """The keys of the OCDBT database at ``path`` (its root database: every process's)."""
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    return sorted(k.decode() for k in kv.list().result())
+
+
+def _is_ocdbt(path) -> bool:
+    """Whether the checkpoint at ``path`` is OCDBT (else zarr files), checked both ways."""
+    ocdbt = json.loads((path / "_METADATA").read_text())["use_ocdbt"]
+    assert (path / "manifest.ocdbt").is_file() is ocdbt
+    leaf_dirs = [n for n in os.listdir(path) if (path / n / ".zarray").is_file()]
+    assert bool(leaf_dirs) is not ocdbt, leaf_dirs
+    return ocdbt
+
+
 def _gate_writes(monkeypatch):
     """Holds every background write of a save until the returned event is set."""
     gate, entered = threading.Event(), threading.Event()
@@ -105,10 +126,7 @@ def test_sharded_state_saved_async_restores_resharded_with_asyncckpt_and_orbax(t
         assert meta.custom_metadata == {"run": "a"} and meta.step is None
         assert meta.item_metadata["params"]["w"] == jax.ShapeDtypeStruct((16, 8), jnp.float32)
         assert meta.item_handlers == ocp.StandardCheckpointHandler().typestr()
-    # orbax's layout for a checkpointer: the pytree's files at the top of the path.
-    names = set(os.listdir(path))
-    assert {"_METADATA", "_sharding", "_CHECKPOINT_METADATA", "commit_success.txt",
-            layout.JAX_MANIFEST_NAME, "params.w", "host"} <= names
+    assert _is_ocdbt(path)  # orbax's default
     assert os.listdir(tmp_path) == ["ckpt"]  # no temporaries left beside it
     target = _abstract(_state(), _mesh((2, 4), ("p", "q")), P("q"))
     by_orbax = _orbax_restore(path, target)
@@ -131,6 +149,93 @@ def test_restores_what_orbax_wrote(tmp_path):
             _assert_equal(_orbax_restore(tmp_path / name, target), want)
         meta = ckptr.metadata(tmp_path / "std")
         assert meta.item_metadata["params"]["bf"].shape == (32,)
+
+
+def _zarray(path, param) -> dict:
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    return json.loads(kv.read(f"{param}/.zarray").result().value)
+
+
+def test_checkpointers_write_ocdbt_unless_told_not_to(tmp_path):
+    """orbax's ``use_ocdbt``, however it is given: a keyword, or the handler's setting."""
+    state = _state()
+    want = _values(state)
+    ours, theirs = tmp_path / "ours", tmp_path / "orbax"
+    with ocp.StandardCheckpointer() as c:  # orbax's own: OCDBT by default
+        c.save(theirs, state)
+    with aj.StandardCheckpointer() as c:
+        c.save(ours, state)
+    # orbax's checkpointer layout at the top of the path, but for the documented
+    # differences: B-tree nodes in ocdbt_meta/ (values in ocdbt_data/; orbax mixes
+    # both in d/), and no array_metadatas/.
+    assert (set(os.listdir(ours)) - _OURS - {"ocdbt_meta"}
+            == set(os.listdir(theirs)) - {"d", "array_metadatas"})
+    assert {"_METADATA", "_sharding", "manifest.ocdbt", "ocdbt.process_0",
+            "commit_success.txt"} <= set(os.listdir(ours))
+    assert not (ours / "params.w").exists()  # no directory per array
+    # The same arrays, zarr v2 in the database, uncompressed here (orbax: zstd).
+    assert ([k for k in _keys(ours) if k.endswith("/.zarray")]
+            == [k for k in _keys(theirs) if k.endswith("/.zarray")])
+    assert _zarray(ours, "params.w")["compressor"] is None
+    # Every file, at every depth, is in the manifest by its name, with its checksum.
+    files = {os.path.relpath(os.path.join(d, f), ours).replace(os.sep, "/")
+             for d, _, fs in os.walk(ours) for f in fs}
+    records = json.loads((ours / layout.JAX_MANIFEST_NAME).read_text())["files"]
+    assert {r["name"] for r in records} == files - {layout.JAX_MANIFEST_NAME}
+    assert all(r.get("crc32c") or r.get("crc32") for r in records)
+    target = _abstract(state, _mesh((8,), ("x",)), P("x"))
+    with aj.StandardCheckpointer() as c:
+        _assert_equal(c.restore(ours, target), want)
+    _assert_equal(_orbax_restore(ours, target), want)
+
+    tree = {"w": jnp.arange(1024.0), "n": np.arange(3, dtype=np.int32)}
+    cases = {
+        "keyword_false": (lambda: aj.StandardCheckpointer(use_ocdbt=False), False),
+        "pytree_default": (aj.PyTreeCheckpointer, True),
+        "pytree_false": (lambda: aj.PyTreeCheckpointer(use_ocdbt=False), False),
+        "handler_false": (lambda: aj.AsyncCheckpointer(
+            ocp.StandardCheckpointHandler(use_ocdbt=False)), False),
+        "handler_true": (lambda: aj.Checkpointer(
+            ocp.PyTreeCheckpointHandler(use_ocdbt=True)), True),
+    }
+    for name, (make, ocdbt) in cases.items():
+        with make() as c:
+            c.save(tmp_path / name, tree)
+            _assert_equal(c.restore(tmp_path / name, _abstract(tree)), _values(tree))
+        assert _is_ocdbt(tmp_path / name) is ocdbt, name
+        _assert_equal(_orbax_restore(tmp_path / name, _abstract(tree)), _values(tree))
+    with pytest.raises(TypeError, match="use_ocdbt"):
+        aj.PyTreeCheckpointer(use_ocdbt="no")
+
+
+def test_ocdbt_target_data_file_size_and_save_args_chunks(tmp_path):
+    rows = np.random.default_rng(0).random((64, 1024), dtype=np.float32)  # 256 KiB, one shard
+    tree = {"rows": jnp.asarray(rows), "v": jnp.arange(4096.0)}
+    want = _values(tree)
+    target = 64 << 10
+    with aj.PyTreeCheckpointer() as c:
+        c.save(tmp_path / "split", args=ocp.args.PyTreeSave(
+            tree, ocdbt_target_data_file_size=target))
+        # Its SaveArgs' chunks (before, the checkpointers dropped them).
+        c.save(tmp_path / "chunked", args=ocp.args.PyTreeSave(tree, save_args={
+            "rows": ocp.SaveArgs(chunk_byte_size=32 << 10), "v": ocp.SaveArgs()}))
+        with pytest.raises(ValueError, match="one pytree"):
+            c.save(tmp_path / "x", args=ocp.args.Composite(a=ocp.args.PyTreeSave(tree)))
+    split = tmp_path / "split"
+    assert _zarray(split, "rows")["chunks"] == [16, 1024]  # 64 KiB pieces of the one shard
+    assert [k for k in _keys(split) if k.startswith("rows/") and k[-1].isdigit()] == [
+        f"rows/{i}.0" for i in range(4)]
+    data = list((split / "ocdbt.process_0" / "ocdbt_data").iterdir())
+    assert len(data) > 3 and all(f.stat().st_size <= 2 * target for f in data)
+    chunks = _zarray(tmp_path / "chunked", "rows")["chunks"]
+    assert chunks != [64, 1024] and np.prod(chunks) * 4 <= 32 << 10
+    with aj.StandardCheckpointer() as c:
+        for name in ("split", "chunked"):
+            _assert_equal(c.restore(tmp_path / name, _abstract(tree)), want)
+            _assert_equal(_orbax_restore(tmp_path / name, _abstract(tree)), want)
+    with aj.PyTreeCheckpointer(use_ocdbt=False) as c, pytest.raises(
+            ValueError, match="applies to OCDBT saves only"):
+        c.save(tmp_path / "y", args=ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=target))
 
 
 def test_existing_destination_raises_and_force_replaces_it_once_the_new_one_is_durable(
@@ -164,6 +269,7 @@ def test_existing_destination_raises_and_force_replaces_it_once_the_new_one_is_d
         reader.join(60)
         _assert_equal(result["got"], _values(new))
     _assert_equal(_orbax_restore(path, _abstract(new)), _values(new))
+    assert _is_ocdbt(path)
     assert os.listdir(tmp_path) == ["ckpt"]  # the replaced one is gone, no temporaries
 
 
@@ -176,9 +282,22 @@ class _DiskFullWriter(files_lib.DurableWriter):
         return super().write(name, chunks)
 
 
-def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(_job, "DurableWriter", _DiskFullWriter)
-    ckptr = aj.StandardCheckpointer()
+class _DiskFullDatabase(_ocdbt.DatabaseWriter):
+    """The real OCDBT writer, except that values of the array `w` hit a full disk."""
+
+    def put(self, key, data):
+        if key.startswith("w/"):
+            raise OSError(errno.ENOSPC, "No space left on device", key)
+        return super().put(key, data)
+
+
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkeypatch, ocdbt):
+    if ocdbt:
+        monkeypatch.setattr(_ocdbt, "DatabaseWriter", _DiskFullDatabase)
+    else:
+        monkeypatch.setattr(_job, "DurableWriter", _DiskFullWriter)
+    ckptr = aj.StandardCheckpointer(use_ocdbt=ocdbt)
     ckptr.save(tmp_path / "ckpt", {"w": jnp.arange(64.0), "n": 1})  # staging succeeds
     with pytest.raises(OSError) as err:
         ckptr.wait_until_finished()
@@ -186,17 +305,48 @@ def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkey
     assert os.listdir(tmp_path) == []
     with pytest.raises(FileNotFoundError):
         ckptr.restore(tmp_path / "ckpt")
-    monkeypatch.setattr(_job, "DurableWriter", files_lib.DurableWriter)
+    monkeypatch.undo()
     ckptr.save(tmp_path / "ckpt", {"w": jnp.arange(64.0), "n": 1})  # the path is free
     ckptr.close()
     assert ckptr.restore(tmp_path / "ckpt")["n"] == 1
+    assert _orbax_restore(tmp_path / "ckpt", {"w": jnp.zeros(64), "n": 0})["n"] == 1
+    assert _is_ocdbt(tmp_path / "ckpt") is ocdbt
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc")
+def test_a_damaged_ocdbt_data_file_fails_the_restore_naming_it(tmp_path):
+    big = np.random.default_rng(0).random((1024, 1024), dtype=np.float32)  # 4 MiB
+    state = {"w": jnp.asarray(big), "v": jnp.ones(1024)}  # 4 KiB and more: not inline
+    path = tmp_path / "ckpt"
+    with aj.StandardCheckpointer() as ckptr:
+        ckptr.save(path, state)
+        ckptr.wait_until_finished()
+        before = _bytes_read()
+        _assert_equal(ckptr.restore(path, _abstract(state)), _values(state))
+        # Each data file is read once, checksummed as it is read (not in a second pass).
+        assert _bytes_read() - before < big.nbytes * 3 // 2
+    _assert_equal(_orbax_restore(path, _abstract(state)), _values(state))
+    manifest = json.loads((path / layout.JAX_MANIFEST_NAME).read_text())
+    data = sorted((path / "ocdbt.process_0" / "ocdbt_data").iterdir())
+    assert data and {f"ocdbt.process_0/ocdbt_data/{f.name}" for f in data} <= {
+        f["name"] for f in manifest["files"]}
+    flip_byte(data[0])
+    with aj.StandardCheckpointer() as ckptr:
+        with pytest.raises(CorruptCheckpointError) as err:
+            ckptr.restore(path, _abstract(state))
+        assert err.value.file == str(data[0]) and str(data[0]) in str(err.value)
+        flip_byte(data[0])  # undone: the checkpoint restores again
+        _assert_equal(ckptr.restore(path, _abstract(state)), _values(state))
 
 
 def test_a_damaged_file_fails_the_restore_naming_it(tmp_path):
-    from asyncckpt.errors import CorruptCheckpointError
-
     state = {"w": jnp.arange(64.0), "v": jnp.ones(4)}
-    with aj.StandardCheckpointer() as ckptr:
+    with aj.StandardCheckpointer(use_ocdbt=False) as ckptr:  # a file per chunk
         ckptr.save(tmp_path / "a", state)
         ckptr.save(tmp_path / "b", state)
     # Array metadata that still parses, but describes other bytes (float32 -> int32).
@@ -271,9 +421,10 @@ def test_orbax_options_honoured_or_refused_at_construction(tmp_path):
         _assert_equal(c.restore(tmp_path / "a", {"w": jnp.zeros(3)}), {"w": np.ones(3, "f4")})
 
     refused = {
-        "use_ocdbt": lambda: aj.StandardCheckpointer(use_ocdbt=True),
-        "use_ocdbt=True": lambda: aj.PyTreeCheckpointer(use_ocdbt=True),
+        "use_compression": lambda: aj.PyTreeCheckpointer(use_compression=True),
         "use_zarr3": lambda: aj.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)),
+        r"PyTreeCheckpointHandler\(use_zarr3=True\)": lambda: aj.PyTreeCheckpointer(
+            use_zarr3=True),
         "JsonCheckpointHandler": lambda: aj.AsyncCheckpointer(ocp.JsonCheckpointHandler()),
         "primary_host": lambda: aj.StandardCheckpointer(
             multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=1)),
@@ -312,22 +463,24 @@ state = {"w": jax.make_array_from_callback(w.shape, NamedSharding(mesh, P("a", "
                                            lambda idx: w[idx]),
          "host": np.arange(5, dtype=np.int64), "step": 3}
 out = {}
-with aj.StandardCheckpointer(coordination_timeout_s=60) as ckptr:
-    ckptr.save(os.path.join(root, "ckpt"), state)
-    try:
-        ckptr.save(os.path.join(root, "ckpt"), state)  # in flight or published: refused
-    except ValueError as e:
-        out["exists"] = "already exists" in str(e)
-    ckptr.wait_until_finished()  # on process 1 too: returns once process 0 has committed
-    out["published"] = os.path.isdir(os.path.join(root, "ckpt"))
-    mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
-    target = {"w": jax.ShapeDtypeStruct(w.shape, jnp.float32,
-                                        sharding=NamedSharding(mesh2, P(("x", "y")))),
-              "host": np.zeros(5, np.int64), "step": 0}
-    got = ckptr.restore(os.path.join(root, "ckpt"), target)
-    out["restored"] = bool(got["step"] == 3 and all(
-        np.array_equal(np.asarray(s.data), w[s.index]) for s in got["w"].addressable_shards))
-    out["nbytes"] = ckptr.last_save.result().nbytes
+for name, ocdbt in (("ckpt", True), ("zarr", False)):  # orbax's default, then zarr files
+    path = os.path.join(root, name)
+    with aj.StandardCheckpointer(coordination_timeout_s=60, use_ocdbt=ocdbt) as ckptr:
+        ckptr.save(path, state)
+        try:
+            ckptr.save(path, state)  # in flight or published: refused
+        except ValueError as e:
+            out[f"{name}.exists"] = "already exists" in str(e)
+        ckptr.wait_until_finished()  # on process 1 too: returns once process 0 has committed
+        out[f"{name}.published"] = os.path.isdir(path)
+        mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+        target = {"w": jax.ShapeDtypeStruct(w.shape, jnp.float32,
+                                            sharding=NamedSharding(mesh2, P(("x", "y")))),
+                  "host": np.zeros(5, np.int64), "step": 0}
+        got = ckptr.restore(path, target)
+        out[f"{name}.restored"] = bool(got["step"] == 3 and all(
+            np.array_equal(np.asarray(s.data), w[s.index]) for s in got["w"].addressable_shards))
+        out[f"{name}.nbytes"] = ckptr.last_save.result().nbytes
 print("RESULT " + json.dumps(out), flush=True)
 """
 
@@ -343,18 +496,28 @@ def test_two_processes_save_one_checkpoint_each_its_own_shards(tmp_path):
     results = run_workers(script, [[str(i), port, str(root)] for i in range(2)],
                           env=subprocess_env(JAX_PLATFORMS="cpu"))
     for r in results:
-        assert r["exists"] and r["published"] and r["restored"], results
-    assert results[1]["nbytes"] < 16 * 8 * 4  # process 1 staged only its half of "w"
-    assert os.listdir(root) == ["ckpt"]
-    manifest = json.loads((root / "ckpt" / layout.JAX_MANIFEST_NAME).read_text())
-    assert {f"w/{i}.{j}" for i in range(4) for j in range(2)} <= {
-        f["name"] for f in manifest["files"]}
-    assert manifest["extra"]["num_processes"] == 2
+        for name in ("ckpt", "zarr"):
+            assert all(r[f"{name}.{k}"] for k in ("exists", "published", "restored")), results
+    for name in ("ckpt", "zarr"):  # process 1 staged only its half of "w"
+        assert results[1][f"{name}.nbytes"] < 16 * 8 * 4
+    assert sorted(os.listdir(root)) == ["ckpt", "zarr"]
+    names = {name: {f["name"] for f in json.loads(
+        (root / name / layout.JAX_MANIFEST_NAME).read_text())["files"]}
+        for name in ("ckpt", "zarr")}
+    # OCDBT: each process wrote its database; process 0 merged them into the root one.
+    assert {"manifest.ocdbt", "ocdbt.process_0/manifest.ocdbt",
+            "ocdbt.process_1/manifest.ocdbt"} <= names["ckpt"]
+    assert [k for k in _keys(root / "ckpt") if k.startswith("w/")] == ["w/.zarray"] + [
+        f"w/{i}.{j}" for i in range(4) for j in range(2)]
+    assert {f"w/{i}.{j}" for i in range(4) for j in range(2)} <= names["zarr"]
+    assert json.loads((root / "ckpt" / layout.JAX_MANIFEST_NAME).read_text())[
+        "extra"]["num_processes"] == 2
     target = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32,
                                         sharding=NamedSharding(_mesh((8,), ("d",)), P("d"))),
               "host": np.zeros(5, np.int64), "step": 0}
     want = {"w": np.arange(16 * 8, dtype=np.float32).reshape(16, 8),
             "host": np.arange(5, dtype=np.int64), "step": 3}
     with aj.StandardCheckpointer() as ckptr:
-        _assert_equal(ckptr.restore(root / "ckpt", target), want)
-    _assert_equal(_orbax_restore(root / "ckpt", target), want)
+        for name in ("ckpt", "zarr"):
+            _assert_equal(ckptr.restore(root / name, target), want)
+            _assert_equal(_orbax_restore(root / name, target), want)

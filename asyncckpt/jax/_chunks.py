@@ -21,6 +21,7 @@ from asyncckpt.engine import reads
 from asyncckpt.engine.files import FileRecord
 from asyncckpt.engine.manifest import Manifest
 from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.jax._format import in_item
 
 _READERS = 8  # parallel file reads: enough to keep a disk's queue full
 
@@ -132,7 +133,7 @@ class ChunkStore:
                 continue
             file, offset, length = where
             buf = reads.aligned_empty(length, file_offset=offset)
-            by_file.setdefault(f"{item}/{file}", []).append((offset, buf, path))
+            by_file.setdefault(in_item(item, file), []).append((offset, buf, path))
         if self._remote is not None:
             self._remote.fetch_names(list(by_file))
         plans = []

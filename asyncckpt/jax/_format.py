@@ -33,6 +33,8 @@ from asyncckpt.errors import CorruptCheckpointError, UnsupportedObjectError
 from asyncckpt.jax._tree import DICT_KEY, SEQUENCE_KEY, LeafPath
 
 ITEM = "default"
+# The item of a checkpointer's pytree: its files are at the top of the checkpoint.
+ROOT_ITEM = ""
 TREE_METADATA = "_METADATA"
 SHARDING_FILE = "_sharding"
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -60,6 +62,15 @@ SCALAR = "scalar"
 # their name; all others use NumPy's little-endian type string (`<f4`, `|b1`).
 _NAMED_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 _PLAIN_KINDS = "biufc"
+
+
+def in_item(item: str, name: str) -> str:
+    """``name`` (relative to an item directory) as a name relative to the step.
+
+    ``item`` ``""`` is the checkpoint's root: a checkpointer's pytree, whose
+    files are at the top of its path.
+    """
+    return f"{item}/{name}" if item else name
 
 
 def zarr_dtype(dtype: np.dtype, *, what: str) -> str:

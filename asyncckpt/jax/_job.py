@@ -206,17 +206,17 @@ class JaxSaveJob:
                 if (db := self._database(name)) is None:
                     writer.write(name, (data,))
                 elif (pieces := splits.get(name)) is None:
-                    db.put(name.split("/", 1)[1], data)
+                    db.put(name[db.strip:], data)
                 else:  # equal, contiguous runs of the chunk's bytes
                     size = len(data) // len(pieces)
                     for k, piece in enumerate(pieces):
                         if piece is not None:
-                            db.put(piece.split("/", 1)[1], data[k * size:(k + 1) * size])
+                            db.put(piece[db.strip:], data[k * size:(k + 1) * size])
             for name, data in staged.metadata_files:
                 if (db := self._database(name)) is None:
                     writer.write(name, (data,))
                 else:
-                    db.put(name.split("/", 1)[1], data)
+                    db.put(name[db.strip:], data)
             if self._primary:
                 step_meta = fmt.step_metadata_json(
                     metrics=self._metrics,
@@ -236,11 +236,18 @@ class JaxSaveJob:
 
         In an OCDBT item, the files of its arrays (``<item>/<param>/...``) are
         keys of this process's database; the item's own files (``_METADATA``,
-        ``_sharding``) stay files.
+        ``_sharding``) stay files. Item ``""`` is a checkpointer's pytree, at
+        the step's root: its arrays' files are ``<param>/...``, and the
+        step's own files (``_CHECKPOINT_METADATA``...) stay files too.
         """
-        item, _, rest = name.partition("/")
-        if item not in self._ocdbt or "/" not in rest:
-            return None
+        if fmt.ROOT_ITEM in self._ocdbt:
+            if "/" not in name:
+                return None
+            item = fmt.ROOT_ITEM
+        else:
+            item, _, rest = name.partition("/")
+            if item not in self._ocdbt or "/" not in rest:
+                return None
         db = self._dbs.get(item)
         if db is None:
             assert self._tmp is not None and self._writer is not None

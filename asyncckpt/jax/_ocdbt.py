@@ -2,7 +2,8 @@
 
 With OCDBT an item directory holds a few large data files instead of one
 file per array shard. The layout is orbax's (``orbax.checkpoint`` writes it
-by default and reads it back)::
+by default and reads it back); a checkpointer's pytree (item ``""``) has the
+same files at the top of its path, as orbax's checkpointers lay them out::
 
     <step>/<item>/
         _METADATA                   tree metadata, "use_ocdbt": true
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncckpt.engine.files import DurableWriter
+from asyncckpt.jax._format import in_item
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +258,8 @@ class DatabaseWriter:
 
     Args:
         step_root: The temporary step directory.
-        item: The item's directory name.
+        item: The item's directory name (``""``: the pytree is the
+            checkpoint's root, as a checkpointer writes it).
         process_index: This process (names its database directory).
         target: Target data file size (0: no limit).
         files: The save's file writer; records the database's files.
@@ -266,7 +269,9 @@ class DatabaseWriter:
     def __init__(self, step_root: str, item: str, process_index: int, *, target: int,
                  files: DurableWriter, pause: Callable[[], None] | None = None):
         self._ts = load_tensorstore()
-        self._rel = f"{item}/{process_dir_name(process_index)}"
+        self._rel = in_item(item, process_dir_name(process_index))
+        # A file of the item (``<item>/<param>/<chunk>``) is the key ``<param>/<chunk>``.
+        self.strip = len(in_item(item, ""))
         self._root = step_root
         self._path = os.path.join(step_root, item, process_dir_name(process_index))
         os.makedirs(self._path, exist_ok=True)
@@ -281,7 +286,10 @@ class DatabaseWriter:
         self.keys = 0
 
     def put(self, key: str, data: Any) -> None:
-        """Adds one value (bytes, or any buffer: copied)."""
+        """Adds one value (bytes, or any buffer: copied) under ``key``, relative to the item.
+
+        A file name relative to the step is the key ``name[self.strip:]``.
+        """
         if self._pause is not None:
             self._pause()
         if self._txn is None:
@@ -322,6 +330,8 @@ def record_tree(root: str, rel: str, files: DurableWriter) -> None:
 def merge(step_root: str, item: str, *, files: DurableWriter) -> int:
     """Primary: merges every process's database of ``item`` into the item's root database.
 
+    ``item`` ``""``: the databases are at the top of the step (a checkpointer's).
+
     The root's B-tree refers to the values in the processes' data files (by
     path relative to the item directory); only B-tree nodes are read and
     written. Records the root's files with ``files``. Returns the number of
@@ -346,12 +356,12 @@ def merge(step_root: str, item: str, *, files: DurableWriter) -> int:
     for c in copies:
         wait(c, item_dir)
     wait(txn.commit_async(), item_dir)
-    files.add_existing(f"{item}/{MANIFEST}")
+    files.add_existing(in_item(item, MANIFEST))
     for prefix in (META_PREFIX, DATA_PREFIX):
         sub = os.path.join(item_dir, prefix.rstrip("/"))
         if os.path.isdir(sub):
             for name in sorted(os.listdir(sub)):
-                files.add_existing(f"{item}/{prefix}{name}")
+                files.add_existing(in_item(item, f"{prefix}{name}"))
     return len(children)
 
 

@@ -158,7 +158,7 @@ def restore_tree(
     opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store)
     if opener.through_tensorstore and remote is not None:
         # TensorStore reads the item's files itself: all of them are fetched first.
-        remote.fetch_names([n for n in remote.records if n.startswith(f"{item}/")])
+        remote.fetch_names([n for n in remote.records if n.startswith(fmt.in_item(item, ""))])
     elif opener.index is not None:
         store.use_values(item, opener.index)  # [ocdbt] chunks are byte ranges of data files
     if restore_args is not None:

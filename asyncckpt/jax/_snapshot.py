@@ -213,8 +213,9 @@ class Plan:
         key = ("splits", item)
         splits = self._named.get(key)
         if splits is None:
-            splits = {f"{item}/{c.file}": tuple(None if p is None else f"{item}/{p}"
-                                                for p in c.pieces)
+            splits = {fmt.in_item(item, c.file): tuple(None if p is None
+                                                       else fmt.in_item(item, p)
+                                                       for p in c.pieces)
                       for lp in self.leaves for c in lp.chunks if c.pieces is not None}
             self._named[key] = splits
         return splits

@@ -2,8 +2,9 @@
 
 ``StandardCheckpointer().save(path, state)`` returns once the state is copied
 into a host staging slot; the manager's background writer then writes
-``path`` in orbax's zarr layout (the pytree's files at the top of ``path``,
-as orbax's checkpointers lay them out), checksums and fsyncs it, writes the
+``path`` in orbax's layout (the pytree's files at the top of ``path``, as
+orbax's checkpointers lay them out: OCDBT databases by default, as orbax,
+zarr files with ``use_ocdbt=False``), checksums and fsyncs it, writes the
 manifest and publishes ``path`` with one rename. So a save blocks exactly as
 long as ``CheckpointManager.save`` does, and ``orbax.checkpoint``'s own
 checkpointers restore the result.
@@ -28,8 +29,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from asyncckpt._closing import ClosingContext
 from asyncckpt._coordination import PeerFailedError
 from asyncckpt.engine import commit as commit_lib
@@ -40,6 +39,7 @@ from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import Coordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import StepMetadata
+from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt
 from asyncckpt.jax._restore import restore_tree, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.options import AsyncOptions, RestoreOptions
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncCheckpointer", "Checkpointer", "PyTreeCheckpointer", "StandardCheckpointer"]
 
-ROOT = ""  # the pytree's files are at the top of the checkpoint's path
+ROOT = fmt.ROOT_ITEM  # the pytree's files are at the top of the checkpoint's path
 # orbax's commit marker: written inside the directory before it is renamed into
 # place, so readers using orbax's commit-file atomicity see it as finalized too.
 COMMIT_FILE = "commit_success.txt"
@@ -102,6 +102,12 @@ def _handler_kind(handler: Any) -> str:
         raise _refuse(f"{kind}(use_zarr3=True)", "asyncckpt writes zarr v2, which orbax "
                       "reads; leave use_zarr3 unset")
     return kind
+
+
+def _check_flag(name: str, value: Any) -> None:
+    """orbax's boolean handler settings must be bools (so ``handler_uses_ocdbt`` reads them)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_orbax_options(*, multiprocessing_options: Any, file_options: Any,
@@ -175,7 +181,9 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
     Args:
         handler: ``ocp.StandardCheckpointHandler()`` or
             ``ocp.PyTreeCheckpointHandler()``; says which ``args`` the
-            methods take (``StandardSave``/``PyTreeSave`` and the restores).
+            methods take (``StandardSave``/``PyTreeSave`` and the restores)
+            and, by its ``use_ocdbt`` (orbax's default True), whether the
+            pytree is stored in OCDBT databases or as zarr files.
         async_options: asyncckpt's ``AsyncOptions`` (staging slots, fsync,
             checksums) or orbax's (timeout, ``post_finalization_callback``,
             called on the writer thread once each checkpoint is published).
@@ -209,6 +217,9 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             raise TypeError(f"{type(self).__name__} needs orbax's handler: "
                             "ocp.StandardCheckpointHandler() or ocp.PyTreeCheckpointHandler()")
         self._kind = _STANDARD if handler is None else _handler_kind(handler)
+        # The layout, as the handler says (orbax's default without orbax: OCDBT).
+        self._format = FormatOptions(
+            use_ocdbt=True if handler is None else bool(handler_uses_ocdbt(handler)))
         _check_orbax_options(multiprocessing_options=multiprocessing_options,
                              file_options=file_options,
                              checkpoint_metadata_store=checkpoint_metadata_store,
@@ -268,16 +279,17 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             UnsupportedObjectError: a leaf cannot be saved (named).
             Exception: a failure of an earlier background save.
         """
-        value = self._save_value(args, kwargs)
-        self._save(directory, value, force=force, custom_metadata=custom_metadata)
+        item = self._save_item(args, kwargs)
+        self._save(directory, item, force=force, custom_metadata=custom_metadata)
 
-    def _save_value(self, args: tuple, kwargs: dict) -> Any:
-        """The pytree of a save, from orbax's argument forms."""
+    def _save_item(self, args: tuple, kwargs: dict) -> _args.SaveItem:
+        """The pytree of a save (with its ``SaveArgs`` chunking and target file size),
+        from orbax's argument forms."""
         if len(args) == 1 and not kwargs:
             items, named = _args.save_items(args[0], None)
         else:
             items, named = _args.save_items(None, self._orbax_args(args, kwargs, restore=False))
-        return self._one_item(items, named).value
+        return self._one_item(items, named)
 
     def _orbax_args(self, args: tuple, kwargs: dict, *, restore: bool) -> Any:
         """One orbax ``CheckpointArgs`` from the forms orbax's checkpointers take.
@@ -310,21 +322,39 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                              "items (Composite) or JSON use asyncckpt.jax.CheckpointManager")
         return items[0]
 
-    def _save(self, directory: str | os.PathLike, value: Any, *, force: bool,
+    def _layout(self, target: int | None) -> int | None:
+        """The layout of a save: None (zarr files), or OCDBT's target data file size.
+
+        ``target``: the save's own ``ocdbt_target_data_file_size`` (None:
+        orbax's default for a local path, the only kind a checkpointer takes).
+
+        Raises:
+            ValueError: a target size given to a checkpointer that saves without OCDBT.
+        """
+        if self._format.use_ocdbt:
+            return self._format.target_for("", target)
+        if target is not None:
+            raise ValueError(
+                f"ocdbt_target_data_file_size={target} applies to OCDBT saves only; this "
+                "checkpointer saves without OCDBT (its handler has use_ocdbt=False)")
+        return None
+
+    def _save(self, directory: str | os.PathLike, item: _args.SaveItem, *, force: bool,
               custom_metadata: dict | None) -> None:
         if self._closed or self._engine.closed:
             raise EngineClosedError("cannot save after close()")
         multi = self._coord is not None  # then earlier failures raise once staged
         path = _local_path(directory)
         custom = _compat.json_checked(custom_metadata, "custom_metadata")
+        ocdbt = self._layout(item.ocdbt_target_data_file_size)
         if multi:
             with self._saves.attempt(None) as (seq, save_key):  # type: ignore[arg-type]
                 self._check_destination(path, force)
-                self._start_save(path, value, custom, force, seq, save_key)
+                self._start_save(path, item, ocdbt, custom, force, seq, save_key)
             self._engine.raise_pending_error()
         else:
             self._check_destination(path, force)
-            self._start_save(path, value, custom, force, self._saves.next_seq(), None)
+            self._start_save(path, item, ocdbt, custom, force, self._saves.next_seq(), None)
         if self._blocking:
             self._engine.sync()
 
@@ -338,13 +368,16 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             raise ValueError(f"destination {path!r} already exists (or is being saved); "
                              "save with force=True to replace it")
 
-    def _start_save(self, path: str, value: Any, custom: Any, force: bool, seq: int,
-                    save_key: str | None) -> None:
+    def _start_save(self, path: str, item: _args.SaveItem, ocdbt: int | None, custom: Any,
+                    force: bool, seq: int, save_key: str | None) -> None:
         token = self._saves.token()
         parent, name = os.path.split(path)
+        value, chunking = item.value, item.layout
+        databases = None if ocdbt is None else {ROOT: ocdbt}
 
         def stage(slot):
-            staged = self._with_commit_file(self._snapshotter.stage(value, slot, item=ROOT))
+            staged = self._with_commit_file(self._snapshotter.stage(
+                value, slot, item=ROOT, layout=chunking, ocdbt=ocdbt))
             return JaxSaveJob(
                 directory=parent,
                 step=None,
@@ -360,6 +393,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                 dir_name=name,
                 item_handlers=self._typestr,
                 replace=force,
+                ocdbt=databases,
             )
 
         handle = self._engine.save(stage, label=path, raise_pending=self._coord is None)
@@ -381,7 +415,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         if joined is None or joined[0] is not meta:
             joined = self._joined = (meta, meta + self._extra)
         size = staged.size + len(_COMMIT_TEXT) if staged.size >= 0 else -1
-        return StagedTree(staged.chunks, joined[1], staged.keepalive, size)
+        return StagedTree(staged.chunks, joined[1], staged.keepalive, size, staged.splits)
 
     def _settled(self, path: str, handle: SaveHandle) -> None:
         with self._lock:
@@ -399,7 +433,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         """
         if self._closed or self._engine.closed:
             raise EngineClosedError("cannot prepare after close()")
-        plan = self._snapshotter.plan(state)[0]
+        plan = self._snapshotter.plan(state, None, self._layout(None))[0]
         self._engine.prepare_staging(plan.layout(ROOT))
 
     # -- waiting ----------------------------------------------------------------------
@@ -503,14 +537,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         path = self._checkpoint_path(directory)
         meta = _metadata.read_step_metadata(0, path, with_items=False)
         handler = fmt.read_step_metadata(path).get("item_handlers")
-        if fmt.is_ocdbt(path):  # written by orbax in its OCDBT format: orbax describes it
-            from orbax.checkpoint import StandardCheckpointer as OrbaxCheckpointer
-
-            with OrbaxCheckpointer() as reader:
-                tree = reader.metadata(path).item_metadata.tree
-            items = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-        else:
-            items = _metadata.describe_tree(path)
+        items = _metadata.describe_tree(path)  # zarr files or OCDBT, asyncckpt's or orbax's
         return dataclasses.replace(meta, step=None, item_metadata=items,  # type: ignore[arg-type]
                                    item_handlers=handler)
 
@@ -553,10 +580,10 @@ class StandardCheckpointer(AsyncCheckpointer):
 
     Args:
         **kwargs: ``Checkpointer``'s options; other keywords are
-            ``ocp.StandardCheckpointHandler``'s (``save_concurrent_gb``,
-            ``restore_concurrent_gb``: limits of orbax's own writer, with no
-            effect here; ``use_ocdbt=True`` is refused, ``False`` is what is
-            written).
+            ``ocp.StandardCheckpointHandler``'s: ``use_ocdbt`` (orbax's
+            default True: OCDBT databases; False: a zarr directory per
+            array), ``save_concurrent_gb``, ``restore_concurrent_gb`` (limits
+            of orbax's own writer, with no effect here).
     """
 
     _OWN = frozenset({"async_options", "multiprocessing_options", "file_options",
@@ -565,13 +592,12 @@ class StandardCheckpointer(AsyncCheckpointer):
 
     def __init__(self, **kwargs: Any):
         handler_kwargs = {k: v for k, v in kwargs.items() if k not in self._OWN}
-        if handler_kwargs.get("use_ocdbt", False) is not False:
-            raise _refuse("use_ocdbt=True", "asyncckpt writes orbax's zarr layout without "
-                          "OCDBT (orbax reads both); leave use_ocdbt unset")
+        if "use_ocdbt" in handler_kwargs:
+            _check_flag("use_ocdbt", handler_kwargs["use_ocdbt"])
         try:
             import orbax.checkpoint as ocp
         except ImportError:  # pragma: no cover - asyncckpt[jax] installs orbax
-            if handler_kwargs:
+            if set(handler_kwargs) - {"use_ocdbt"}:
                 raise TypeError(f"{sorted(handler_kwargs)} are orbax handler options; "
                                 "install orbax-checkpoint") from None
             handler = None
@@ -580,6 +606,8 @@ class StandardCheckpointer(AsyncCheckpointer):
             handler = ocp.StandardCheckpointHandler(
                 **handler_kwargs, **({} if mp is None else {"multiprocessing_options": mp}))
         super().__init__(handler, **{k: v for k, v in kwargs.items() if k in self._OWN})
+        if handler is None:
+            self._format = FormatOptions(use_ocdbt=handler_kwargs.get("use_ocdbt", True))
 
     def save(self, directory: str | os.PathLike, state: Any = None, *, args: Any = None,
              save_args: Any = None, force: bool = False,
@@ -602,7 +630,7 @@ class StandardCheckpointer(AsyncCheckpointer):
 
             args, state = ocp_args.StandardSave(state, save_args), None
         items, named = _args.save_items(state, args)
-        self._save(directory, self._one_item(items, named).value, force=force,
+        self._save(directory, self._one_item(items, named), force=force,
                    custom_metadata=custom_metadata)
 
     def restore(self, directory: str | os.PathLike, target: Any = None, *, strict: bool = True,
@@ -631,22 +659,24 @@ class PyTreeCheckpointer(Checkpointer):
     """orbax's ``PyTreeCheckpointer()``: ``save`` returns once the checkpoint is durable.
 
     Takes orbax's ``PyTreeSave``/``PyTreeRestore`` forms (``restore_args``,
-    ``partial_restore``). ``use_ocdbt`` and ``use_compression`` left unset
-    write orbax's zarr layout uncompressed and without OCDBT (orbax reads
-    it); ``use_ocdbt=False`` / ``use_compression=False`` ask for exactly
-    that; ``True`` and ``use_zarr3=True`` are refused.
+    ``partial_restore``, ``ocdbt_target_data_file_size``). Values are written
+    uncompressed: ``use_compression`` left unset or False (orbax reads
+    both); ``use_compression=True`` and ``use_zarr3=True`` are refused.
 
     Args:
         primary_host: 0 (asyncckpt's process 0 commits).
+        use_ocdbt: orbax's: store the pytree in OCDBT databases (the
+            default, as orbax), or as a zarr directory per array (False).
         **kwargs: As ``Checkpointer``.
     """
 
-    def __init__(self, primary_host: int | None = 0, use_ocdbt: bool = _UNSET,
+    def __init__(self, primary_host: int | None = 0, use_ocdbt: bool = True,
                  use_zarr3: bool = False, use_compression: bool = _UNSET, **kwargs: Any):
-        for name, value in (("use_ocdbt", use_ocdbt), ("use_compression", use_compression)):
-            if value is not _UNSET and value is not False:
-                raise _refuse(f"{name}={value!r}", "asyncckpt writes orbax's zarr layout "
-                              "uncompressed and without OCDBT (orbax reads it); leave it unset")
+        _check_flag("use_ocdbt", use_ocdbt)
+        if use_compression is not _UNSET and use_compression is not False:
+            raise _refuse(f"use_compression={use_compression!r}",
+                          "asyncckpt writes values uncompressed (orbax reads them); leave "
+                          "use_compression unset or False")
         if primary_host != 0:
             raise _refuse(f"primary_host={primary_host!r}",
                           "process 0 writes the metadata and commits every save; leave it 0")
@@ -655,8 +685,9 @@ class PyTreeCheckpointer(Checkpointer):
         except ImportError:  # pragma: no cover - asyncckpt[jax] installs orbax
             handler = None
         else:
-            handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=use_zarr3,
+            handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
                                                   use_compression=False)
         super().__init__(handler, **kwargs)
         if handler is None:
             self._kind, self._typestr = _PYTREE, _TYPESTR[_PYTREE]
+            self._format = FormatOptions(use_ocdbt=use_ocdbt)

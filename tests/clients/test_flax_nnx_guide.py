@@ -33,4 +33,5 @@ def test_flax_nnx_checkpointing_guide(tmp_path):
         manifest = json.loads((ckpt_dir / name / layout.JAX_MANIFEST_NAME).read_text())
         assert manifest["framework"] == "jax" and manifest["label"] == name
         assert all("crc32c" in f or "crc32" in f for f in manifest["files"])
+        assert (ckpt_dir / name / "manifest.ocdbt").is_file()  # orbax's default layout: OCDBT
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["checkpoint_name", "pure_dict", "state"]
