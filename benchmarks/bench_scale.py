@@ -8,9 +8,10 @@ Usage: python benchmarks/bench_scale.py [--processes 1,2,4,8] [--leaves 500] [--
 For each process count N, N worker processes start on 127.0.0.1 (CPU, ``--devices`` XLA
 host devices each) and join one ``jax.distributed`` run. The state is ``--leaves`` float32
 arrays of ``--leaf-kib`` KiB, each split over every device of the run. In the same processes,
-one case after another, each (target, engine, format) saves it once untimed (first-save
-allocations, plans, the run token), then ``--saves`` times timed, then restores the last step
-onto the same shardings and checks every value:
+one case after another, each (target, engine, format) saves it twice untimed (first-save
+allocations, plans, the run token; then ``max_to_keep`` steps exist, so each timed save also
+drops the oldest, as in a training run), then ``--saves`` times timed, then restores the last
+step onto the same shardings and checks every value:
 
 * **engines**: asyncckpt's ``asyncckpt.jax.CheckpointManager`` and orbax's own
   ``orbax.checkpoint.CheckpointManager`` (async, ``StandardSave``), both ``max_to_keep=2``;
@@ -29,8 +30,9 @@ Measured, per save (medians over the timed saves) and per restore:
   committed, and retention's deletion of the dropped step where the engine does it there);
 * coordination service: calls and bytes (keys and values) through JAX's real distributed
   client, counted by a proxy that replaces ``jax._src.distributed.global_state.client`` in
-  each process (after JAX's backends are up) and passes every call on unchanged. Totals over
-  all processes, process 0 and the busiest other process, calls by method. Barriers orbax
+  each process (after JAX's backends are up) and passes every call on unchanged. A value one
+  process sets and another gets counts twice, once each way (both cross the network). Totals
+  over all processes, process 0 and the busiest other process, calls by method. Barriers orbax
   runs as collectives (``multihost_utils.sync_global_devices``, its default outside the
   writer thread) are not KV traffic: they are counted apart, per process;
 * fsyncs (``fsync``, ``fdatasync``, ``sync_file_range``): with ``strace`` (each worker runs
@@ -75,6 +77,7 @@ ORBAX_DEFAULT_FORMAT = "ocdbt"  # what orbax's CheckpointManager writes unless t
 FSYNC_CALLS = ("fsync", "fdatasync", "sync_file_range")
 FILE_CALLS = ("open", "openat", "creat", "unlink", "unlinkat", "rename", "renameat", "renameat2")
 RESULT = "SCALE-RESULT "
+MAX_TO_KEEP = 2  # both managers; the timed saves each drop the oldest step
 
 # Targets of issue 25 at 8 processes and 500 leaves.
 MAX_FILES_RATIO = 2.0
@@ -696,10 +699,14 @@ def _run_case(case: dict, cfg: dict, pid: int, barrier, mark) -> dict:
     else:
         directory = os.path.join(cfg["root"], case["id"])
     save, restore, mgr = _manager(case, directory, cfg)
-    save(0, state(0))
-    mgr.wait_until_finished()
+    # Untimed saves until retention keeps MAX_TO_KEEP steps: from then on, as in a training
+    # run, every save also drops the oldest step (first-save allocations and plans are done).
+    for step in range(MAX_TO_KEEP):
+        save(step, state(step))
+        mgr.wait_until_finished()
     blocking, durable, marks = [], [], []
-    for step in range(1, cfg["saves"] + 1):
+    last = MAX_TO_KEEP + cfg["saves"] - 1
+    for step in range(MAX_TO_KEEP, last + 1):
         tree = state(step)
         barrier(f"{case['id']}-save{step}")
         marks.append(mark())
@@ -715,18 +722,18 @@ def _run_case(case: dict, cfg: dict, pid: int, barrier, mark) -> dict:
     files = file_bytes = None
     if pid == 0:
         store = open_store(directory)
-        objects = store.list(f"{cfg['saves']}/")
+        objects = store.list(f"{last}/")
         files, file_bytes = len(objects), sum(o.size for o in objects)
         store.close()
     target = {name: jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding) for name in names}
     barrier(f"{case['id']}-restore")
     marks.append(mark())
     t0 = time.perf_counter()
-    got = restore(cfg["saves"], target)
+    got = restore(last, target)
     jax.block_until_ready(got)
     restore_s = time.perf_counter() - t0
     ok = sorted(got) == names and all(
-        np.array_equal(np.asarray(s.data), base[s.index] + float(cfg["saves"] * 1000 + i))
+        np.array_equal(np.asarray(s.data), base[s.index] + float(last * 1000 + i))
         for i, name in enumerate(names) for s in got[name].addressable_shards)
     del got
     barrier(f"{case['id']}-restored")
@@ -748,7 +755,7 @@ def _manager(case: dict, directory: str, cfg: dict):
             kwargs["format_options"] = aj.FormatOptions(use_ocdbt=use_ocdbt)
         elif use_ocdbt:
             raise ValueError("this asyncckpt has no OCDBT writer")  # refused by _plan first
-        mgr = aj.CheckpointManager(directory, max_to_keep=2,
+        mgr = aj.CheckpointManager(directory, max_to_keep=MAX_TO_KEEP,
                                    coordination_timeout_s=cfg["timeout_s"], **kwargs)
         return (lambda step, tree: mgr.save(step, tree),
                 lambda step, target: mgr.restore(step, target=target), mgr)
@@ -756,7 +763,8 @@ def _manager(case: dict, directory: str, cfg: dict):
 
     mgr = ocp.CheckpointManager(
         directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True),
+        options=ocp.CheckpointManagerOptions(max_to_keep=MAX_TO_KEEP,
+                                             enable_async_checkpointing=True),
         item_handlers=ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt))
     return (lambda step, tree: mgr.save(step, args=ocp.args.StandardSave(tree)),
             lambda step, target: mgr.restore(step, args=ocp.args.StandardRestore(target)), mgr)

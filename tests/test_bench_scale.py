@@ -79,11 +79,13 @@ def test_scale_benchmark_small_run_reports_every_figure(tmp_path):
         # Every leaf's bytes are in the step (orbax's zstd saves about 30% on random normals).
         assert r["bytes_per_checkpoint"] >= (1.0 if engine == "asyncckpt" else 0.5) * (
             LEAVES * r["leaf_bytes"]), what
-        shards = LEAVES * n * DEVICES
-        if fmt == "zarr":  # a file per array shard, at least
-            assert r["files_per_checkpoint"] >= shards, what
-        else:  # a few data files per process
-            assert r["files_per_checkpoint"] < shards / 2, what
+        # zarr: a file per array shard and a metadata file per array, at least; OCDBT: a few
+        # data files per process, fewer than that.
+        zarr_least = LEAVES * n * DEVICES + LEAVES
+        if fmt == "zarr":
+            assert r["files_per_checkpoint"] >= zarr_least, what
+        else:
+            assert r["files_per_checkpoint"] < zarr_least, what
         if engine == "asyncckpt" or strace:  # wrapped os.fsync misses TensorStore's own
             assert r["fsyncs_per_save"] >= 1 and r["fsyncs_per_save_p0"] >= 1, what
         assert r["kv_calls_per_save"] == sum(r["kv_calls_per_save_by_method"].values())
