@@ -10,9 +10,14 @@ import shlex
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 DEFAULT_SIZES = "64,256,1024"
 QUICK_SIZES = "16,64"
+# ``--scale`` runs this script of a source checkout (benchmark code is not library code).
+SCALE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scale.py"
+# Options of this parser that ``--scale`` passes on to the script; any other is refused with it.
+SCALE_SHARED = ("out", "quick", "quiet")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(sizes default 256,1024; 64 with --quick)")
     p.add_argument("--no-recovery", action="store_true",
                    help="with --restore: skip the recovery-time processes")
+    p.add_argument("--scale", nargs=argparse.REMAINDER, default=None, metavar="ARG",
+                   help="instead: the multi-process scale benchmark (benchmarks/bench_scale.py "
+                        "of a source checkout): N jax.distributed processes on 127.0.0.1, "
+                        "asyncckpt and orbax, local disk and S3; blocking, durable time, "
+                        "coordination calls and bytes, files, fsyncs, restore. Every argument "
+                        "after --scale is the benchmark's own (--scale --help lists them); "
+                        "--out, --quick and --quiet before it are passed on")
 
 
 def _machine() -> str:
@@ -69,7 +81,36 @@ def _machine() -> str:
     return f"{cpus} CPUs ({model}), {mem:.0f} GiB RAM, Python {platform.python_version()}"
 
 
+def run_scale(args: argparse.Namespace) -> int:
+    """``--scale``: hands over to ``benchmarks/bench_scale.py`` with the arguments after it."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    unused = [f"--{name.replace('_', '-')}" for name, default in vars(defaults.parse_args([]))
+              .items() if name not in (*SCALE_SHARED, "scale") and getattr(args, name) != default]
+    if unused:
+        print(f"asyncckpt bench --scale: not options of the scale benchmark: "
+              f"{', '.join(unused)}; give its own after --scale (--scale --help lists them)",
+              file=sys.stderr)
+        return 2
+    if not SCALE_SCRIPT.is_file():
+        print(f"asyncckpt bench --scale: {SCALE_SCRIPT} is missing: the scale benchmark runs "
+              "from a source checkout of asyncckpt (benchmarks/ is not installed)",
+              file=sys.stderr)
+        return 2
+    argv = list(args.scale)
+    if args.out is not None and "--out" not in argv:
+        argv += ["--out", args.out]
+    argv += [f"--{flag}" for flag in ("quick", "quiet") if getattr(args, flag)
+             and f"--{flag}" not in argv]
+    spec = importlib.util.spec_from_file_location("asyncckpt_bench_scale", SCALE_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "scale", None) is not None:
+        return run_scale(args)
     if getattr(args, "restore", False):
         from asyncckpt.bench.restore import run as run_restore
 
