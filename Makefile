@@ -16,14 +16,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m asyncckpt.demo
+	$(BIN)/python -m examples.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check asyncckpt tests benchmarks
+	$(BIN)/ruff check asyncckpt tests benchmarks examples
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check asyncckpt tests benchmarks
+	$(BIN)/ruff check asyncckpt tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/asyncckpt bench

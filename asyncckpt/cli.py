@@ -5,7 +5,8 @@
 directories alike, local or ``s3://`` / ``gs://`` URLs (only committed
 checkpoints are listed; ``inspect`` and ``verify`` download the checkpoints
 they look at into a temporary directory). ``verify`` exits with 0 only if
-every checked checkpoint matches its manifest.
+every checked checkpoint matches its manifest. ``asyncckpt bench`` runs the
+benchmarks of a source checkout (``benchmarks/suite``, not installed with the wheel).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from asyncckpt import catalog
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -155,10 +157,34 @@ def _verify(directory: str, args: argparse.Namespace) -> int:
     return 0 if bad == 0 else 1
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from asyncckpt.bench.cli import run_from_args
+# ``asyncckpt bench`` runs the benchmarks of the source checkout this package is imported from:
+# they live in ``benchmarks/suite`` beside ``asyncckpt/``, not in the wheel.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+_NO_BENCHMARKS = (
+    "asyncckpt bench: the benchmarks are not part of the installed package; they run from "
+    "a source checkout of asyncckpt: `python -m benchmarks.suite [options]` from its root "
+    "(or `make bench`)"
+)
 
-    return run_from_args(args)
+
+def _bench_suite():
+    """The checkout's ``benchmarks.suite.cli``, or None where asyncckpt runs from a wheel."""
+    if not (_CHECKOUT / "benchmarks" / "suite" / "cli.py").is_file():
+        return None
+    if str(_CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(_CHECKOUT))  # the console script's path lacks the checkout
+    from benchmarks.suite import cli
+
+    return cli
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return args.bench.run_from_args(args)
+
+
+def _cmd_no_bench(args: argparse.Namespace) -> int:
+    print(_NO_BENCHMARKS, file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,19 +206,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes-only", action="store_true", help="skip the CRC32 pass")
     p.set_defaults(func=_cmd_verify)
 
-    try:
-        from asyncckpt.bench.cli import add_arguments
-    except ImportError:
-        add_arguments = None
-    if add_arguments is not None:
-        p = sub.add_parser("bench", help="latency benchmarks against TensorFlow and orbax")
-        add_arguments(p)
-        p.set_defaults(func=_cmd_bench)
+    suite = _bench_suite()
+    p = sub.add_parser("bench", help="latency benchmarks against TensorFlow and orbax "
+                                     "(from a source checkout)",
+                       description=None if suite is not None else _NO_BENCHMARKS)
+    if suite is not None:
+        suite.add_arguments(p)
+        p.set_defaults(func=_cmd_bench, bench=suite)
+    else:
+        p.set_defaults(func=_cmd_no_bench)  # whatever options follow: the message says where
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.func is not _cmd_no_bench:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (CheckpointNotFoundError, ValueError) as e:  # ValueError: an unsupported URL

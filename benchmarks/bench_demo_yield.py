@@ -1,6 +1,6 @@
 """The JAX demo's per-save blocking (x memcpy), with and without ``yield_to_saves``.
 
-Runs ``asyncckpt.jax.demo.run_jax_demo`` alternately with
+Runs ``examples.jax_demo.run_jax_demo`` alternately with
 ``AsyncOptions(yield_to_saves=False)`` and ``True`` in one process (off
 first in even rounds, on first in odd ones), so both settings meet the same
 load, and reads each run's per-save table (the demo
@@ -21,6 +21,9 @@ import re
 import statistics
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
 _ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)x\s+([\d.]+)x\s*$")
 
@@ -37,7 +40,7 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     from asyncckpt import AsyncOptions
-    from asyncckpt.jax.demo import run_jax_demo
+    from examples.jax_demo import run_jax_demo
 
     later: dict[bool, list[float]] = {False: [], True: []}
     worst: dict[bool, list[float]] = {False: [], True: []}

@@ -26,12 +26,16 @@ import argparse
 import mmap
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from asyncckpt.bench import engines as eng
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
+from benchmarks.suite import engines as eng
 
 
 def _touch(nbytes: int, huge: bool) -> float:

@@ -28,11 +28,15 @@ import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 
 from asyncckpt.storage.gcs import GCSObjectStore
-from asyncckpt.storage.servers import FakeGCS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
+from tests.servers import FakeGCS
 
 BUCKET = "bench-gcs"
 

@@ -41,10 +41,14 @@ import mmap
 import os
 import pstats
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
 
 def main() -> None:
@@ -63,8 +67,8 @@ def main() -> None:
     import jax
 
     import asyncckpt.jax as aj
-    from asyncckpt.bench import engines as eng
     from asyncckpt.engine.slots import aligned_empty
+    from benchmarks.suite import engines as eng
 
     copy_ns: list[int] = []
     if args.phases:

@@ -21,8 +21,12 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
 
 def main() -> None:
@@ -36,7 +40,7 @@ def main() -> None:
     import orbax.checkpoint as ocp
 
     import asyncckpt.jax as aj
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     state = eng.JAXState(args.mib << 20, args.tensors)
     work = tempfile.mkdtemp(prefix="jaxckptr-")

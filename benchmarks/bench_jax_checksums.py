@@ -22,17 +22,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 
 import asyncckpt.jax as aj
 from asyncckpt import RestoreOptions
-from asyncckpt.bench import engines as eng
-from asyncckpt.bench.restore import _cold, _files
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
 from asyncckpt.engine import fastcrc
 from asyncckpt.engine.manifest import read_manifest
+from benchmarks.suite import engines as eng
+from benchmarks.suite.restore import checkpoint_files, evict
 
 
 def _save(directory: str, tree, *, zlib_crc: bool) -> None:
@@ -81,12 +86,12 @@ def main() -> None:
         times: dict[str, list[float]] = {n: [] for n in names}
         seen: list[float] = []
         for n in names:  # one untimed cold run each (first-use costs)
-            _cold(_files(cases[n][0]), seen)
+            evict(checkpoint_files(cases[n][0]), seen)
             cases[n][1]()
         for rep in range(args.reps):
             k = rep % len(names)
             for n in names[k:] + names[:k]:
-                _cold(_files(cases[n][0]), seen)
+                evict(checkpoint_files(cases[n][0]), seen)
                 t0 = time.perf_counter()
                 cases[n][1]()
                 times[n].append(time.perf_counter() - t0)

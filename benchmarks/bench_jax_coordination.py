@@ -29,6 +29,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
 WORKER = r'''
 import json, os, statistics, sys
@@ -155,7 +158,7 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
-    from asyncckpt.storage.servers import free_port
+    from tests.servers import free_port
 
     with tempfile.TemporaryDirectory(prefix="coord-bench-") as tmp:
         script = os.path.join(tmp, "worker.py")

@@ -34,6 +34,9 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
 
 def _files(step_dir: str) -> int:
@@ -56,7 +59,7 @@ def main() -> None:
     import orbax.checkpoint as ocp
 
     import asyncckpt.jax as aj
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     print(f"jax {jax.__version__}, orbax {ocp.__version__}, {jax.device_count()} devices, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)

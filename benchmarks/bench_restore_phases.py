@@ -20,12 +20,16 @@ import collections
 import functools
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from asyncckpt.bench import engines as eng
-from asyncckpt.bench.restore import _files
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
 from asyncckpt.engine import reads
+from benchmarks.suite import engines as eng
+from benchmarks.suite.restore import checkpoint_files
 
 _spent: collections.Counter = collections.Counter()
 _VMSTAT = ("compact_stall", "thp_fault_alloc", "thp_fault_fallback", "compact_fail")
@@ -140,14 +144,14 @@ def main() -> None:
         cases["raw"] = (os.path.join(work, "floors"), floors.raw_read)
         names = list(cases)
         for n in names:
-            eng.evict_from_page_cache(_files(cases[n][0]))
+            eng.evict_from_page_cache(checkpoint_files(cases[n][0]))
             cases[n][1]()
         wall: dict[str, list[float]] = {n: [] for n in names}
         phases: dict[str, list[collections.Counter]] = {n: [] for n in names}
         for rep in range(args.reps):
             k = rep % len(names)
             for n in names[k:] + names[:k]:
-                eng.evict_from_page_cache(_files(cases[n][0]))
+                eng.evict_from_page_cache(checkpoint_files(cases[n][0]))
                 _spent.clear()
                 v0 = _vmstat()
                 t0 = time.perf_counter()

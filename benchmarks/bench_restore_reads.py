@@ -29,13 +29,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from asyncckpt.bench import engines as eng
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
 from asyncckpt.engine import reads
+from benchmarks.suite import engines as eng
 
 
 def _fault(nbytes: int) -> None:

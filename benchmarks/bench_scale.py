@@ -69,6 +69,8 @@ import time
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
 ENGINES = ("asyncckpt", "orbax")
 FORMATS = ("zarr", "ocdbt")
 TARGETS = ("local", "s3")
@@ -282,7 +284,7 @@ def run(plan: dict) -> dict:
                                                           env.get("PYTHONPATH")]))
         try:
             if any(c["target"] == "s3" for c in plan["cases"]):
-                from asyncckpt.storage.servers import SeaweedS3
+                from tests.servers import SeaweedS3
 
                 progress("starting SeaweedFS (S3) on 127.0.0.1 ...")
                 server = SeaweedS3(os.path.join(work, "seaweed"))
@@ -305,7 +307,7 @@ def run(plan: dict) -> dict:
 
 
 def _run_processes(n: int, plan: dict, env: dict, root: str, progress) -> tuple[list, dict]:
-    from asyncckpt.storage.servers import free_port
+    from tests.servers import free_port
 
     os.makedirs(root, exist_ok=True)
     config = {

@@ -26,8 +26,11 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
 
 def _memcpy_floor(arrays: list[np.ndarray], dsts: list[np.ndarray]) -> float:
@@ -65,7 +68,7 @@ def _checkpointer(fw: str, state, workdir: str, options=None):
 
 
 def run(fw: str, mib: int, arrays: int, saves: int, steps: int) -> dict:
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     state = (eng.TFState if fw == "tf" else eng.JAXState)(mib << 20, arrays)
     host = _host_arrays(fw, state)
@@ -107,7 +110,7 @@ def _report(fw: str, mib: int, arrays: int, r: dict) -> None:
 
 def _bench_state(fw: str, mib: int):
     """The bench's state of ``mib`` MiB for ``fw``: ``(nbytes, tensors, state)``."""
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     nbytes = mib << 20
     tensors = eng.tensors_for(nbytes)
@@ -149,7 +152,7 @@ def steady(fw: str, mib: int, n: int) -> None:
     buffer. Reports the medians, the minima (least disturbed by other load)
     and the saving thread's CPU time per save (``time.thread_time``).
     """
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     nbytes, tensors, state = _bench_state(fw, mib)
     with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
@@ -197,7 +200,7 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None,
     the same with the other setting when run as an A/B.
     """
     from asyncckpt import AsyncOptions
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     nbytes, tensors, state = _bench_state(fw, mib)
     with tempfile.TemporaryDirectory(dir=os.environ.get("ASYNCCKPT_BENCH_DIR")) as workdir:
@@ -254,7 +257,7 @@ def bursts(fw: str, mib: int, n: int, size: int = 3, early: bool | None = None,
 
 
 def _profile(fw: str, n: int = 200) -> None:
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     state = (eng.TFState if fw == "tf" else eng.JAXState)(16 << 20, 20)
     with tempfile.TemporaryDirectory() as workdir:

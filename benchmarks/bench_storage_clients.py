@@ -20,10 +20,13 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 
-from asyncckpt.storage.servers import FakeGCS, SeaweedS3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
+from tests.servers import FakeGCS, SeaweedS3
 
 BUCKET = "bench"
 

@@ -28,13 +28,17 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from asyncckpt.bench import engines as eng
-from asyncckpt.bench.restore import resident_fraction
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
+from benchmarks.suite import engines as eng
+from benchmarks.suite.restore import resident_fraction
 
 
 def _device_reads() -> int:

@@ -29,11 +29,15 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from asyncckpt.bench import engines as eng
-from asyncckpt.bench.runner import _train_loop
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
+from benchmarks.suite import engines as eng
+from benchmarks.suite.runner import train_loop
 
 
 class _NewFileFloor(eng.BackgroundRawWrite):
@@ -69,8 +73,8 @@ def measure(mib: int, rounds: int, saves: int, work: str) -> dict:
         _bundlewrite._DIRECT_WRITES = not name.endswith("(page cache)")
 
     try:
-        _train_loop(state, None, 3, 1)  # warm-up
-        step_s = _train_loop(state, None, 10, 1) / 10
+        train_loop(state, None, 3, 1)  # warm-up
+        step_s = train_loop(state, None, 10, 1) / 10
         slowest = 0.0
         for name, e in engines.items():
             configure(name)
@@ -87,10 +91,10 @@ def measure(mib: int, rounds: int, saves: int, work: str) -> dict:
         for r in range(rounds):
             k = r % len(order)
             for name in order[k:] + order[:k]:
-                base.append(_train_loop(state, None, steps, every))
+                base.append(train_loop(state, None, steps, every))
                 configure(name)
-                runs[name].append(_train_loop(state, engines[name], steps, every))
-        base.append(_train_loop(state, None, steps, every))
+                runs[name].append(train_loop(state, engines[name], steps, every))
+        base.append(train_loop(state, None, steps, every))
     finally:
         _bundlewrite._DIRECT_MIN = direct_min
         _bundlewrite._DIRECT_WRITES = True

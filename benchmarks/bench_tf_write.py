@@ -30,10 +30,14 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from asyncckpt.bench import engines as eng
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+
+from benchmarks.suite import engines as eng
 
 
 def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:

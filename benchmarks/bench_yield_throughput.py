@@ -23,10 +23,11 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
-from bench_slots import _bench_state, _checkpointer
+from benchmarks.bench_slots import _bench_state, _checkpointer
 
 
 def _on_and_off(fw: str, state, workdir: str, *, warm_saves: int) -> dict:
@@ -45,7 +46,7 @@ def _on_and_off(fw: str, state, workdir: str, *, warm_saves: int) -> dict:
 
 
 def run(fw: str, mib: int, reps: int) -> None:
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     nbytes, tensors, state = _bench_state(fw, mib)
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -74,7 +75,7 @@ def run(fw: str, mib: int, reps: int) -> None:
 
 def steady(fw: str, mib: int, n: int) -> None:
     """Steady saves, off and on alternately (order swapped every save), against a memcpy."""
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     nbytes, tensors, state = _bench_state(fw, mib)
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -14,7 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest
 
-from asyncckpt.bench import engines as eng
+from benchmarks.suite import engines as eng
 
 MIB = int(os.environ.get("ASYNCCKPT_BENCH_MIB", "16"))
 

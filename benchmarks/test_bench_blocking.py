@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncckpt.bench import engines as eng
+from benchmarks.suite import engines as eng
 
 TF_ENGINES = [n for n, c in eng.ENGINES.items() if c.framework == "tf"]
 JAX_ENGINES = [n for n, c in eng.ENGINES.items() if c.framework == "jax"]

@@ -79,7 +79,7 @@ def _checkpoints_on_disk(directory: Path) -> set[int]:
 
 def test_bench_engines_keep_the_newest_checkpoints_only_and_restore_the_last(tmp_path):
     """At 1 GiB the full bench wrote 13 checkpoints per engine: 65 GB of scratch."""
-    from asyncckpt.bench import engines as eng
+    from benchmarks.suite import engines as eng
 
     states = {"tf": eng.TFState(1 << 20, 2), "jax": eng.JAXState(1 << 20, 2)}
     for cls in eng.ENGINES.values():

@@ -487,8 +487,8 @@ print("RESULT " + json.dumps(out), flush=True)
 
 @pytest.mark.slow
 def test_two_processes_save_one_checkpoint_each_its_own_shards(tmp_path):
-    from asyncckpt.storage.servers import free_port
     from tests.helpers import run_workers, subprocess_env, write_script
+    from tests.servers import free_port
 
     script = write_script(tmp_path, "worker.py", WORKER)
     port = str(free_port())

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("orbax.checkpoint")
 
-from asyncckpt.jax.demo import run_jax_demo
+from examples.jax_demo import run_jax_demo
 
 
 def test_jax_demo_trains_saves_and_restores(tmp_path, capsys):

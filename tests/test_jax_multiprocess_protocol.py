@@ -21,8 +21,8 @@ import pytest
 
 pytest.importorskip("jax")
 
-from asyncckpt.storage.servers import free_port
 from tests.helpers import run_workers, subprocess_env, write_script
+from tests.servers import free_port
 
 COMMON = r"""
 import concurrent.futures, json, os, sys

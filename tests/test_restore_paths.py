@@ -397,14 +397,14 @@ def test_bundle_index_matches_tensorflow_across_many_blocks(tmp_path):
 
 
 def test_bench_eviction_is_verified_by_mincore_and_the_raw_recovery_child_runs(tmp_path):
-    from asyncckpt.bench import restore as bench_restore
+    from benchmarks.suite import restore as bench_restore
 
     path = tmp_path / "raw.bin"
     path.write_bytes(os.urandom(1 << 20))
     seen: list[float] = []
-    bench_restore._cold([str(path)], seen)
+    bench_restore.evict([str(path)], seen)
     assert seen == [0.0]  # nothing of it left in the page cache
     path.read_bytes()
     assert bench_restore.resident_fraction([str(path)]) == 1.0
-    marks = bench_restore._run_child("raw", str(path), {"rows": 0, "tensors": 1})
+    marks = bench_restore.run_child("raw", str(path), {"rows": 0, "tensors": 1})
     assert 0 < marks["imports"] <= marks["listed"] <= marks["restored"] <= marks["step"]

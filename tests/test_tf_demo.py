@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from asyncckpt.demo import run_tf_demo
+from examples.tf_demo import run_tf_demo
 
 
 def test_tf_demo_trains_saves_and_restores(tmp_path, capsys):

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from asyncckpt.storage.servers import FakeGCS, SeaweedS3, ServerUnavailableError
+from tests.servers import FakeGCS, SeaweedS3, ServerUnavailableError
 
 BUCKET = "asyncckpt-test"
 

@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from asyncckpt.storage import servers
+from tests import servers
 
 
 def _hold(port: int) -> socket.socket:

@@ -11,7 +11,7 @@ one by one (eager reads, as before the batched read), to show what the one
 batched read saves. The Keras backend is the process's; ``measure_all`` runs
 the other one in a child process.
 
-Run alone: ``python -m asyncckpt.bench.keras_case --mib 64 --backend jax``.
+Run alone: ``python -m benchmarks.suite.keras_case --mib 64 --backend jax``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks.suite import child_env
 
 
 def measure(nbytes: int, *, reps: int, workdir: str) -> dict:
@@ -171,9 +173,9 @@ def measure_all(nbytes: int, *, reps: int, backends: list[str]) -> list[dict]:
     """Runs ``measure`` once per backend, each in a child process (Keras's backend is global)."""
     out = []
     for backend in backends:
-        env = dict(os.environ, KERAS_BACKEND=backend)
+        env = child_env(KERAS_BACKEND=backend)
         proc = subprocess.run(
-            [sys.executable, "-m", "asyncckpt.bench.keras_case", "--mib", str(nbytes >> 20),
+            [sys.executable, "-m", "benchmarks.suite.keras_case", "--mib", str(nbytes >> 20),
              "--reps", str(reps), "--json"],
             env=env, capture_output=True, text=True, timeout=1800,
         )

@@ -1,4 +1,4 @@
-"""The JAX half of ``python -m asyncckpt.demo``: a plain-JAX MLP with asynchronous checkpoints.
+"""The JAX half of the demo: a plain-JAX MLP with asynchronous checkpoints.
 
 A small MLP and a hand-written momentum-SGD optimizer, parameters sharded
 over every device (8 CPU devices with the demo's XLA flag), a jitted train
@@ -23,12 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import asyncckpt.jax as aj
 from asyncckpt import AsyncOptions
-from asyncckpt.demo import MemcpyFloor, print_saves
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
+from examples.demo_report import MemcpyFloor, median, print_saves
 
 
 def _init(key: jax.Array, widths: list[int], mesh: Mesh) -> dict:
@@ -149,7 +144,7 @@ def run_jax_demo(workdir: str, *, steps: int = 30, every: int = 5, width: int = 
                 handles.append((step, mgr.last_save))
         mgr.wait_until_finished()
         print_saves(handles, floor, sync_s)
-        blocked = _median([h.result().blocking_s for _, h in handles])
+        blocked = median([h.result().blocking_s for _, h in handles])
         latest = mgr.latest_step()
         print(f"median: training blocked {blocked * 1e3:.1f} ms per save instead of "
               f"{sync_s * 1e3:.0f} ms ({sync_s / blocked:.1f}x less); kept steps "

@@ -25,7 +25,7 @@ def _rows_per_tensor(nbytes: int, tensors: int) -> int:
     return max(1, nbytes // tensors // 4 // MATRIX_COLS)
 
 
-def _rotation() -> np.ndarray:
+def rotation() -> np.ndarray:
     """A fixed orthogonal matrix: the step changes every value, never its scale.
 
     So values stay finite however long a benchmark trains, and the data stays
@@ -48,7 +48,7 @@ class TFState:
             for i in range(tensors)
         }
         self.nbytes = rows * MATRIX_COLS * 4 * tensors
-        mix = tf.constant(_rotation())
+        mix = tf.constant(rotation())
         variables = list(self.variables.values())
 
         @tf.function
@@ -85,7 +85,7 @@ class JAXState:
         keys = jax.random.split(jax.random.key(0), tensors)
         self.tree = {f"w{i}": normal(keys[i]) for i in range(tensors)}
         self.nbytes = rows * MATRIX_COLS * 4 * tensors
-        mix = jnp.asarray(_rotation())
+        mix = jnp.asarray(rotation())
 
         def update(tree):
             return {k: v @ mix for k, v in tree.items()}

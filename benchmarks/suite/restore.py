@@ -33,8 +33,9 @@ import time
 
 import numpy as np
 
-from asyncckpt.bench import engines as eng
 from asyncckpt.engine import reads
+from benchmarks.suite import child_env
+from benchmarks.suite import engines as eng
 
 DEFAULT_SIZES = "256,1024"
 QUICK_SIZES = "64"
@@ -55,14 +56,16 @@ def resident_fraction(paths: list[str]) -> float | None:
     return resident / total if total else 0.0
 
 
-def _files(directory: str) -> list[str]:
+def checkpoint_files(directory: str) -> list[str]:
+    """Every file under ``directory`` (a checkpoint's, to evict or to count)."""
     out = []
     for root, _, names in os.walk(directory):
         out.extend(os.path.join(root, n) for n in names)
     return out
 
 
-def _cold(paths: list[str], seen: list[float]) -> None:
+def evict(paths: list[str], seen: list[float]) -> None:
+    """Evicts ``paths`` from the page cache; appends the fraction still resident to ``seen``."""
     eng.evict_from_page_cache(paths)
     frac = resident_fraction(paths)
     if frac is not None:
@@ -129,13 +132,14 @@ def _stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _run_child(case: str, directory: str, shape: dict) -> dict:
-    env = dict(os.environ)
+def run_child(case: str, directory: str, shape: dict) -> dict:
+    """One recovery in a fresh process (``_recovery_child``): its marks, from just before it."""
+    env = child_env()
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     t0 = time.time()
     out = subprocess.run(
-        [sys.executable, "-m", "asyncckpt.bench._recovery_child", case, directory,
+        [sys.executable, "-m", "benchmarks.suite._recovery_child", case, directory,
          str(shape["rows"]), str(shape["tensors"])],
         env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -180,13 +184,13 @@ def measure(nbytes: int, *, frameworks: list[str], reps: int, recovery_reps: int
     # measurement's; the repetitions compare steady restores.
     progress(f"{label}: one untimed restore per case")
     for c in everything:
-        _cold(_files(c.dir), resident)
+        evict(checkpoint_files(c.dir), resident)
         c.run()
     for rep in range(reps):
         progress(f"{label}: restore repetition {rep + 1}/{reps}")
         k = rep % len(everything)
         for c in everything[k:] + everything[:k]:
-            _cold(_files(c.dir), resident)
+            evict(checkpoint_files(c.dir), resident)
             t0 = time.perf_counter()
             c.run()
             times[c.name].append(time.perf_counter() - t0)
@@ -196,10 +200,10 @@ def measure(nbytes: int, *, frameworks: list[str], reps: int, recovery_reps: int
         progress(f"{label}: recovery repetition {rep + 1}/{recovery_reps}")
         k = rep % len(recovering)
         for c in recovering[k:] + recovering[:k]:
-            _cold(_files(c.dir), resident)
+            evict(checkpoint_files(c.dir), resident)
             shape = shapes.get(c.framework, {"rows": nbytes // 256, "tensors": 1})
             target = os.path.join(c.dir, "raw.bin") if c is raw else c.dir
-            recovery[c.name].append(_run_child(c.child, target, shape))
+            recovery[c.name].append(run_child(c.child, target, shape))
     raw_s = statistics.median(times[raw.name])
     result = {"nbytes": nbytes, "tensors": tensors, "reps": reps,
               "max_resident_fraction_after_evict": max(resident) if resident else None,
@@ -267,7 +271,7 @@ def text(results: dict) -> str:
 
 def run(args) -> int:
     """Entry point of ``asyncckpt bench --restore``."""
-    from asyncckpt.bench import cli, runner
+    from benchmarks.suite import report, runner
 
     frameworks = [f for f in args.frameworks.split(",") if f]
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -279,7 +283,7 @@ def run(args) -> int:
     scratch = args.scratch or os.path.abspath(out)
     os.makedirs(scratch, exist_ok=True)
     progress = runner.Progress(quiet=args.quiet)
-    results = {"machine": cli._machine(),
+    results = {"machine": report.machine(),
                "command": "asyncckpt bench " + " ".join(sys.argv[2:]),
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "sizes": []}
     for mib in sizes:

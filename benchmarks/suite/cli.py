@@ -5,17 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import platform
 import shlex
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 DEFAULT_SIZES = "64,256,1024"
 QUICK_SIZES = "16,64"
-# ``--scale`` runs this script of a source checkout (benchmark code is not library code).
-SCALE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scale.py"
 # Options of this parser that ``--scale`` passes on to the script; any other is refused with it.
 SCALE_SHARED = ("out", "quick", "quiet")
 
@@ -60,25 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-recovery", action="store_true",
                    help="with --restore: skip the recovery-time processes")
     p.add_argument("--scale", nargs=argparse.REMAINDER, default=None, metavar="ARG",
-                   help="instead: the multi-process scale benchmark (benchmarks/bench_scale.py "
-                        "of a source checkout): N jax.distributed processes on 127.0.0.1, "
+                   help="instead: the multi-process scale benchmark (benchmarks/bench_scale.py): "
+                        "N jax.distributed processes on 127.0.0.1, "
                         "asyncckpt and orbax, local disk and S3; blocking, durable time, "
                         "coordination calls and bytes, files, fsyncs, restore. Every argument "
                         "after --scale is the benchmark's own (--scale --help lists them); "
                         "--out, --quick and --quiet before it are passed on")
-
-
-def _machine() -> str:
-    cpus = os.cpu_count()
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                         model)
-    except OSError:
-        pass
-    return f"{cpus} CPUs ({model}), {mem:.0f} GiB RAM, Python {platform.python_version()}"
 
 
 def run_scale(args: argparse.Namespace) -> int:
@@ -92,31 +75,25 @@ def run_scale(args: argparse.Namespace) -> int:
               f"{', '.join(unused)}; give its own after --scale (--scale --help lists them)",
               file=sys.stderr)
         return 2
-    if not SCALE_SCRIPT.is_file():
-        print(f"asyncckpt bench --scale: {SCALE_SCRIPT} is missing: the scale benchmark runs "
-              "from a source checkout of asyncckpt (benchmarks/ is not installed)",
-              file=sys.stderr)
-        return 2
     argv = list(args.scale)
     if args.out is not None and "--out" not in argv:
         argv += ["--out", args.out]
     argv += [f"--{flag}" for flag in ("quick", "quiet") if getattr(args, flag)
              and f"--{flag}" not in argv]
-    spec = importlib.util.spec_from_file_location("asyncckpt_bench_scale", SCALE_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    from benchmarks import bench_scale
+
+    return bench_scale.main(argv)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     if getattr(args, "scale", None) is not None:
         return run_scale(args)
     if getattr(args, "restore", False):
-        from asyncckpt.bench.restore import run as run_restore
+        from benchmarks.suite.restore import run as run_restore
 
         return run_restore(args)
     if getattr(args, "storage", None):
-        from asyncckpt.bench.storage import run
+        from benchmarks.suite.storage import run
 
         return run(args)
     frameworks = [f for f in args.frameworks.split(",") if f]
@@ -129,8 +106,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-    from asyncckpt.bench import engines as eng
-    from asyncckpt.bench import report, runner
+    from benchmarks.suite import engines as eng
+    from benchmarks.suite import report, runner
 
     sizes_mib = [int(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
                  .split(",") if s]
@@ -149,7 +126,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     os.makedirs(scratch_parent, exist_ok=True)
     progress = runner.Progress(quiet=args.quiet)
     results: dict = {
-        "machine": _machine(),
+        "machine": report.machine(),
         "command": "asyncckpt bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "versions": {},
@@ -180,7 +157,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if "tf" in frameworks:
             results["unbuilt_optimizer"] = runner.unbuilt_optimizer_case(work, names)
         if args.keras_size and importlib.util.find_spec("keras") is not None:
-            from asyncckpt.bench import keras_case
+            from benchmarks.suite import keras_case
 
             progress(f"Keras BackupAndRestore with {args.keras_size} MiB of weights ...")
             results["keras"] = keras_case.measure_all(

@@ -36,9 +36,9 @@ from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import Manifest
 from asyncckpt.storage import RetryPolicy, open_store
 from asyncckpt.storage import protocol as proto
-from asyncckpt.storage.servers import FakeGCS, SeaweedS3
 from asyncckpt.storage.tier import RemoteOptions
 from asyncckpt.storage.url import parse_location
+from tests.servers import FakeGCS, SeaweedS3
 
 BUCKET = "asyncckpt-bench"
 CONCURRENCY = 4

@@ -1,4 +1,4 @@
-"""One recovery, in a fresh process: ``python -m asyncckpt.bench._recovery_child CASE DIR ROWS N``.
+"""One recovery, in a fresh process: ``python -m benchmarks.suite._recovery_child CASE DIR ROWS N``.
 
 Prints one JSON line of wall-clock marks (``time.time()``): ``imports``
 (framework and checkpointing library imported), ``listed`` (state built
@@ -24,7 +24,7 @@ def _tf(case: str, directory: str, rows: int, tensors: int) -> dict:
     else:
         make = tf.train.Checkpoint
     marks = {"imports": time.time()}
-    from asyncckpt.bench.engines import MATRIX_COLS, _rotation
+    from benchmarks.suite.engines import MATRIX_COLS, rotation
 
     variables = {f"w{i}": tf.Variable(tf.zeros([rows, MATRIX_COLS])) for i in range(tensors)}
     ckpt = make(**variables)
@@ -32,7 +32,7 @@ def _tf(case: str, directory: str, rows: int, tensors: int) -> dict:
     marks["listed"] = time.time()
     ckpt.restore(path).assert_consumed()
     marks["restored"] = time.time()
-    mix = tf.constant(_rotation())
+    mix = tf.constant(rotation())
 
     @tf.function
     def step():
@@ -55,7 +55,7 @@ def _jax(case: str, directory: str, rows: int, tensors: int) -> dict:
     else:
         import orbax.checkpoint as ocp
     marks = {"imports": time.time()}
-    from asyncckpt.bench.engines import MATRIX_COLS, _rotation
+    from benchmarks.suite.engines import MATRIX_COLS, rotation
 
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), PartitionSpec("d"))
     target = {f"w{i}": jax.ShapeDtypeStruct((rows, MATRIX_COLS), np.float32, sharding=sharding)
@@ -72,7 +72,7 @@ def _jax(case: str, directory: str, rows: int, tensors: int) -> dict:
         tree = jax.block_until_ready(
             manager.restore(step_no, args=ocp.args.StandardRestore(target)))
     marks["restored"] = time.time()
-    mix = jax.numpy.asarray(_rotation())
+    mix = jax.numpy.asarray(rotation())
     update = jax.jit(lambda t: {k: v @ mix for k, v in t.items()}, donate_argnums=0)
     jax.block_until_ready(update(tree))
     marks["step"] = time.time()

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncckpt.bench import engines as eng
+from benchmarks.suite import engines as eng
 
 
 def _stats(xs: list[float]) -> dict:
@@ -262,7 +262,7 @@ def measure_size(
     return result
 
 
-def _train_loop(state, engine: eng.Engine | None, steps: int, every: int,
+def train_loop(state, engine: eng.Engine | None, steps: int, every: int,
                 tails: list[float] | None = None) -> float:
     """Seconds for ``steps`` training steps, saving every ``every`` steps.
 
@@ -307,8 +307,8 @@ def _train_framework(fw: str, nbytes: int, names: list[str], workdir: str, saves
             engines[n] = cls(state, sub)
         except Exception as e:
             errors[n] = f"{type(e).__name__}: {e}"
-    _train_loop(state, None, 3, 1)  # warm-up
-    step_s = _train_loop(state, None, 10, 1) / 10
+    train_loop(state, None, 3, 1)  # warm-up
+    step_s = train_loop(state, None, 10, 1) / 10
     write_s = 0.0
     for n, e in engines.items():  # timed saves, which also warm each engine up
         for _ in range(2):
@@ -331,12 +331,12 @@ def _train_framework(fw: str, nbytes: int, names: list[str], workdir: str, saves
         for n in live[k:] + live[:k]:
             if n in errors:
                 continue
-            base.append(_train_loop(state, None, steps, every))
+            base.append(train_loop(state, None, steps, every))
             try:
-                runs[n].append(_train_loop(state, engines[n], steps, every, tails[n]))
+                runs[n].append(train_loop(state, engines[n], steps, every, tails[n]))
             except Exception as ex:
                 errors[n] = f"{type(ex).__name__}: {ex}"
-    base.append(_train_loop(state, None, steps, every))
+    base.append(train_loop(state, None, steps, every))
     base_s = statistics.median(base)
     results = {n: statistics.median(ts) for n, ts in runs.items() if ts and n not in errors}
     for e in engines.values():

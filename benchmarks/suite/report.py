@@ -4,6 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+
+
+def machine() -> str:
+    """The machine a run measured: CPUs, their model, memory, Python."""
+    cpus = os.cpu_count()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                         model)
+    except OSError:
+        pass
+    return f"{cpus} CPUs ({model}), {mem:.0f} GiB RAM, Python {platform.python_version()}"
 
 
 def _ms(x: float | None) -> str:

@@ -1,1 +1,0 @@
-"""Latency benchmarks of asyncckpt against TensorFlow and orbax (``asyncckpt bench``)."""
