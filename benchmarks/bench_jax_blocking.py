@@ -64,7 +64,7 @@ def main() -> None:
 
     import asyncckpt.jax as aj
     from asyncckpt.bench import engines as eng
-    from asyncckpt.engine.slots import aligned_empty
+    from asyncckpt.engine._pages import aligned_empty
 
     copy_ns: list[int] = []
     if args.phases:

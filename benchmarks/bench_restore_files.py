@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from asyncckpt.bench import engines as eng
-from asyncckpt.engine import reads
+from asyncckpt.engine import fastcrc, reads
 
 
 class _KnownCold(reads.FileRead):
@@ -57,13 +57,13 @@ def main() -> None:
 
         def per_file(streams=None, cls=reads.FileRead, checksum=True):
             reads.read_all([cls(p, size, [(0, reads.aligned_empty(size))], checksum=checksum,
-                                algorithm=reads.CRC32C) for p in paths], streams=streams)
+                                algorithm=fastcrc.CRC32C) for p in paths], streams=streams)
 
         def region():
             big = reads.aligned_empty(nbytes + reads.HUGE)
             off = -big.ctypes.data % reads.HUGE
             reads.read_all([reads.FileRead(p, size, [(0, big[off + i * size:off + (i + 1) * size])],
-                                           checksum=True, algorithm=reads.CRC32C)
+                                           checksum=True, algorithm=fastcrc.CRC32C)
                             for i, p in enumerate(paths)])
 
         cases = {"raw read (one file)": floors.raw_read,

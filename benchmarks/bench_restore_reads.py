@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from asyncckpt.bench import engines as eng
-from asyncckpt.engine import reads
+from asyncckpt.engine import fastcrc, reads
 
 
 def _fault(nbytes: int) -> None:
@@ -65,7 +65,7 @@ def main() -> None:
 
         def ours(dests, checksum=True):
             fr = reads.FileRead(path, nbytes, [(k * part, d) for k, d in enumerate(dests)],
-                                checksum=checksum, algorithm=reads.CRC32C, whole_file=False)
+                                checksum=checksum, algorithm=fastcrc.CRC32C, whole_file=False)
             reads.read_all([fr])
 
         def fresh():

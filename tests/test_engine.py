@@ -31,8 +31,8 @@ from asyncckpt.engine import (
     retention,
     verify_files,
 )
+from asyncckpt.engine._copy import copy_arrays
 from asyncckpt.engine.files import Checksummed
-from asyncckpt.engine.slots import copy_arrays
 
 
 def test_engine_package_imports_no_framework():
@@ -199,10 +199,10 @@ def test_copy_arrays_does_not_wait_for_a_copy_thread_that_starts_late(monkeypatc
 
 
 def test_staging_buffers_are_aligned_writable_and_on_huge_pages_where_little_is_wasted():
-    from asyncckpt.engine import slots
+    from asyncckpt.engine._pages import aligned_empty
 
     for nbytes in (100, (2 << 20) + 64, 4 << 20, (32 << 20) + 4096):
-        buf = slots.aligned_empty(nbytes)
+        buf = aligned_empty(nbytes)
         assert buf.nbytes == nbytes and buf.dtype == np.uint8 and buf.flags.writeable
         assert buf.ctypes.data % 64 == 0
         buf[-1] = 7  # pre-faulted and writable to its last byte

@@ -34,14 +34,14 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
+from asyncckpt._threads import lower_thread_priority
 from asyncckpt.engine import _spares
-from asyncckpt.engine._copy import copy_arrays, prefault_all
-from asyncckpt.engine._gate import lower_thread_priority
+from asyncckpt.engine._copy import prefault_all
 from asyncckpt.engine._pages import _prefault, aligned_empty
 from asyncckpt.engine.budget import Budget
 from asyncckpt.errors import HostMemoryError
 
-__all__ = ["Slot", "StagingPool", "aligned_empty", "copy_arrays", "lower_thread_priority"]
+__all__ = ["Slot", "StagingPool"]
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from asyncckpt._closing import ClosingContext
+from asyncckpt._threads import lower_thread_priority
 from asyncckpt.engine import _process
-from asyncckpt.engine._gate import SaveGate, lower_thread_priority
+from asyncckpt.engine._gate import SaveGate
 from asyncckpt.engine._jobs import SaveJob, StageFn
 from asyncckpt.engine.budget import staging_budget
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
@@ -45,7 +46,7 @@ from asyncckpt.options import AsyncOptions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "SaveHandle", "SaveJob", "StageFn", "lower_thread_priority"]
+__all__ = ["AsyncEngine", "SaveHandle"]
 
 
 class SaveHandle:

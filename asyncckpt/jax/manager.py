@@ -32,7 +32,7 @@ from asyncckpt.storage.tier import RemoteOptions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "RootMetadata", "StepMetadata"]
+__all__ = ["CheckpointManager"]
 
 
 class CheckpointManager(ClosingContext):

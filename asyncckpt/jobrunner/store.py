@@ -35,11 +35,12 @@ import numpy as np
 from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import fastcrc
+from asyncckpt.engine._copy import copy_arrays
 from asyncckpt.engine.files import Checksummed, DurableWriter
 from asyncckpt.engine.lock import DirectoryLock
 from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.slots import Slot, copy_arrays
+from asyncckpt.engine.slots import Slot
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions

@@ -84,21 +84,15 @@ from dataclasses import dataclass, field
 
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine
-from asyncckpt.preemption._estimates import (  # noqa: F401  (re-exported)
+from asyncckpt.preemption._estimates import (
     COLD_WINDOW,
-    ESTIMATES_LENGTH,
-    ESTIMATES_VERSION,
     FINAL_WINDOW,
     STEP_WINDOW,
     WRITE_WINDOW,
-    decode_estimates,
-    encode_estimates,
     finite,
     finite_list,
 )
-
-# The statistics live in ``_stats``; re-exported for the tests and benchmarks.
-from asyncckpt.preemption._stats import bound, log_bound, stale_prefix, t_quantile  # noqa: F401
+from asyncckpt.preemption._stats import bound, log_bound, stale_prefix
 
 
 def local_tier(stats: SaveStats) -> str:

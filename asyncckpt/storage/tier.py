@@ -30,9 +30,9 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 from asyncckpt import catalog
+from asyncckpt._threads import lower_thread_priority
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.manifest import read_manifest
-from asyncckpt.engine.writer import lower_thread_priority
 from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import RetryPolicy

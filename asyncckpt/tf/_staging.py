@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncckpt.engine.slots import Slot, copy_arrays
+from asyncckpt.engine._copy import copy_arrays
+from asyncckpt.engine.slots import Slot
 from asyncckpt.errors import UnsupportedObjectError
 from asyncckpt.tf import _bundlewrite, _compat
 from asyncckpt.tf._compat import tf

@@ -19,6 +19,7 @@ from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions
+from asyncckpt.storage.url import is_url
 from asyncckpt.tf import _compat, _inflight, _partial, _restore, _staging, _urls
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import CommitCallback, TFSaveJob, manifest_path
@@ -551,7 +552,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         if save_path is None or not _compat.executing_eagerly():
             return super().restore(save_path, options)
         path = _fspath(save_path)
-        if not _urls.is_url(path):
+        if not is_url(path):
             path = _compat.saved_model_variables_path(path) or path
         path, context = self._prepare_read(path, options)
         with context:  # the save counter is created (and restored) inside: read by us
