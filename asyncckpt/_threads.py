@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -29,3 +31,17 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
     except OSError as e:
         logger.debug("could not lower a background thread's priority: %s", e)
+
+
+def run_in_threads(fn: Callable, items: Sequence, workers: int, *, name: str) -> None:
+    """Calls ``fn(item)`` for every item on up to ``workers`` threads named ``name``.
+
+    Returns once all calls returned; re-raises the first failure (in the
+    order of ``items``) after the calls already started have ended.
+    """
+    if not items:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items))),
+                            thread_name_prefix=name) as pool:
+        for _ in pool.map(fn, items):
+            pass
