@@ -490,9 +490,32 @@ def test_retention_every_n_hours_matches_tensorflow_rule():
     assert d.last_preserved_timestamp == 2 * hour
 
 
+def test_retention_keep_none_keeps_only_what_a_preserving_rule_keeps():
+    """``max_to_keep=0`` (orbax's "keep none"): the newest goes too, unless preserved."""
+    d = retention.apply(_cands(5, 10, 15), RetentionPolicy(max_to_keep=0, keep_period=10))
+    assert [c.step for c in d.keep] == []
+    assert [c.step for c in d.preserve] == [10]
+    assert [c.step for c in d.delete] == [5, 15]
+    d = retention.apply(_cands(5, 10, 20), RetentionPolicy(max_to_keep=0, keep_period=10))
+    assert [c.step for c in d.preserve] == [10, 20] and [c.step for c in d.delete] == [5]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_max_to_keep_has_one_rule(bad):
+    """None or an int >= 1; 0 only where the framework keeps none (orbax)."""
+    for allow_zero in (False, True):
+        with pytest.raises(ValueError, match="max_to_keep must be None or an int >= "):
+            retention.check_max_to_keep(bad, allow_zero=allow_zero)
+    with pytest.raises(ValueError, match=">= 1"):
+        retention.check_max_to_keep(0, allow_zero=False)
+    assert retention.check_max_to_keep(0, allow_zero=True) == 0
+    assert retention.check_max_to_keep(np.int64(3), allow_zero=False) == 3
+    assert retention.check_max_to_keep(None, allow_zero=False) is None
+
+
 def test_bad_policy_and_options_are_refused():
     with pytest.raises(ValueError):
-        RetentionPolicy(max_to_keep=0)
+        RetentionPolicy(max_to_keep=-1)
     with pytest.raises(ValueError):
         RetentionPolicy(best_mode="median")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
