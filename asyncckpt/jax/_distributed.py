@@ -112,6 +112,7 @@ from asyncckpt._coordination import (
 )
 from asyncckpt._coordination import Coordinator as KeyValueStore
 from asyncckpt.jax._verdicts import ABORT, LastRound, RestoreVerdicts
+from asyncckpt.storage.url import is_url
 
 __all__ = ["CommitCoordinator", "Coordinator", "DistributedSaveError", "Saves", "manager_key"]
 
@@ -154,7 +155,7 @@ def describe(error: BaseException) -> str:
 def manager_key(directory: str | os.PathLike) -> str:
     """The stable name of a directory across processes: a URL, or the normalized path."""
     text = os.fspath(directory)
-    if "://" in text:
+    if is_url(text):
         return text.rstrip("/")
     return os.path.normpath(os.path.expanduser(text))
 

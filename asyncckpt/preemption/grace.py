@@ -93,12 +93,13 @@ from asyncckpt.preemption._estimates import (
     finite_list,
 )
 from asyncckpt.preemption._stats import bound, log_bound, stale_prefix
+from asyncckpt.storage.url import is_url
 
 
 def local_tier(stats: SaveStats) -> str:
     """Default ``tier_fn``: the URL scheme of the checkpoint (``s3``, ``gs``), else ``local``."""
     label = stats.label or ""
-    return label.split("://", 1)[0] if "://" in label else "local"
+    return label.split(":", 1)[0] if is_url(label) else "local"
 
 
 @dataclass(frozen=True, kw_only=True)

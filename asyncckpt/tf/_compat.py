@@ -138,6 +138,16 @@ def _default_reader_code():
 _DEFAULT_READER = _default_reader_code()
 
 
+def host_numpy(tensor: tf.Tensor):
+    """A NumPy view of a CPU tensor's memory, without a copy."""
+    return tensor._numpy()
+
+
+def lookup_dependency(trackable, name: str):
+    """The child ``trackable`` tracks under ``name`` (None if it has none)."""
+    return trackable._lookup_dependency(name)
+
+
 def lazy_reader(value: TensorCallable) -> Callable[[], tf.Tensor]:
     """The function a ``TensorCallable`` (a variable's lazy reader) calls to read its value."""
     return value._tensor

@@ -479,7 +479,7 @@ def _plan_copy(
         # Device-to-host copy; TensorFlow picks the DMA path for the device.
         with tf.device("CPU:0"):
             tensor = tf.identity(tensor)
-    host_view = tensor._numpy()  # a view of the CPU tensor's memory, no copy
+    host_view = _compat.host_numpy(tensor)  # a view of the CPU tensor's memory, no copy
     buf = slot.buffer(_buffer_key(key, slice_spec), host_view.shape, host_view.dtype)
     if on_host and deferred is not None:
         deferred.append((buf, host_view))

@@ -548,7 +548,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         else:
             root = _compat.graph_view_of(self).root  # what the saved paths start from
             names = list(only)
-            children = {n: root._lookup_dependency(n) for n in names}
+            children = {n: _compat.lookup_dependency(root, n) for n in names}
             missing = [n for n, child in children.items() if child is None]
             if missing:
                 raise ValueError(f"this checkpoint has no attribute(s) {missing} to restore")
