@@ -14,8 +14,8 @@ import uuid
 import numpy as np
 import pytest
 
-from asyncckpt.storage import open_store
-from asyncckpt.storage.protocol import list_committed
+from asyncckpt.storage import RetryPolicy, open_store
+from asyncckpt.storage.protocol import download_checkpoint, list_committed
 from asyncckpt.storage.tier import RemoteOptions
 from tests.storage.conftest import BUCKET
 
@@ -33,8 +33,19 @@ def _in_bucket(url: str) -> list[str]:
         store.close()
 
 
-def test_jax_url_directory_keeps_keep_period_steps_in_the_bucket(s3_url):
+def _download(url: str, name: str, directory) -> None:
+    """Checkpoint ``name`` of the bucket, verified, into a local directory (for the framework)."""
+    store = open_store(url)
+    try:
+        remote = next(c for c in list_committed(store) if c.name == name)
+        download_checkpoint(store, remote, str(directory), retry=RetryPolicy())
+    finally:
+        store.close()
+
+
+def test_jax_url_directory_keeps_keep_period_steps_in_the_bucket(s3_url, tmp_path):
     pytest.importorskip("jax")
+    ocp = pytest.importorskip("orbax.checkpoint")
     import asyncckpt.jax as aj
 
     def state(step):
@@ -60,9 +71,13 @@ def test_jax_url_directory_keeps_keep_period_steps_in_the_bucket(s3_url):
         got = mgr.restore(2, target=state(0))
         assert np.array_equal(np.asarray(got["w"]), state(2)["w"])
     assert _in_bucket(s3_url) == ["2", "7"]
+    _download(s3_url, "2", tmp_path / "local")  # the preserved step, whole: orbax reads it
+    with ocp.CheckpointManager(str(tmp_path / "local")) as theirs:
+        got = theirs.restore(2, args=ocp.args.StandardRestore(state(0)))
+    assert np.array_equal(np.asarray(got["w"]), state(2)["w"])
 
 
-def test_tf_url_directory_keeps_preserved_checkpoints_in_the_bucket(s3_url):
+def test_tf_url_directory_keeps_preserved_checkpoints_in_the_bucket(s3_url, tmp_path):
     tf = pytest.importorskip("tensorflow")
     import asyncckpt.tf as at
 
@@ -81,6 +96,10 @@ def test_tf_url_directory_keeps_preserved_checkpoints_in_the_bucket(s3_url):
     restored = tf.train.Checkpoint(v=tf.Variable(np.zeros(8, np.float32)))
     at.Checkpoint.wrap(restored).restore(f"{s3_url}/ckpt-1")
     assert np.array_equal(restored.v.numpy(), np.full(8, 1, np.float32))
+    _download(s3_url, "ckpt-1", tmp_path)  # the preserved checkpoint, whole: TensorFlow reads it
+    theirs = tf.train.Checkpoint(v=tf.Variable(np.zeros(8, np.float32)))
+    theirs.restore(str(tmp_path / "ckpt-1")).assert_consumed()
+    assert np.array_equal(theirs.v.numpy(), np.full(8, 1, np.float32))
 
 
 def test_tf_url_directory_keeps_preserved_checkpoints_across_restarts_as_tensorflow(
