@@ -102,7 +102,9 @@ class CheckpointManager(ClosingContext):
             ``directory`` itself may be such a URL (saves stage in a local
             scratch directory and are durable once committed remotely).
         remote_options: Schedule, retention and retries of the remote tier
-            (default: every step, ``max_to_keep`` as above).
+            (default: every step, ``max_to_keep`` as above). A URL
+            ``directory`` keeps in its bucket what this manager's retention
+            keeps: there ``RemoteOptions.max_to_keep`` is refused.
         format_options: How arrays are stored (``FormatOptions``: orbax's
             OCDBT format or one zarr chunk file per shard). Handlers given as
             ``item_handlers`` decide for their items (their ``use_ocdbt``).
