@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
-from asyncckpt.engine import reads
+from asyncckpt.engine import fastcrc, reads
 from benchmarks.suite import engines as eng
 
 
@@ -61,13 +61,13 @@ def main() -> None:
 
         def per_file(streams=None, cls=reads.FileRead, checksum=True):
             reads.read_all([cls(p, size, [(0, reads.aligned_empty(size))], checksum=checksum,
-                                algorithm=reads.CRC32C) for p in paths], streams=streams)
+                                algorithm=fastcrc.CRC32C) for p in paths], streams=streams)
 
         def region():
             big = reads.aligned_empty(nbytes + reads.HUGE)
             off = -big.ctypes.data % reads.HUGE
             reads.read_all([reads.FileRead(p, size, [(0, big[off + i * size:off + (i + 1) * size])],
-                                           checksum=True, algorithm=reads.CRC32C)
+                                           checksum=True, algorithm=fastcrc.CRC32C)
                             for i, p in enumerate(paths)])
 
         cases = {"raw read (one file)": floors.raw_read,

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
-from asyncckpt.engine import reads
+from asyncckpt.engine import fastcrc, reads
 from benchmarks.suite import engines as eng
 
 
@@ -69,7 +69,7 @@ def main() -> None:
 
         def ours(dests, checksum=True):
             fr = reads.FileRead(path, nbytes, [(k * part, d) for k, d in enumerate(dests)],
-                                checksum=checksum, algorithm=reads.CRC32C, whole_file=False)
+                                checksum=checksum, algorithm=fastcrc.CRC32C, whole_file=False)
             reads.read_all([fr])
 
         def fresh():

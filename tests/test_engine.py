@@ -31,8 +31,8 @@ from asyncckpt.engine import (
     retention,
     verify_files,
 )
+from asyncckpt.engine._copy import copy_arrays
 from asyncckpt.engine.files import Checksummed
-from asyncckpt.engine.slots import copy_arrays
 
 
 def test_engine_package_imports_no_framework():
@@ -199,10 +199,10 @@ def test_copy_arrays_does_not_wait_for_a_copy_thread_that_starts_late(monkeypatc
 
 
 def test_staging_buffers_are_aligned_writable_and_on_huge_pages_where_little_is_wasted():
-    from asyncckpt.engine import slots
+    from asyncckpt.engine._pages import aligned_empty
 
     for nbytes in (100, (2 << 20) + 64, 4 << 20, (32 << 20) + 4096):
-        buf = slots.aligned_empty(nbytes)
+        buf = aligned_empty(nbytes)
         assert buf.nbytes == nbytes and buf.dtype == np.uint8 and buf.flags.writeable
         assert buf.ctypes.data % 64 == 0
         buf[-1] = 7  # pre-faulted and writable to its last byte
@@ -490,9 +490,32 @@ def test_retention_every_n_hours_matches_tensorflow_rule():
     assert d.last_preserved_timestamp == 2 * hour
 
 
+def test_retention_keep_none_keeps_only_what_a_preserving_rule_keeps():
+    """``max_to_keep=0`` (orbax's "keep none"): the newest goes too, unless preserved."""
+    d = retention.apply(_cands(5, 10, 15), RetentionPolicy(max_to_keep=0, keep_period=10))
+    assert [c.step for c in d.keep] == []
+    assert [c.step for c in d.preserve] == [10]
+    assert [c.step for c in d.delete] == [5, 15]
+    d = retention.apply(_cands(5, 10, 20), RetentionPolicy(max_to_keep=0, keep_period=10))
+    assert [c.step for c in d.preserve] == [10, 20] and [c.step for c in d.delete] == [5]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_max_to_keep_has_one_rule(bad):
+    """None or an int >= 1; 0 only where the framework keeps none (orbax)."""
+    for allow_zero in (False, True):
+        with pytest.raises(ValueError, match="max_to_keep must be None or an int >= "):
+            retention.check_max_to_keep(bad, allow_zero=allow_zero)
+    with pytest.raises(ValueError, match=">= 1"):
+        retention.check_max_to_keep(0, allow_zero=False)
+    assert retention.check_max_to_keep(0, allow_zero=True) == 0
+    assert retention.check_max_to_keep(np.int64(3), allow_zero=False) == 3
+    assert retention.check_max_to_keep(None, allow_zero=False) is None
+
+
 def test_bad_policy_and_options_are_refused():
     with pytest.raises(ValueError):
-        RetentionPolicy(max_to_keep=0)
+        RetentionPolicy(max_to_keep=-1)
     with pytest.raises(ValueError):
         RetentionPolicy(best_mode="median")  # type: ignore[arg-type]
     with pytest.raises(ValueError):

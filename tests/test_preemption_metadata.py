@@ -19,7 +19,7 @@ import pytest
 from asyncckpt.preemption import config as config_lib
 from asyncckpt.preemption import platform as platform_lib
 from asyncckpt.preemption import watchers as watchers_lib
-from asyncckpt.preemption.config import Platform
+from asyncckpt.preemption.platform import Platform
 from tests.helpers import start_python, subprocess_env, write_script
 from tests.metadata_server import FakeMetadataServer, gce_values
 

@@ -19,6 +19,8 @@ import pytest
 
 from asyncckpt._coordination import InProcessCoordinator, PeerFailedError
 from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt.preemption import _estimates as estimates_lib
+from asyncckpt.preemption import _stats as stats_lib
 from asyncckpt.preemption import grace as grace_lib
 from asyncckpt.preemption.agreement import AgreementOptions, Decision, StepAgreement
 from asyncckpt.preemption.watchers import Notice
@@ -245,7 +247,7 @@ def test_slowest_workers_margin_decides_even_when_it_checks_late():
 
 
 def test_bound_is_the_max_or_a_robust_spread_and_cold_without_samples():
-    b = functools.partial(grace_lib.bound, k=3.0, min_samples=4, cold_factor=1.5)
+    b = functools.partial(stats_lib.bound, k=3.0, min_samples=4, cold_factor=1.5)
     assert b([]) is None
     assert b([1.0, 2.0]) == pytest.approx(3.0)  # too few samples: max * cold factor
     assert b([1.0] * 8) == pytest.approx(1.0)  # no spread: the max
@@ -260,11 +262,11 @@ def test_bound_is_the_max_or_a_robust_spread_and_cold_without_samples():
 
 def test_estimates_round_trip_through_the_fixed_layout():
     estimates = {"save_s": [0.5, 0.6], "save_bytes": [10.0, 20.0], "step_s": [0.1] * 40}
-    values = grace_lib.encode_estimates(estimates)
-    assert len(values) == grace_lib.ESTIMATES_LENGTH
-    decoded = grace_lib.decode_estimates(values)
+    values = estimates_lib.encode_estimates(estimates)
+    assert len(values) == estimates_lib.ESTIMATES_LENGTH
+    decoded = estimates_lib.decode_estimates(values)
     assert decoded["save_s"] == [0.5, 0.6] and decoded["step_s"] == [0.1] * 32
-    assert grace_lib.decode_estimates([1.0] * 6) == {}  # another layout: ignored
+    assert estimates_lib.decode_estimates([1.0] * 6) == {}  # another layout: ignored
 
 
 class _SlowJob:
@@ -308,7 +310,7 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
         for _ in range(10):
             clock.steps.update(0.01)
         saves = [s.blocking_s - s.slot_wait_s + s.background_s for s in engine.history]
-        save_hi = grace_lib.bound(saves, k=3.0, min_samples=4, cold_factor=1.5,
+        save_hi = stats_lib.bound(saves, k=3.0, min_samples=4, cold_factor=1.5,
                                   min_spread=0.05)
         assert clock.save_seconds() == pytest.approx(save_hi)
         assert save_hi >= max(saves) >= 0.06
@@ -330,7 +332,7 @@ def test_grace_clock_bounds_measured_writes_and_persists_the_samples():
         handle.result()
         estimates = clock.estimates()
     # A restarted job starts from the stored samples (through the TF layout).
-    restored = grace_lib.decode_estimates(grace_lib.encode_estimates(estimates))
+    restored = estimates_lib.decode_estimates(estimates_lib.encode_estimates(estimates))
     with AsyncEngine(name="t2") as engine2:
         restarted = grace_lib.GraceClock(engine2, opts)
         restarted.seed(restored)
@@ -349,13 +351,13 @@ def test_final_saves_bound_the_final_save_with_the_spread_of_all_saves():
             _save(engine, seconds)  # saves during training, slowed by it
         during_training = clock.save_seconds()
         costs = [clock.save_cost(st) for st in engine.history]
-        assert during_training == pytest.approx(grace_lib.bound(
+        assert during_training == pytest.approx(stats_lib.bound(
             costs, k=3.0, min_samples=4, cold_factor=1.5, min_spread=0.05))
         clock.seed_finals([[0.01, 1000.0]] * 3)  # too few finals: not used
         assert clock.save_seconds() == pytest.approx(during_training)
         clock.seed_finals([[0.012, 1000.0]])  # four: they bound the final save
         finals = [0.01, 0.01, 0.01, 0.012]
-        expected = grace_lib.log_bound(finals, k=3.0, min_spread=0.05, spread_from=costs)
+        expected = stats_lib.log_bound(finals, k=3.0, min_spread=0.05, spread_from=costs)
         assert clock.save_seconds() == pytest.approx(expected)
         assert 0.012 <= expected < during_training
         clock.seed_finals([[1.0, 1000.0]] * 8)  # slower finals: a slower final save
@@ -368,8 +370,8 @@ def test_final_saves_bound_the_final_save_with_the_spread_of_all_saves():
 def test_log_bound_widens_for_few_samples_and_covers_the_measured_tail():
     import math
 
-    assert grace_lib.t_quantile(3.0, 1e6) == pytest.approx(3.0, rel=1e-3)
-    qs = [grace_lib.t_quantile(3.0, df) for df in (4, 7, 15, 30)]
+    assert stats_lib.t_quantile(3.0, 1e6) == pytest.approx(3.0, rel=1e-3)
+    qs = [stats_lib.t_quantile(3.0, df) for df in (4, 7, 15, 30)]
     assert qs == sorted(qs, reverse=True) and qs[-1] > 3.0
     assert qs[1] == pytest.approx(4.785, rel=0.1)  # Student t_7 at 1 - 0.00135
     # Final saves with a log-normal spread of sigma 0.15 (the benchmark's
@@ -377,20 +379,20 @@ def test_log_bound_widens_for_few_samples_and_covers_the_measured_tail():
     # a save 1.4 times their median (a 2.2 sigma event) and more.
     z = [-1.42, -0.85, -0.47, -0.15, 0.15, 0.47, 0.85, 1.42]
     finals = [3.0 * math.exp(0.15 * v) for v in z]
-    hi = grace_lib.log_bound(finals, k=3.0, min_spread=0.05)
+    hi = stats_lib.log_bound(finals, k=3.0, min_spread=0.05)
     assert hi >= 1.4 * statistics.median(finals)
     # The spread of other saves pooled in: more degrees of freedom, a
     # tighter t; a wider spread there, a wider bound.
     narrow = [3.0 * math.exp(0.15 * v) for v in z * 2]
-    pooled = grace_lib.log_bound(finals, k=3.0, spread_from=narrow)
+    pooled = stats_lib.log_bound(finals, k=3.0, spread_from=narrow)
     assert 1.4 * statistics.median(finals) <= pooled < hi
     wide = [3.0 * math.exp(0.5 * v) for v in z * 2]
-    assert grace_lib.log_bound(finals, k=3.0, spread_from=wide) > pooled
+    assert stats_lib.log_bound(finals, k=3.0, spread_from=wide) > pooled
     # A few saves slowed ten times by a loaded machine widen it, not explode it.
     stalled = narrow[:-3] + [30.0] * 3
-    assert grace_lib.log_bound(finals, k=3.0, spread_from=stalled) < 2 * pooled
-    assert grace_lib.log_bound([2.0] * 4, k=3.0) == pytest.approx(2.0)  # no spread: the max
-    assert grace_lib.log_bound([2.0] * 4, k=3.0, min_spread=0.05) > 2.0
+    assert stats_lib.log_bound(finals, k=3.0, spread_from=stalled) < 2 * pooled
+    assert stats_lib.log_bound([2.0] * 4, k=3.0) == pytest.approx(2.0)  # no spread: the max
+    assert stats_lib.log_bound([2.0] * 4, k=3.0, min_spread=0.05) > 2.0
 
 
 def test_a_cold_first_save_is_kept_apart_and_bounds_a_first_final_save():
@@ -426,7 +428,7 @@ def test_write_bound_scales_with_state_bytes_and_is_per_tier():
         mine = [st for st in engine.history if st.label.startswith(tier_prefix)]
         now = engine.last_stats.nbytes
         costs = [grace_lib.GraceClock.save_cost(st) * max(1.0, now / st.nbytes) for st in mine]
-        return grace_lib.bound(costs, k=3.0, min_samples=4, cold_factor=1.5, min_spread=0.05)
+        return stats_lib.bound(costs, k=3.0, min_samples=4, cold_factor=1.5, min_spread=0.05)
 
     with AsyncEngine(name="t") as engine:
         clock = grace_lib.GraceClock(engine, NO_STALL)

@@ -28,9 +28,9 @@ def test_crc_combine_matches_zlib_and_crc32c_for_random_splits():
     rng = random.Random(test_seed("crc combine"))
     for _ in range(100):
         a, b = rng.randbytes(rng.randrange(0, 2000)), rng.randbytes(rng.randrange(0, 2000))
-        assert reads.crc_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-        assert reads.crc_combine(google_crc32c.value(a), google_crc32c.value(b), len(b),
-                                 reads.CRC32C) == google_crc32c.value(a + b)
+        assert fastcrc.crc_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert fastcrc.crc_combine(google_crc32c.value(a), google_crc32c.value(b), len(b),
+                                 fastcrc.CRC32C) == google_crc32c.value(a + b)
 
 
 @pytest.mark.parametrize("streams", [1, 4])
@@ -105,7 +105,7 @@ def test_page_cache_residency_decides_direct_or_buffered_reads(tmp_path, monkeyp
             path.read_bytes()  # all of it in the page cache
         buf = reads.aligned_empty(len(payload))
         read = reads.FileRead(str(path), len(payload), [(0, buf)], checksum=True,
-                              algorithm=reads.CRC32C)
+                              algorithm=fastcrc.CRC32C)
         reads.read_all([read])
         assert buf.tobytes() == payload and read.crc == fastcrc.crc32c_extend(0, payload)
         assert opens.count == 1  # the cold read went by O_DIRECT, the cached one not
@@ -125,7 +125,7 @@ def test_direct_and_buffered_reads_fill_the_same_bytes_and_crcs(tmp_path, monkey
              (2 * reads.HUGE + 64, size - 2 * reads.HUGE - 64)]
     bufs = [reads.aligned_empty(n, file_offset=off) for off, n in spans]
     dests = [(off, b) for (off, _), b in zip(spans, bufs, strict=True)]
-    algorithm = reads.CRC32C if reads.has_fast_crc32c() else reads.CRC32
+    algorithm = fastcrc.CRC32C if reads.has_fast_crc32c() else fastcrc.CRC32
     read = reads.FileRead(str(path), size, dests, checksum=True, algorithm=algorithm)
     assert any(p.direct for p in read.pieces) and not all(p.direct for p in read.pieces)
     opened = read.open(direct=direct)

@@ -15,7 +15,7 @@ from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noq
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt.engine import fastcrc  # noqa: E402
-from asyncckpt.tf import _bundlewrite, _slices, _staging  # noqa: E402
+from asyncckpt.tf import _bundlewrite, _job, _slices  # noqa: E402
 from asyncckpt.tf._staging import StagedState, StagedTensor  # noqa: E402
 from tests.tfrestore import restore_both  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_files_are_byte_identical_to_savev2(tmp_path, monkeypatch, chunk, max_io
     monkeypatch.setattr(_bundlewrite, "_MAX_IOV", max_iov)
     monkeypatch.setattr(_bundlewrite, "_COMBINE_MIN", combine_min)
     state = _state(many)
-    _staging.save_v2_bundle(str(tmp_path / "ref"), state)
+    _job.save_v2_bundle(str(tmp_path / "ref"), state)
     sums = _bundlewrite.write_bundle(str(tmp_path / "ours"), state)
     assert sums is not None
     for suffix in (".index", ".data-00000-of-00001"):
@@ -237,7 +237,7 @@ def _direct_jobs(monkeypatch) -> list:
 
 
 def _assert_same_as_savev2(tmp_path, state, sums) -> None:
-    _staging.save_v2_bundle(str(tmp_path / "ref"), state)
+    _job.save_v2_bundle(str(tmp_path / "ref"), state)
     for suffix in (".index", ".data-00000-of-00001"):
         ours = (tmp_path / ("ours" + suffix)).read_bytes()
         assert ours == (tmp_path / ("ref" + suffix)).read_bytes(), suffix

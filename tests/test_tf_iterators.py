@@ -19,7 +19,7 @@ keras = pytest.importorskip("keras")
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt.engine import fastcrc  # noqa: E402
-from asyncckpt.tf import _bundle, _bundlewrite, _job, _staging  # noqa: E402
+from asyncckpt.tf import _bundle, _bundlewrite, _job  # noqa: E402
 from asyncckpt.tf._variant import CapturedVariant  # noqa: E402
 from tests.conftest import TF_LOGICAL_CPUS  # noqa: E402
 
@@ -239,7 +239,7 @@ def test_files_are_byte_identical_to_savev2s_of_the_same_state(ckpt_dir, monkeyp
     real = _job.write_bundle
 
     def with_reference(prefix, state, **kw):
-        _staging.save_v2_bundle(str(ckpt_dir / "ref"), state)
+        _job.save_v2_bundle(str(ckpt_dir / "ref"), state)
         return real(prefix, state, **kw)
 
     monkeypatch.setattr(_job, "write_bundle", with_reference)

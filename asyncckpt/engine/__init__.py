@@ -5,6 +5,7 @@ Imports neither TensorFlow nor JAX. Framework adapters (``asyncckpt.tf``,
 a ``SaveJob`` that writes those buffers in their framework's file format.
 """
 
+from asyncckpt.engine._jobs import SaveJob
 from asyncckpt.engine.commit import (
     cleanup_stale_temps,
     directory_guard,
@@ -29,7 +30,7 @@ from asyncckpt.engine.manifest import (
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
 from asyncckpt.engine.retention import Candidate, Decision, RetentionPolicy
 from asyncckpt.engine.slots import Slot, StagingPool
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle, SaveJob
+from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 
 __all__ = [
     "AsyncEngine",

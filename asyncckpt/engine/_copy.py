@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from asyncckpt.engine._pages import _prefault
+from asyncckpt.engine._pages import touch_pages
 
 __all__ = ["copy_arrays", "prefault_all"]
 
@@ -45,7 +45,7 @@ def prefault_all(bufs: Sequence[np.ndarray]) -> None:
 
 def _prefault_run(pieces: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     for part, _ in pieces:
-        _prefault(part)
+        touch_pages(part)
 
 
 _PIECE = 8 << 20  # bytes per parallel copy piece
@@ -81,6 +81,10 @@ def _after_fork_in_child() -> None:
     global _copy_pool, _copy_pool_lock
     _copy_pool = None
     _copy_pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:

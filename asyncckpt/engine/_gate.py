@@ -3,8 +3,8 @@
 Two mechanisms, both for the engine's background threads (the writer, its
 fsync helper, spare-slot builds):
 
-* ``lower_thread_priority``: they run at a raised niceness, so at equal
-  demand for a core the training threads win.
+* they run at a raised niceness (``asyncckpt._threads.lower_thread_priority``),
+  so at equal demand for a core the training threads win;
 * ``SaveGate``: while a save is staging (its copy into a slot runs on the
   training thread and the copy threads), background work stops between
   pieces (a write chunk, a file, a spare's 8 MiB piece) and resumes when the
@@ -22,8 +22,6 @@ transfer, a stage that blocks) delays the writer by at most that bound.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 
@@ -32,23 +30,6 @@ logger = logging.getLogger(__name__)
 # Longest a background piece waits for one closing of the gate: a 64 MiB
 # copy takes ~6 ms on the project's VM, a 1 GiB one ~0.15 s.
 DEFAULT_MAX_WAIT_S = 0.25
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raises the calling thread's niceness by ``nice`` (Linux only; best effort).
-
-    On Linux each thread has its own niceness and threads it starts inherit
-    it, so a background thread's helpers run at the same priority. Lowering
-    one's own priority needs no privilege; where it is refused or the
-    platform has no per-thread priority, the thread runs unchanged.
-    """
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError as e:
-        logger.debug("could not lower a background thread's priority: %s", e)
 
 
 class SaveGate:

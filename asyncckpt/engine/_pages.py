@@ -18,7 +18,7 @@ _FAULT_CHUNK = 1 << 20  # bytes touched per GIL-free step when pre-faulting
 _ZEROS = np.zeros(_FAULT_CHUNK, dtype=np.uint8)
 
 
-def _prefault(buf: np.ndarray) -> None:
+def touch_pages(buf: np.ndarray) -> None:
     """Touches every page of ``buf`` in chunks that run without the GIL.
 
     ``ndarray.fill`` holds the GIL for the whole buffer (tens of ms for
@@ -75,5 +75,5 @@ def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
         offset = (-raw.ctypes.data) % _ALIGNMENT
         buf = raw[offset : offset + nbytes]
     if prefault and nbytes:
-        _prefault(buf)
+        touch_pages(buf)
     return buf

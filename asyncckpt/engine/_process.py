@@ -17,8 +17,12 @@ outlive the main thread are flushed once those threads end.
 their writer threads. ``os.register_at_fork`` marks every inherited engine
 dead in the child: its saves belong to the parent, so the child never waits
 for them at exit and never writes them; ``save()`` on an inherited engine
-raises ``EngineClosedError``. Module-level locks and thread pools that a
-parent thread might have held at the fork are replaced in the child.
+raises ``EngineClosedError``. (Module-level locks and thread pools that a
+parent thread might have held at the fork are replaced in the child by
+their own modules' fork hooks: ``_copy``, ``lock``.)
+
+The engine's side of this interface is ``AsyncEngine.flush_at_exit`` and
+``AsyncEngine.mark_forked``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -59,7 +62,7 @@ def _watch_main_thread() -> None:
             engines = list(ENGINES)
         for engine in engines:
             try:
-                flush_for_exit(engine)
+                engine.flush_at_exit()
             except Exception:  # pragma: no cover - logged, never blocks exit
                 logger.exception("flushing checkpoint saves at exit")
         # Training may run in other non-daemon threads, which the interpreter
@@ -71,28 +74,6 @@ def _watch_main_thread() -> None:
             return
         for t in others:
             t.join()
-
-
-def flush_for_exit(engine: AsyncEngine) -> None:
-    """Waits (bounded by ``exit_timeout_s``) for an engine's saves in flight."""
-    n = engine.pending
-    if engine.closed or engine._forked or n == 0:
-        return
-    timeout = engine.options.exit_timeout_s
-    logger.warning(
-        "[%s] interpreter exiting: waiting up to %.0f s for %d in-flight checkpoint save(s) "
-        "to become durable", engine.name, timeout, n,
-    )
-    start = time.perf_counter()
-    if engine._wait_idle(timeout):
-        logger.warning("[%s] in-flight checkpoint save(s) durable after %.2f s; exiting",
-                       engine.name, time.perf_counter() - start)
-    else:
-        logger.error(
-            "[%s] gave up after %.0f s with %d save(s) still in flight; they are not "
-            "committed and will not be listed as checkpoints",
-            engine.name, timeout, engine.pending,
-        )
 
 
 def ensure_exit_watcher() -> None:
@@ -120,13 +101,8 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _watcher = None
     for engine in list(ENGINES):
-        engine._mark_forked()
+        engine.mark_forked()
     ENGINES.clear()
-    from asyncckpt.engine import _copy
-    from asyncckpt.engine import lock as lock_mod
-
-    _copy._after_fork_in_child()
-    lock_mod._after_fork_in_child()
 
 
 if hasattr(os, "register_at_fork"):

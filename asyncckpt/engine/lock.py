@@ -79,6 +79,10 @@ def _after_fork_in_child() -> None:
     _registry.clear()
 
 
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _drop_holder(key: str, shared: _Shared) -> None:
     with _registry_lock:
         if _registry.get(key) is not shared:

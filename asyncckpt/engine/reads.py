@@ -62,14 +62,9 @@ PIECE = 8 << 20  # bytes per read call: large enough for the disk, small enough 
 DIRECT_ALIGN = 4096  # O_DIRECT: file offsets, lengths and addresses aligned like this
 HUGE = 2 << 20  # destinations this large are huge-page memory
 
-CRC32 = fastcrc.CRC32
-CRC32C = fastcrc.CRC32C
-crc_combine = fastcrc.crc_combine
-
-
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """``crc_combine`` for zlib's CRC32."""
-    return crc_combine(crc1, crc2, len2, CRC32)
+    return fastcrc.crc_combine(crc1, crc2, len2, fastcrc.CRC32)
 
 
 def has_fast_crc32c() -> bool:
@@ -78,7 +73,7 @@ def has_fast_crc32c() -> bool:
 
 
 def _checksum(algorithm: str):
-    if algorithm == CRC32:
+    if algorithm == fastcrc.CRC32:
         return zlib.crc32
     return lambda view: fastcrc.crc32c_extend(0, view)
 
@@ -159,14 +154,14 @@ class FileRead:
             into scratch memory when ``checksum`` is set (the file's CRC
             needs every byte); otherwise they are not read.
         checksum: Compute CRCs.
-        algorithm: ``CRC32`` or ``CRC32C``.
+        algorithm: ``fastcrc.CRC32`` or ``fastcrc.CRC32C``.
         whole_file: Compute the whole file's CRC (``crc``); the CRC of each
             destination (``dest_crcs``, in the order given) is computed in
             any case.
     """
 
     def __init__(self, path: str, size: int, dests: Sequence[tuple[int, object]], *,
-                 checksum: bool, algorithm: str = CRC32, whole_file: bool = True):
+                 checksum: bool, algorithm: str = fastcrc.CRC32, whole_file: bool = True):
         self.path = path
         self.size = size
         self.checksum = checksum
@@ -244,9 +239,10 @@ class FileRead:
         for piece, owner, c in zip(self.pieces, self._owners, crcs, strict=True):
             n = len(piece.view)
             if self.whole_file:
-                whole = crc_combine(whole, c, n, self.algorithm)
+                whole = fastcrc.crc_combine(whole, c, n, self.algorithm)
             if owner >= 0:
-                per[owner] = crc_combine(per[owner], c, n, self.algorithm) if owner in per else c
+                per[owner] = (fastcrc.crc_combine(per[owner], c, n, self.algorithm)
+                              if owner in per else c)
         if self.whole_file:
             self.crc = whole
         for i in range(len(self.dest_crcs)):

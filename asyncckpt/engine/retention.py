@@ -1,19 +1,52 @@
-"""Retention stage: which committed checkpoints to keep, shared by both managers.
+"""Retention stage: which committed checkpoints to keep.
 
-A pure function over the list of committed checkpoints, so each rule can be
-tested without files. Rules, applied only to checkpoints already durable:
+The one retention rule set of asyncckpt, shared by the TensorFlow and JAX
+managers, the job runner's ``ArrayStore`` and ``JobRunner``, and the remote
+tier (``storage.tier``). A pure function over the list of committed
+checkpoints, so each rule can be tested without files. Rules, applied only
+to checkpoints already durable:
 
 * keep the newest ``max_to_keep`` (or, with a metric, the best ``max_to_keep``);
-* the newest checkpoint is never deleted, whatever its metric;
+* the newest checkpoint is never deleted, whatever its metric, unless
+  ``max_to_keep`` is 0 (orbax's "keep none": then only the preserving rules
+  below keep it);
 * keep forever any step divisible by ``keep_period`` (orbax's rule);
 * keep forever one checkpoint every ``keep_every_n_hours`` (TensorFlow's rule).
+
+``check_max_to_keep`` is the one validation of a ``max_to_keep`` argument.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+
+def check_max_to_keep(value: Any, *, allow_zero: bool) -> int | None:
+    """``value`` as a ``max_to_keep``: None (keep all) or an int >= 1.
+
+    Args:
+        value: What the caller was given (an ``int``, a NumPy integer, or
+            anything else with ``__index__``; never a bool).
+        allow_zero: Accept 0 as well ("keep none", orbax's rule: only the
+            preserving rules keep a checkpoint). TensorFlow's manager, the
+            job runner and the remote tier do not.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if value is None:
+        return None
+    minimum = 0 if allow_zero else 1
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        raise ValueError(f"max_to_keep must be None or an int >= {minimum}, got {value!r}")
+    return n
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +54,8 @@ class RetentionPolicy:
     """Which checkpoints a manager keeps.
 
     Attributes:
-        max_to_keep: How many to keep (None keeps all).
+        max_to_keep: How many to keep (None keeps all; 0 keeps none but
+            what the preserving rules keep).
         keep_every_n_hours: Preserve, outside the ``max_to_keep`` count, one
             checkpoint per this many hours.
         keep_period: Preserve every step divisible by this.
@@ -38,8 +72,7 @@ class RetentionPolicy:
     keep_checkpoints_without_metrics: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be a positive int or None, got {self.max_to_keep}")
+        check_max_to_keep(self.max_to_keep, allow_zero=True)
         if self.keep_period is not None and self.keep_period < 1:
             raise ValueError(f"keep_period must be a positive int or None, got {self.keep_period}")
         if self.keep_every_n_hours is not None and self.keep_every_n_hours <= 0:
@@ -115,7 +148,8 @@ def apply(
     if not candidates or policy.max_to_keep is None:
         return Decision(list(candidates), [], [], last_preserved_timestamp)
     newest = candidates[-1]
-    n = policy.max_to_keep
+    keep_none = policy.max_to_keep == 0
+    n = max(policy.max_to_keep, 1)
     if policy.best_mode is None:
         kept_ids = {id(c) for c in candidates[-n:]}
     else:
@@ -139,4 +173,15 @@ def apply(
             last = c.timestamp
         else:
             delete.append(c)
+    if keep_none:  # the newest, kept above as any newest is, only if a preserving rule says so
+        keep = [c for c in keep if c is not newest]
+        if _on_period(newest, policy.keep_period):
+            preserve.append(newest)
+        elif policy.keep_every_n_hours is not None and (
+            newest.timestamp - policy.keep_every_n_hours * 3600.0 >= last
+        ):
+            preserve.append(newest)
+            last = newest.timestamp
+        else:
+            delete.append(newest)
     return Decision(keep, delete, preserve, last)

@@ -34,14 +34,14 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
+from asyncckpt._threads import lower_thread_priority
 from asyncckpt.engine import _spares
-from asyncckpt.engine._copy import copy_arrays, prefault_all
-from asyncckpt.engine._gate import lower_thread_priority
-from asyncckpt.engine._pages import _prefault, aligned_empty
+from asyncckpt.engine._copy import prefault_all
+from asyncckpt.engine._pages import aligned_empty, touch_pages
 from asyncckpt.engine.budget import Budget
 from asyncckpt.errors import HostMemoryError
 
-__all__ = ["Slot", "StagingPool", "aligned_empty", "copy_arrays", "lower_thread_priority"]
+__all__ = ["Slot", "StagingPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ class StagingPool:
 
     def _fault_piece(self, piece: np.ndarray) -> None:
         """Touches the pages of one piece of a spare's buffer (a hook for tests)."""
-        _prefault(piece)
+        touch_pages(piece)
 
     def _count_spare(self, nbytes: int) -> None:
         self._spare_bytes += nbytes  # only the spare's thread writes it

@@ -34,8 +34,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from asyncckpt._closing import ClosingContext
+from asyncckpt._threads import lower_thread_priority
 from asyncckpt.engine import _process
-from asyncckpt.engine._gate import SaveGate, lower_thread_priority
+from asyncckpt.engine._gate import SaveGate
 from asyncckpt.engine._jobs import SaveJob, StageFn
 from asyncckpt.engine.budget import staging_budget
 from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
@@ -45,7 +46,7 @@ from asyncckpt.options import AsyncOptions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "SaveHandle", "SaveJob", "StageFn", "lower_thread_priority"]
+__all__ = ["AsyncEngine", "SaveHandle"]
 
 
 class SaveHandle:
@@ -519,6 +520,15 @@ class AsyncEngine(ClosingContext):
         """Re-raises the first background failure not yet seen by the owner, if any."""
         self._deliver(None)
 
+    @property
+    def has_stored_error(self) -> bool:
+        """Whether a background failure is kept for delivery (read without the lock).
+
+        A cheap test before ``raise_pending_error`` on a hot path, as ``save()``
+        makes it itself; False means there is nothing to raise.
+        """
+        return bool(self._errors)
+
     def _start_wait(self) -> int:
         with self._cond:
             since = self._error_count
@@ -580,7 +590,30 @@ class AsyncEngine(ClosingContext):
             _process.unregister(self)
         self._deliver(since)
 
-    def _mark_forked(self) -> None:
+    # -- process lifecycle (called by engine/_process.py) ---------------------------
+
+    def flush_at_exit(self) -> None:
+        """The interpreter is exiting: waits (bounded by ``exit_timeout_s``) for saves in flight."""
+        n = self.pending
+        if self.closed or self._forked or n == 0:
+            return
+        timeout = self.options.exit_timeout_s
+        logger.warning(
+            "[%s] interpreter exiting: waiting up to %.0f s for %d in-flight checkpoint save(s) "
+            "to become durable", self.name, timeout, n,
+        )
+        start = time.perf_counter()
+        if self._wait_idle(timeout):
+            logger.warning("[%s] in-flight checkpoint save(s) durable after %.2f s; exiting",
+                           self.name, time.perf_counter() - start)
+        else:
+            logger.error(
+                "[%s] gave up after %.0f s with %d save(s) still in flight; they are not "
+                "committed and will not be listed as checkpoints",
+                self.name, timeout, self.pending,
+            )
+
+    def mark_forked(self) -> None:
         """In a fork() child: this engine's saves and thread belong to the parent."""
         # The parent's writer may have held the lock at the fork: replace it.
         self._cond = threading.Condition()

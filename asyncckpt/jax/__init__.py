@@ -16,11 +16,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "asyncckpt.jax needs JAX: pip install 'asyncckpt[jax]' (or pip install jax)"
     ) from e
 
+from asyncckpt._coordination import CoordinationError
 from asyncckpt.jax._args import PLACEHOLDER
 from asyncckpt.jax._compat import step_already_exists_error
-from asyncckpt.jax._distributed import CoordinationError
+from asyncckpt.jax._metadata import RootMetadata, StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions
-from asyncckpt.jax.manager import CheckpointManager, RootMetadata, StepMetadata
+from asyncckpt.jax.manager import CheckpointManager
 
 # asyncckpt.jax.checkpointer imports orbax (its base class): loaded on first use.
 _CHECKPOINTERS = frozenset(

@@ -148,7 +148,8 @@ def is_composite(obj: Any) -> bool:
     return _orbax_name(obj) in _COMPOSITE
 
 
-def _check_item_name(name: str) -> str:
+def check_item_name(name: str) -> str:
+    """``name`` if it can name an item (a plain directory name other than the metrics item)."""
     if (not isinstance(name, str) or not name or "/" in name or name.startswith(".")
             or name == fmt.METRICS_ITEM):
         raise ValueError(f"item name {name!r} is not usable (a plain directory name, not "
@@ -249,7 +250,7 @@ def _save_items(state: Any, args: Any, save_kwargs: Any, named_items: bool,
             raise TypeError("this manager was given a dict of checkpointers: save a dict of "
                             "its items by name")
         per_item = save_kwargs or {}
-        return [_legacy_save(_check_item_name(str(k)), v, kinds.get(str(k)), per_item.get(k))
+        return [_legacy_save(check_item_name(str(k)), v, kinds.get(str(k)), per_item.get(k))
                 for k, v in state.items()], True
     if args is None and save_kwargs is not None:
         return [_legacy_save(fmt.ITEM, state, kinds.get(fmt.ITEM), save_kwargs)], False
@@ -258,7 +259,7 @@ def _save_items(state: Any, args: Any, save_kwargs: Any, named_items: bool,
             return [SaveItem(fmt.ITEM, "pytree", state)], False
         args = state  # save(step, ocp.args.StandardSave(x)): the keyword was forgotten
     if is_composite(args):
-        items = [_one_save(_check_item_name(k), v) for k, v in args.items()]
+        items = [_one_save(check_item_name(k), v) for k, v in args.items()]
         if not items:
             raise ValueError("a Composite with no items saves nothing")
         return items, True
@@ -331,7 +332,7 @@ def restore_items(target: Any, args: Any, restore_kwargs: Any = None
             return ([RestoreItem(fmt.ITEM, "pytree", target)] if target is not None
                     else None), False
     if is_composite(args):
-        return [_one_restore(_check_item_name(k), v) for k, v in args.items()], True
+        return [_one_restore(check_item_name(k), v) for k, v in args.items()], True
     if not is_orbax_args(args):
         raise _unsupported(args, "args= takes orbax.checkpoint.args objects")
     return [_one_restore(fmt.ITEM, args)], False

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncckpt.engine import reads
+from asyncckpt.engine import fastcrc, reads
 from asyncckpt.engine.files import FileRecord
 from asyncckpt.engine.manifest import Manifest
 from asyncckpt.errors import CorruptCheckpointError
@@ -88,7 +88,7 @@ class ChunkStore:
                     and not self._checked_on_fetch(rec.name))
         buf = reads.aligned_empty(size)
         return reads.FileRead(path, size, [(0, buf)], checksum=checksum,
-                              algorithm=rec.algorithm if checksum else reads.CRC32), buf
+                              algorithm=rec.algorithm if checksum else fastcrc.CRC32), buf
 
     def _checked_on_fetch(self, name: str) -> bool:
         """Whether the remote tier checked this file's checksum as it fetched it.
@@ -153,7 +153,7 @@ class ChunkStore:
                         and (mine is None or name in mine) and name not in self._checked
                         and not self._checked_on_fetch(name))
             fr = reads.FileRead(path, size, [(o, b) for o, b, _ in dests], checksum=checksum,
-                                algorithm=rec.algorithm if checksum else reads.CRC32)
+                                algorithm=rec.algorithm if checksum else fastcrc.CRC32)
             plans.append((name, rec, fr, dests))
         try:
             reads.read_all([fr for _, _, fr, _ in plans])

@@ -111,12 +111,10 @@ from asyncckpt._coordination import (
     JaxCoordinator,
 )
 from asyncckpt._coordination import Coordinator as KeyValueStore
-from asyncckpt.jax._verdicts import ABORT, RestoreVerdicts
+from asyncckpt.jax._verdicts import ABORT, LastRound, RestoreVerdicts
+from asyncckpt.storage.url import is_url
 
-__all__ = [
-    "CommitCoordinator", "CoordinationError", "CoordinationTimeoutError", "Coordinator",
-    "DistributedSaveError", "RestoreVerdicts", "Saves", "manager_key",
-]
+__all__ = ["CommitCoordinator", "Coordinator", "DistributedSaveError", "Saves", "manager_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +155,7 @@ def describe(error: BaseException) -> str:
 def manager_key(directory: str | os.PathLike) -> str:
     """The stable name of a directory across processes: a URL, or the normalized path."""
     text = os.fspath(directory)
-    if "://" in text:
+    if is_url(text):
         return text.rstrip("/")
     return os.path.normpath(os.path.expanduser(text))
 
@@ -202,7 +200,7 @@ class CommitCoordinator:
         self._lock = threading.Lock()
         self._reap: list[str] = []  # primary: save keys to delete once all have moved on
         self._restores = 0
-        self._restore_keys: list[str] = []  # primary: the newest verdict's keys
+        self._last_round = LastRound()  # primary: the newest verdict's keys
 
     @classmethod
     def for_this_run(cls, *, timeout_s: float,
@@ -437,7 +435,10 @@ class CommitCoordinator:
             # An abort key two restores back can no longer be waited on: every
             # process has since published a round of the restore after it.
             self._store.delete(f"{self.prefix}/r{n - 2}/{ABORT}")
-        return RestoreVerdicts(self, f"{self.prefix}/r{n}")
+        return RestoreVerdicts(self._store, f"{self.prefix}/r{n}",
+                               process_index=self.process_index,
+                               process_count=self.process_count, timeout_s=self.timeout_s,
+                               last_round=self._last_round)
 
 
 class Saves:

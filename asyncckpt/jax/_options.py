@@ -18,6 +18,8 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from asyncckpt.engine import retention
+
 logger = logging.getLogger(__name__)
 
 # Fields of orbax's CheckpointManagerOptions that only schedule orbax's own
@@ -163,7 +165,7 @@ class ManagerConfig:
     create_directories_asynchronously: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("max_to_keep", self.max_to_keep, minimum=0, optional=True)
+        retention.check_max_to_keep(self.max_to_keep, allow_zero=True)  # orbax keeps none at 0
         _check_int("keep_period", self.keep_period, minimum=1, optional=True)
         _check_int("save_interval_steps", self.save_interval_steps, minimum=0)
         if self.best_mode not in ("max", "min"):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from asyncckpt.jax._options import ManagerConfig, StepNames
 from asyncckpt.storage.lazy import LazyStep
 from asyncckpt.storage.shards import ShardUploader
-from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
+from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, register_owner
 
 if TYPE_CHECKING:
     from asyncckpt.jax._distributed import Coordinator
@@ -32,19 +32,22 @@ class StepTiers:
             ``gs://`` URL (then saves stage in a local scratch directory).
         remote: A second, persistent tier for a local ``directory``.
         remote_options: Schedule, retention and retries of the remote tier
-            (default: every step, the manager's ``max_to_keep``).
+            (default: every step, the manager's ``max_to_keep``). A URL
+            directory has no retention of its own: the manager's decides
+            (``delete``), and ``RemoteOptions.max_to_keep`` is refused.
         config: The manager's options (step names, as orbax's: the remote
             tier keeps them, ``ckpt_000012/``; ``max_to_keep``).
+        owner: The manager (``storage.tier.tiers_of(manager)`` finds the tiers).
     """
 
     def __init__(self, directory: str | os.PathLike, *, remote: str | None,
-                 remote_options: RemoteOptions | None, config: ManagerConfig):
+                 remote_options: RemoteOptions | None, config: ManagerConfig, owner: object):
         self._names = config.names
         self._shards: ShardUploader | None = None
-        self._dir = TieredDirectory(
-            directory, remote=remote,
-            remote_options=remote_options or RemoteOptions(
-                max_to_keep=config.max_to_keep or None))
+        if remote_options is None and remote is not None:  # two tiers: the manager's count
+            remote_options = RemoteOptions(max_to_keep=config.max_to_keep or None)
+        self._dir = TieredDirectory(directory, remote=remote, remote_options=remote_options)
+        register_owner(owner, self._dir)  # the preemption handler's final upload uses them
 
     @property
     def local_dir(self) -> str:
@@ -63,6 +66,23 @@ class StepTiers:
     @property
     def has_remote(self) -> bool:
         return self._dir.remote is not None
+
+    @property
+    def remote_only(self) -> bool:
+        """A URL directory: every step is committed in the bucket, which the manager's
+        retention keeps (its steps there are the manager's to list and delete)."""
+        return self._dir.remote_only
+
+    def remote_steps(self, *, fresh: bool = False) -> frozenset[int]:
+        """The steps committed in the remote tier (its cached listing unless ``fresh``)."""
+        if not self.has_remote:
+            return frozenset()
+        parsed = (self._names.parse(n) for n in self._dir.remote_names(fresh=fresh))
+        return frozenset(s for s in parsed if s is not None)
+
+    def delete(self, step: int) -> None:
+        """URL directory: deletes ``step`` in the bucket (in the background; ``wait``)."""
+        self._dir.delete_remote(self._names.name(step))
 
     def multiprocess(self, coordinator: Coordinator | None) -> ShardUploader | None:
         """Sets up several processes' saves; returns the job's shard uploader, if any.
@@ -96,8 +116,7 @@ class StepTiers:
         """
         if not self.has_remote:
             return local
-        remote = (self._names.parse(n) for n in self._dir.remote_names(fresh=fresh))
-        return sorted({*local, *(s for s in remote if s is not None)})
+        return sorted({*local, *self.remote_steps(fresh=fresh)})
 
     def on_published(self) -> Callable[[int], None] | None:
         """The job's hook run right after a local publish, or None without a remote."""

@@ -17,13 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from asyncckpt._coordination import CoordinationTimeoutError, PeerFailedError
+from asyncckpt._coordination import Coordinator as KeyValueStore
 from asyncckpt.errors import CorruptCheckpointError
-
-if TYPE_CHECKING:
-    from asyncckpt.jax._distributed import CommitCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +31,24 @@ ALL = "all"  # process 0's combined verdict of a round
 _ABORT_POLL_S = 0.2
 
 
+class LastRound:
+    """Process 0's keys of the newest combined verdict, one per manager's coordinator.
+
+    Every process has published a round before process 0 combines it, so
+    none reads an earlier round any more: its keys are deleted then, and the
+    store holds one round per manager, however many restores ran.
+    """
+
+    def __init__(self) -> None:
+        self._keys: list[str] = []
+
+    def replace(self, store: KeyValueStore, key: str) -> None:
+        """Deletes the previous round's keys; ``key`` is the newest round."""
+        for earlier in self._keys:
+            store.delete(earlier)
+        self._keys = [key]
+
+
 class RestoreVerdicts:
     """Shares each process's integrity verdict, for one restore.
 
@@ -42,16 +57,24 @@ class RestoreVerdicts:
     checkpoint together (and all fall back to the same older step).
 
     Args:
-        coordinator: The manager's coordinator.
+        store: The run's key-value store.
         prefix: This restore's keys.
+        process_index: This process.
+        process_count: Processes taking part.
+        timeout_s: Longest wait for another process.
+        last_round: The manager's record of the newest round (process 0 deletes
+            older rounds' keys through it).
     """
 
-    def __init__(self, coordinator: CommitCoordinator, prefix: str):
-        self._coord = coordinator
+    def __init__(self, store: KeyValueStore, prefix: str, *, process_index: int,
+                 process_count: int, timeout_s: float, last_round: LastRound):
+        self._store = store
         self._prefix = prefix
         self._rounds = 0
-        self.process_index = coordinator.process_index
-        self.process_count = coordinator.process_count
+        self._last_round = last_round
+        self.process_index = process_index
+        self.process_count = process_count
+        self.timeout_s = timeout_s
 
     def combine(self, what: str, mine: str) -> str:
         """Publishes ``mine``; returns the first value other than ``OK`` of any process.
@@ -63,40 +86,37 @@ class RestoreVerdicts:
             CoordinationTimeoutError: a process did not answer in time.
             PeerFailedError: a process gave up this restore (``abort``).
         """
-        c = self._coord
         key = f"{self._prefix}/{self._rounds}"
         self._rounds += 1
-        deadline = time.monotonic() + c.timeout_s
-        if not c.primary:
-            c._set(f"{key}/{c.process_index}", mine)
+        deadline = time.monotonic() + self.timeout_s
+        if self.process_index != 0:
+            self._store.set(f"{key}/{self.process_index}", mine)
             return self._wait(f"{key}/{ALL}", deadline, f"process 0's {what}")
         combined = OK if mine == OK else f"0:{mine}"
-        for i in range(1, c.process_count):
+        for i in range(1, self.process_count):
             value = self._wait(f"{key}/{i}", deadline, f"process {i}'s {what}")
             if combined == OK and value != OK:
                 combined = f"{i}:{value}"
-        c._set(f"{key}/{ALL}", combined)
+        self._store.set(f"{key}/{ALL}", combined)
         # Every process has published this round, so none reads an earlier one.
-        for earlier in c._restore_keys:
-            c._store.delete(earlier)
-        c._restore_keys = [key]
+        self._last_round.replace(self._store, key)
         return combined
 
     def _wait(self, key: str, deadline: float, what: str) -> str:
-        c = self._coord
+        store = self._store
         while True:
-            value = c._store.get(key, max(0.001, min(_ABORT_POLL_S, deadline - time.monotonic())))
+            value = store.get(key, max(0.001, min(_ABORT_POLL_S, deadline - time.monotonic())))
             if value is not None:
                 return value
-            aborted = c._store.try_get(f"{self._prefix}/{ABORT}")
+            aborted = store.try_get(f"{self._prefix}/{ABORT}")
             if aborted is not None:
                 info = json.loads(aborted)
                 raise PeerFailedError(int(info["process"]),
                                       f"restore failed there: {info['error']}")
             if time.monotonic() >= deadline:
                 raise CoordinationTimeoutError(
-                    f"[process {c.process_index}] no answer for {what} within "
-                    f"{c.timeout_s:.0f} s (key {key!r})"
+                    f"[process {self.process_index}] no answer for {what} within "
+                    f"{self.timeout_s:.0f} s (key {key!r})"
                 )
 
     def abort(self, error: BaseException) -> None:
@@ -104,11 +124,10 @@ class RestoreVerdicts:
 
         Best effort: the caller raises ``error`` whatever happens here.
         """
-        c = self._coord
-        text = json.dumps({"process": c.process_index,
+        text = json.dumps({"process": self.process_index,
                            "error": f"{type(error).__name__}: {error}"})
         try:
-            c._store.claim(f"{self._prefix}/{ABORT}", text)
+            self._store.claim(f"{self._prefix}/{ABORT}", text)
         except Exception:  # the store itself may be what failed
             logger.debug("could not publish the restore's abort", exc_info=True)
 

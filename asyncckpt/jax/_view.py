@@ -9,6 +9,10 @@ one directory in a process shares one view (by real path, weakly held), so
 a restart modelled as ``del mgr; mgr = CheckpointManager(same dir)``, or two
 live managers, agree on the listing and share the directory lock instead of
 refusing each other. Other processes are still kept out by the lock.
+
+For a URL directory the view is of the manager's local scratch directory, and
+the steps committed in the bucket are passed in (``remote``): retention sees
+them too, and deletes them there through the manager's deleter.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ class DirectoryView:
         self.prepared = False
         # (config, its RetentionPolicy): managers sharing the view may differ.
         self._policy: tuple[ManagerConfig, retention.RetentionPolicy] | None = None
+        # URL directory: reads the record of a step only the bucket holds.
+        self.remote_record: Callable[[int], StepRecord] | None = None
         self.users = 0  # open managers; the lock is released when the last closes
         self.dir_lock = DirectoryLock(directory)
         # Deleted steps' files, removed off the writer thread (``delete_step_dir``).
@@ -91,6 +97,8 @@ class DirectoryView:
 
     def _read_record(self, step: int) -> StepRecord:
         """A saved step's record (creation time, metrics), from its metadata file."""
+        if self.remote_record is not None and not os.path.isdir(self.step_dir(step)):
+            return self.remote_record(step)
         meta = _metadata.read_step_metadata(step, self.step_dir(step), with_items=False)
         return StepRecord(meta.created or 0.0, meta.metrics)
 
@@ -186,18 +194,21 @@ class DirectoryView:
         self._listing = None
         self.disk_steps()
 
-    def steps(self, on_disk: frozenset[int] | None = None) -> list[int]:
+    def steps(self, on_disk: frozenset[int] | None = None, *,
+              remote: frozenset[int] = frozenset()) -> list[int]:
         """Durable and in-flight steps, minus those retention has condemned.
 
         ``on_disk``: ``disk_steps()`` as just read by the caller (not read again).
+        ``remote``: a URL directory's steps committed in the bucket.
         """
         if on_disk is None:
             on_disk = self.disk_steps()
         with self.lock:
             for s, cause in list(self.doomed.items()):
-                if cause is None and s not in on_disk and s not in self.in_flight:
+                if (cause is None and s not in on_disk and s not in remote
+                        and s not in self.in_flight):
                     del self.doomed[s]  # deleted (here, or by the primary process)
-            return sorted((on_disk | set(self.in_flight)) - set(self.doomed))
+            return sorted((on_disk | remote | set(self.in_flight)) - set(self.doomed))
 
     # -- the writer lock and stale temporaries, once per process ----------------------
 
@@ -249,59 +260,38 @@ class DirectoryView:
         return rec
 
     def condemn(self, new_step: int, config: ManagerConfig,
-                on_disk: frozenset[int] | None = None) -> list[int]:
+                on_disk: frozenset[int] | None = None, *,
+                remote: frozenset[int] = frozenset()) -> list[int]:
         """Applies retention as if ``new_step`` were saved; returns the steps condemned.
 
         They are hidden at once and deleted when ``new_step`` is durable.
         ``on_disk``: ``disk_steps()`` as just read by the caller (not read again).
+        ``remote``: a URL directory's steps committed in the bucket (retention
+        decides what the bucket keeps).
         """
         if config.preservation_policy is not None:
-            return self._condemn_by_policy(new_step, config, on_disk)
-        n = config.max_to_keep
-        if n is None:
+            return self._condemn_by_policy(new_step, config, on_disk, remote)
+        if config.max_to_keep is None:
             return []
         with self.lock:
-            listed = [s for s in self.steps(on_disk) if s not in self.preserved]
-            if n and config.best_fn is None and config.keep_period is None and (
-                    config.keep_time_interval_s is None):
-                # Only the count: the oldest go, as retention.apply decides it
-                # (records are still read once per step, as that path reads them).
-                for s in listed:
-                    if s not in self.records:
-                        self.record(s)
-                delete = listed[:-n]
-                for s in delete:
-                    self.doomed[s] = new_step
-                return delete
+            listed = [s for s in self.steps(on_disk, remote=remote) if s not in self.preserved]
             candidates = []
             for s in listed:
                 rec = self.record(s)
                 candidates.append(retention.Candidate(str(s), s, rec.timestamp,
                                                       config.metric(rec.metrics)))
-            policy = self._policy_for(config)
-            decision = retention.apply(candidates, policy,
+            decision = retention.apply(candidates, self._policy_for(config),
                                        last_preserved_timestamp=self.last_preserved_ts)
-            delete = [int(c.key) for c in decision.delete]
-            preserve = [int(c.key) for c in decision.preserve]
-            last = decision.last_preserved_timestamp
-            if n == 0 and decision.keep:  # orbax: keep none; only the preserving rules keep
-                newest = decision.keep[-1]
-                interval = config.keep_time_interval_s
-                if config.keep_period and newest.step % config.keep_period == 0:
-                    preserve.append(newest.step)
-                elif interval is not None and newest.timestamp - interval >= last:
-                    preserve.append(newest.step)
-                    last = newest.timestamp
-                else:
-                    delete.append(newest.step)  # type: ignore[arg-type]
-            self.last_preserved_ts = last
-            self.preserved.update(preserve)
+            self.last_preserved_ts = decision.last_preserved_timestamp
+            self.preserved.update(c.step for c in decision.preserve)
+            delete = [c.step for c in decision.delete]
             for s in delete:
                 self.doomed[s] = new_step
             return delete
 
     def _condemn_by_policy(self, new_step: int, config: ManagerConfig,
-                           on_disk: frozenset[int] | None) -> list[int]:
+                           on_disk: frozenset[int] | None,
+                           remote: frozenset[int]) -> list[int]:
         """orbax's ``preservation_policy`` decides: steps it does not preserve are condemned.
 
         It sees every listed step, the new one included, as orbax's manager
@@ -309,7 +299,7 @@ class DirectoryView:
         does not preserve the newest step has it deleted once it is durable.
         """
         with self.lock:
-            listed = self.steps(on_disk)
+            listed = self.steps(on_disk, remote=remote)
             infos = _policies.StepInfos(listed, self._timestamp_and_metrics)
             keep = _policies.preserved(config.preservation_policy, infos[:])
             delete = [s for s, k in zip(listed, keep, strict=True) if not k]
@@ -331,7 +321,7 @@ class DirectoryView:
         if cached is not None and cached[0] is config:
             return cached[1]
         policy = retention.RetentionPolicy(
-            max_to_keep=max(config.max_to_keep or 0, 1),
+            max_to_keep=config.max_to_keep,
             keep_every_n_hours=(None if config.keep_time_interval_s is None
                                 else config.keep_time_interval_s / 3600.0),
             keep_period=config.keep_period,

@@ -43,6 +43,7 @@ from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt
 from asyncckpt.jax._restore import restore_tree, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.options import AsyncOptions, RestoreOptions
+from asyncckpt.storage.url import is_url
 
 try:
     from orbax.checkpoint import AbstractCheckpointer as _OrbaxCheckpointer
@@ -164,7 +165,7 @@ def _engine_settings(async_options: Any, timeout_s: float | None
 
 def _local_path(directory: str | os.PathLike) -> str:
     text = os.fspath(directory)
-    if "://" in text:
+    if is_url(text):
         raise ValueError(f"{text!r}: asyncckpt's checkpointers write local (or mounted) paths; "
                          "for s3:// or gs:// use asyncckpt.jax.CheckpointManager(url)")
     return os.path.abspath(text)
@@ -499,6 +500,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
     def _restore(self, directory: str | os.PathLike, request: _args.RestoreItem | None) -> Any:
         path = self._checkpoint_path(directory)
         verdicts = None if self._coord is None else self._coord.restore_verdicts()
+        self._engine.make_room_for_restore()  # idle staging gives way (host memory budget)
         try:
             with shared_verdicts(verdicts):
                 if request is None:

@@ -32,7 +32,7 @@ from asyncckpt.storage.tier import RemoteOptions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "RootMetadata", "StepMetadata"]
+__all__ = ["CheckpointManager"]
 
 
 class CheckpointManager(ClosingContext):
@@ -102,7 +102,9 @@ class CheckpointManager(ClosingContext):
             ``directory`` itself may be such a URL (saves stage in a local
             scratch directory and are durable once committed remotely).
         remote_options: Schedule, retention and retries of the remote tier
-            (default: every step, ``max_to_keep`` as above).
+            (default: every step, ``max_to_keep`` as above). A URL
+            ``directory`` keeps in its bucket what this manager's retention
+            keeps: there ``RemoteOptions.max_to_keep`` is refused.
         format_options: How arrays are stored (``FormatOptions``: orbax's
             OCDBT format or one zarr chunk file per shard). Handlers given as
             ``item_handlers`` decide for their items (their ``use_ocdbt``).
@@ -161,9 +163,14 @@ class CheckpointManager(ClosingContext):
         self._setup = setup
         self._logger = logger
         self._item_names = None if setup.names is None else tuple(
-            _args._check_item_name(n) for n in setup.names)
+            _args.check_item_name(n) for n in setup.names)
         self._tiers = StepTiers(directory, remote=remote, remote_options=remote_options,
-                                config=self._config)
+                                config=self._config, owner=self)
+        if self._tiers.remote_only and self._config.todelete_subdir is not None:
+            raise ValueError(
+                "todelete_subdir (orbax's soft delete) moves deleted steps into a subdirectory; "
+                f"an s3:// / gs:// directory ({os.fspath(directory)!r}) has no renames: leave "
+                "it unset there (retention deletes the steps it drops)")
         self._directory = self._tiers.local_dir
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
@@ -190,9 +197,12 @@ class CheckpointManager(ClosingContext):
         self._has_remote = self._tiers.has_remote
         # Deletes what a save condemned; holds the view, not the manager, so a
         # dropped manager's saves still finish. Only the primary deletes.
-        view, subdir = self._view, self._config.todelete_subdir
-        self._delete = (lambda step: _view.delete_step_dir(view, step, subdir)
-                        ) if self._primary else None
+        self._delete = functools.partial(
+            _delete_step, self._view, self._config.todelete_subdir,
+            self._tiers if self._tiers.remote_only else None) if self._primary else None
+        if self._tiers.remote_only:  # steps only the bucket holds: their records from there
+            self._view.remote_record = functools.partial(
+                _remote_record, self._tiers, checksums=self._restore_options.verify_checksums)
         callback = self._config.post_finalization_callback
         self._finalized = (_compat.PostFinalization(callback)
                            if callback is not None and self._primary else None)
@@ -236,7 +246,18 @@ class CheckpointManager(ClosingContext):
         retention will delete once the newest save is durable are not.
         Temporaries of interrupted saves (asyncckpt's or orbax's) never are.
         """
-        return self._tiers.steps(self._view.steps())
+        return self._listed()
+
+    def _listed(self, on_disk: frozenset[int] | None = None, *, fresh: bool = False) -> list[int]:
+        """The listed steps: this directory's, and those only the remote tier has.
+
+        A URL directory's steps in the bucket are the retention's to hide and
+        delete; two tiers list the remote tier's steps as it keeps them.
+        ``on_disk``: ``disk_steps()`` as just read; ``fresh``: list the bucket now.
+        """
+        if self._tiers.remote_only:
+            return self._view.steps(on_disk, remote=self._tiers.remote_steps(fresh=fresh))
+        return self._tiers.steps(self._view.steps(on_disk), fresh=fresh)
 
     def latest_step(self) -> int | None:
         """The newest listed step, or None."""
@@ -289,7 +310,7 @@ class CheckpointManager(ClosingContext):
         if self._config.read_only:
             logger.warning("%s is read only: save of step %d skipped", self._directory, step)
             return False
-        steps = self._tiers.steps(self._view.steps(on_disk))
+        steps = self._listed(on_disk)
         latest = steps[-1] if steps else None
         if latest is not None and latest >= step:
             return False
@@ -478,7 +499,7 @@ class CheckpointManager(ClosingContext):
 
     def _raise_pending(self) -> None:  # a failed background upload surfaces here too
         # Asked only when a failure is stored (the engine's own test in its save()).
-        if self._engine._errors:
+        if self._engine.has_stored_error:
             self._engine.raise_pending_error()
         if self._has_remote:
             self._tiers.raise_pending_error()
@@ -507,7 +528,8 @@ class CheckpointManager(ClosingContext):
         if not view.prepared:
             on_disk = None  # the first save cleans the directory up: list it afresh
         token = self._saves.token()
-        if condemned := view.condemn(step, self._config, on_disk):
+        remote = self._tiers.remote_steps() if self._tiers.remote_only else frozenset()
+        if condemned := view.condemn(step, self._config, on_disk, remote=remote):
             logger.debug("step %d condemns %s (deleted once it is durable)", step, condemned)
         ranked = self._config.best_fn is not None and self._config.write_metrics
         handlers, extra = fmt.item_files(items, metrics if ranked else None,
@@ -571,8 +593,8 @@ class CheckpointManager(ClosingContext):
             return
         step = self._existing_step(step)
         self._wait_for([step])
-        if self._primary:
-            _view.delete_step_dir(self._view, step, self._config.todelete_subdir)
+        if self._delete is not None:
+            self._delete(step)
             self._view.forget(step)
         else:
             self._view.forget(step)
@@ -708,7 +730,7 @@ class CheckpointManager(ClosingContext):
         step = None if step is None else operator.index(step)
         if directory is None:
             self._wait_for(None if step is None else [step])
-            root, steps = self._directory, self._tiers.steps(self._view.steps(), fresh=True)
+            root, steps = self._directory, self._listed(fresh=True)
             # [storage] A remote-only step is fetched file by file, as read, into a private cache.
             open_remote = functools.partial(self._tiers.open_remote, checksums=checksums)
             return restore_listed(root, steps, step, requests, named, names=names,
@@ -722,3 +744,19 @@ class CheckpointManager(ClosingContext):
         return restore_listed(root, steps, step, requests, named, names=names,
                               checksums=checksums, open_remote=None, tried=tried)
 
+
+def _delete_step(view: _view.DirectoryView, todelete_subdir: str | None,
+                 tiers: StepTiers | None, step: int) -> None:
+    """Deletes ``step`` (retention, or ``delete``): here, and in a URL directory's bucket."""
+    _view.delete_step_dir(view, step, todelete_subdir)
+    if tiers is not None:
+        tiers.delete(step)
+
+
+def _remote_record(tiers: StepTiers, step: int, *, checksums: bool) -> _view.StepRecord:
+    """The record (creation time, metrics) of a step only the bucket holds, from its metadata."""
+    remote = tiers.open_remote(step, checksums=checksums)
+    if remote is None:
+        raise CheckpointNotFoundError(f"step {step} is in neither tier")
+    meta = _metadata.read_step_metadata(step, remote.path, with_items=False)
+    return _view.StepRecord(meta.created or 0.0, meta.metrics)

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine import retention
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.errors import AsyncCkptError
-from asyncckpt.jobrunner.store import ArrayStore, Restored
+from asyncckpt.jobrunner.store import ArrayStore, Restored, dropped_by_retention
 from asyncckpt.options import AsyncOptions
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,7 @@ class JobOptions:
             raise ValueError(f"num_epochs must be >= 0, got {self.num_epochs}")
         if self.upload_attempts < 1:
             raise ValueError(f"upload_attempts must be >= 1, got {self.upload_attempts}")
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be positive or None, got {self.max_to_keep}")
+        retention.check_max_to_keep(self.max_to_keep, allow_zero=False)
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class JobRunner:
             # checkpoints would otherwise be taken for its future.
             logger.warning("resuming from epoch %d: deleting the newer checkpoints %s",
                            r.step, newer)
-            self.store._join()
+            self.store.claim()
             for s in newer:
                 commit_lib.remove_tree(self.store.step_dir(s))
         self._record({
@@ -287,13 +287,10 @@ class JobRunner:
             self._retain()
 
     def _retain(self) -> None:
-        keep = self.options.max_to_keep
-        if keep is None:
-            return
-        steps = self.store.all_steps()
+        """Deletes what retention drops, but checkpoints still being uploaded."""
         with self._lock:
             busy = set(self._uploading)
-        for s in steps[:-keep]:
+        for s in dropped_by_retention(self.store.all_steps(), self.options.max_to_keep):
             if s not in busy:
                 commit_lib.remove_tree(self.store.step_dir(s))
 

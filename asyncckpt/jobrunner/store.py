@@ -34,12 +34,13 @@ import numpy as np
 
 from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import fastcrc
+from asyncckpt.engine import fastcrc, retention
+from asyncckpt.engine._copy import copy_arrays
 from asyncckpt.engine.files import Checksummed, DurableWriter
 from asyncckpt.engine.lock import DirectoryLock
 from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
 from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.slots import Slot, copy_arrays
+from asyncckpt.engine.slots import Slot
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions
@@ -205,6 +206,13 @@ class _ArraysJob:
             self._tmp = None
 
 
+def dropped_by_retention(steps: list[int], max_to_keep: int | None) -> list[int]:
+    """The steps (oldest first) that retention drops: all but the newest ``max_to_keep``."""
+    decision = retention.apply([retention.Candidate(str(s), s, 0.0) for s in steps],
+                               retention.RetentionPolicy(max_to_keep=max_to_keep))
+    return [c.step for c in decision.delete]
+
+
 def host_view(value: Any) -> np.ndarray:
     """A NumPy view of an array-like where the framework allows, else the cheapest copy.
 
@@ -263,10 +271,8 @@ class ArrayStore:
         name: str = "asyncckpt.arrays",
         on_commit: Callable[[int, SaveStats], None] | None = None,
     ):
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep}")
         self.directory = os.path.abspath(os.fspath(directory))
-        self.max_to_keep = max_to_keep
+        self.max_to_keep = retention.check_max_to_keep(max_to_keep, allow_zero=False)
         self.options = options or AsyncOptions()
         self._engine = AsyncEngine(options=self.options, name=name)
         self._on_commit = on_commit
@@ -322,7 +328,7 @@ class ArrayStore:
             raise ValueError(f"step must be >= 0, got {step}")
         meta = json.loads(json.dumps(metadata or {}))
         self._engine.raise_pending_error()
-        self._join()
+        self.claim()
         if os.path.lexists(self.step_dir(step)):
             raise ValueError(f"step {step} already exists in {self.directory!r}")
 
@@ -340,7 +346,12 @@ class ArrayStore:
         self._last = handle
         return handle
 
-    def _join(self) -> None:
+    def claim(self) -> None:
+        """Takes the directory for this store's saves: its lock, stale temporaries removed.
+
+        Done once, by the first ``save`` (or by a caller about to change the
+        directory itself); later calls return at once.
+        """
         with self._mutex:
             if self._joined:
                 return
@@ -350,10 +361,8 @@ class ArrayStore:
             self._joined = True
 
     def _after_commit(self, step: int, stats: SaveStats) -> None:
-        if self.max_to_keep is not None:
-            steps = self.all_steps()
-            drop = [s for s in steps[: -self.max_to_keep] if s != step]
-            for s in drop:
+        for s in dropped_by_retention(self.all_steps(), self.max_to_keep):
+            if s != step:
                 commit_lib.remove_tree(self.step_dir(s))
         if self._on_commit is not None:
             self._on_commit(step, stats)

@@ -27,7 +27,8 @@ _KNOWN: list[tuple[type, tuple[str, ...], tuple[str, ...]]] = [
 ]
 
 
-def _plain(value: Any) -> Any:
+def to_json_value(value: Any) -> Any:
+    """A callback's state value as JSON can hold it (NumPy scalars as Python ones, infinities)."""
     if isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, float) and math.isinf(value):
@@ -35,7 +36,8 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _unplain(value: Any) -> Any:
+def from_json_value(value: Any) -> Any:
+    """The value ``to_json_value`` stored."""
     if isinstance(value, dict) and set(value) == {"inf"}:
         return math.inf * value["inf"]
     return value
@@ -89,7 +91,7 @@ def collect(callbacks: list[Any]) -> tuple[dict[str, dict], dict[str, Any]]:
             continue
         for cls, attrs, array_attrs in _KNOWN:
             if isinstance(cb, cls):
-                state = {a: _plain(getattr(cb, a, None)) for a in attrs}
+                state = {a: to_json_value(getattr(cb, a, None)) for a in attrs}
                 for a in array_attrs:
                     value = getattr(cb, a, None)
                     state[f"{a}#len"] = None if value is None else len(value)
@@ -119,7 +121,7 @@ def apply(callbacks: list[Any], states: dict[str, dict], arrays: dict[str, np.nd
                     np.array(arrays[f"callbacks/{key}/{attr}/{j:04d}"]) for j in range(value)
                 ])
             else:
-                setattr(cb, name, _unplain(value))
+                setattr(cb, name, from_json_value(value))
     return matched
 
 

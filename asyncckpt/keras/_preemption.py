@@ -13,6 +13,7 @@ backup's metadata, so a restarted job starts from its measured estimates.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from asyncckpt.preemption.config import TerminationConfig
 from asyncckpt.preemption.grace import GraceOptions
 
 if TYPE_CHECKING:
-    from asyncckpt.keras.backup import BackupAndRestore
+    from asyncckpt.jobrunner.store import ArrayStore
 
 logger = logging.getLogger(__name__)
 
@@ -56,40 +57,46 @@ class KerasTarget(Target):
     Created by the handler (through ``BackupAndRestore.make_preemption_target``)
     when the callback starts it in ``on_train_begin``, after the newest backup
     was read, so the run count and estimates come from that backup.
+
+    Args:
+        store: The callback's backup store.
+        bookkeeping: Returns the run count (batches trained) and estimates
+            of the newest backup.
+        track: Records the handler's run count and estimates, for the
+            metadata of the next backup.
+        save: Takes a backup at the current batch boundary.
     """
 
     framework = "keras"
 
-    def __init__(self, backup: BackupAndRestore):
-        if backup.store is None:
-            raise TypeError(
-                "a BackupAndRestore's preemption handler is created by the callback during "
-                "fit(): pass BackupOptions(preemption=PreemptionOptions(...)) instead of "
-                "giving the callback to PreemptionCheckpointHandler yourself"
-            )
-        self._backup = backup
+    def __init__(self, store: ArrayStore, *, bookkeeping: Callable[[], tuple[int, dict]],
+                 track: Callable[[int, dict | None], None], save: Callable[[], None]):
+        self._store = store
+        self._bookkeeping = bookkeeping
+        self._track = track
+        self._save = save
 
     @property
     def engine(self) -> AsyncEngine:
-        return self._backup.store.engine
+        return self._store.engine
 
     @property
     def directory(self) -> str:
-        return self._backup.store.directory
+        return self._store.directory
 
     def restore_bookkeeping(self) -> tuple[int, dict]:
-        return self._backup._preemption_bookkeeping()
+        return self._bookkeeping()
 
     def track(self, runs: int, estimates: dict | None) -> None:
-        self._backup._preemption_track(runs, estimates)
+        self._track(runs, estimates)
 
     def save(self, runs: int, estimates: dict, state: Any, args: tuple,
              kwargs: dict) -> str | None:
         if state is not None or args or kwargs:
             raise TypeError(f"unexpected save arguments for a Keras backup: {args} {kwargs}")
         self.track(runs, estimates)
-        self._backup._preemption_save()
+        self._save()
         return None
 
     def sync(self) -> None:
-        self._backup.store.sync()
+        self._store.sync()

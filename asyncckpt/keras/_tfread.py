@@ -20,7 +20,7 @@ import logging
 import re
 from typing import Any
 
-from asyncckpt.tf import _compat, _staging
+from asyncckpt.tf import _staging
 from asyncckpt.tf._compat import tf
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ class BatchedReader:
         self._variables = list(variables)
         self._concrete = None
         self._checkpoint = tf.train.Checkpoint(v=list(variables))
-        objects, names = _staging._graph_signature(self._checkpoint)
-        plan = _staging._Plan(self._checkpoint, objects, names)
+        objects, names = _staging.graph_signature(self._checkpoint)
+        plan = _staging.Plan(self._checkpoint, objects, names)
         order = []
         for e in plan.entries:
             m = _KEY.match(e.key)
@@ -72,13 +72,13 @@ class BatchedReader:
 
     def _values(self) -> list:
         plan = self._plan
-        if self._concrete is None and plan._batched is not None and not plan._batched_failed:
-            self._concrete = _compat.flat_caller(plan._batched)
+        if self._concrete is None:
+            self._concrete = plan.batched_reader
         if self._concrete is not None:
             try:
                 return self._concrete()
             except Exception as e:  # e.g. an uninitialized variable: the plan reads eagerly
                 logger.debug("batched read failed (%r); reading variables one by one", e)
                 self._concrete = None
-                plan._batched_failed = True
+                plan.batched_read_failed()
         return plan.read()

@@ -369,7 +369,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     def make_preemption_target(self, *, worker_id: int, num_workers: int) -> KerasTarget:
         """The handler's target (called by ``PreemptionCheckpointHandler``)."""
         del worker_id, num_workers  # every worker backs up into its own backup_dir
-        return KerasTarget(self)
+        if self.store is None:
+            raise TypeError(
+                "a BackupAndRestore's preemption handler is created by the callback during "
+                "fit(): pass BackupOptions(preemption=PreemptionOptions(...)) instead of "
+                "giving the callback to PreemptionCheckpointHandler yourself"
+            )
+        return KerasTarget(self.store, bookkeeping=self._preemption_bookkeeping,
+                           track=self._preemption_track, save=self._preemption_save)
 
     def _preemption_bookkeeping(self) -> tuple[int, dict]:
         """The handler's run count (= batches trained) and estimates from the backup."""

@@ -37,9 +37,10 @@ from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
 
 from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine._copy import copy_arrays
 from asyncckpt.engine.files import fsync_path
 from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.slots import Slot, copy_arrays
+from asyncckpt.engine.slots import Slot
 from asyncckpt.engine.writer import AsyncEngine
 from asyncckpt.jobrunner.store import host_view
 from asyncckpt.keras import _callbacks
@@ -330,19 +331,19 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         except (FileNotFoundError, ValueError):
             return
         if saved.get("monitor") == self.monitor and os.path.exists(self.filepath):
-            self.best = _callbacks._unplain(saved.get("best"))
+            self.best = _callbacks.from_json_value(saved.get("best"))
 
     # -- state for BackupAndRestore --------------------------------------------------------
 
     def get_state(self) -> dict:
         return {
-            "best": _callbacks._plain(self.best),
+            "best": _callbacks.to_json_value(self.best),
             "batches_seen": self._batches_seen_since_last_saving,
             "last_batch_seen": self._last_batch_seen,
         }
 
     def set_state(self, state: dict) -> None:
-        self.best = _callbacks._unplain(state.get("best"))
+        self.best = _callbacks.from_json_value(state.get("best"))
         self._batches_seen_since_last_saving = int(state.get("batches_seen", 0))
         self._last_batch_seen = state.get("last_batch_seen")
 
@@ -367,7 +368,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         model = self.model  # on JAX this syncs the trainer's state into the variables
         best = None
         if self.save_best_only and "{" not in self.filepath:
-            best = {"monitor": self.monitor, "best": _callbacks._plain(self.best)}
+            best = {"monitor": self.monitor, "best": _callbacks.to_json_value(self.best)}
         config = (saving_lib._serialize_model_as_json(model)
                   if self._file_format == "keras" else None)
 

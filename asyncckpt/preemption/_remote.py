@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from asyncckpt.storage import protocol
+from asyncckpt.storage import protocol, tier
 from asyncckpt.storage.tier import TieredDirectory
 
 logger = logging.getLogger(__name__)
@@ -32,11 +32,8 @@ UPLOAD_WINDOW = 16
 
 def tiers_of(manager: Any) -> TieredDirectory | None:
     """The ``TieredDirectory`` of an asyncckpt TF or JAX manager with a remote tier, else None."""
-    tiers = getattr(manager, "_tiers", None)
-    tiers = getattr(tiers, "_dir", tiers)  # the JAX manager wraps it in StepTiers
-    if isinstance(tiers, TieredDirectory) and tiers.remote is not None:
-        return tiers
-    return None
+    tiers = tier.tiers_of(manager)
+    return tiers if tiers is not None and tiers.remote is not None else None
 
 
 class RemoteTierView:

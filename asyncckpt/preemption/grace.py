@@ -84,27 +84,22 @@ from dataclasses import dataclass, field
 
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine
-from asyncckpt.preemption._estimates import (  # noqa: F401  (re-exported)
+from asyncckpt.preemption._estimates import (
     COLD_WINDOW,
-    ESTIMATES_LENGTH,
-    ESTIMATES_VERSION,
     FINAL_WINDOW,
     STEP_WINDOW,
     WRITE_WINDOW,
-    decode_estimates,
-    encode_estimates,
     finite,
     finite_list,
 )
-
-# The statistics live in ``_stats``; re-exported for the tests and benchmarks.
-from asyncckpt.preemption._stats import bound, log_bound, stale_prefix, t_quantile  # noqa: F401
+from asyncckpt.preemption._stats import bound, log_bound, stale_prefix
+from asyncckpt.storage.url import is_url
 
 
 def local_tier(stats: SaveStats) -> str:
     """Default ``tier_fn``: the URL scheme of the checkpoint (``s3``, ``gs``), else ``local``."""
     label = stats.label or ""
-    return label.split("://", 1)[0] if "://" in label else "local"
+    return label.split(":", 1)[0] if is_url(label) else "local"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from asyncckpt.engine.writer import lower_thread_priority
+from asyncckpt._threads import lower_thread_priority
 from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo, ObjectStore
 
 logger = logging.getLogger(__name__)

@@ -30,11 +30,12 @@ import zlib
 from collections.abc import Iterable
 
 from asyncckpt import layout
+from asyncckpt._threads import run_in_threads
 from asyncckpt.engine.files import FileRecord
 from asyncckpt.engine.manifest import Manifest
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.storage.base import ObjectStore, RetryPolicy, retry_call
-from asyncckpt.storage.protocol import RemoteCheckpoint, _pool_map
+from asyncckpt.storage.protocol import THREADS, RemoteCheckpoint
 
 
 def is_chunk(name: str) -> bool:
@@ -130,7 +131,7 @@ class LazyStep:
         with self._lock:
             todo = sorted({n for n in names if n in self.records} - self._fetched,
                           key=lambda n: -self.records[n].size)
-        _pool_map(self._fetch_one, todo, self._concurrency)
+        run_in_threads(self._fetch_one, todo, self._concurrency, name=THREADS)
 
     def _fetch_one(self, name: str) -> None:
         rec: FileRecord = self.records[name]

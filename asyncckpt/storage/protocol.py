@@ -37,10 +37,10 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from asyncckpt import layout
+from asyncckpt._threads import run_in_threads
 from asyncckpt.catalog import CheckpointInfo
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.files import FileRecord
@@ -56,6 +56,9 @@ from asyncckpt.storage.base import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Name of the threads that move a checkpoint's files.
+THREADS = "asyncckpt-storage"
 
 TF_MARKER_SUFFIX = ".asyncckpt-commit.json"
 JAX_MARKER_NAME = "asyncckpt.commit.json"
@@ -123,15 +126,6 @@ def _root_key(framework: str, name: str) -> str:
     return f"{name}/" if _is_dir(framework) else ""
 
 
-def _pool_map(fn: Callable, items: list, workers: int) -> None:
-    if not items:
-        return
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items))),
-                            thread_name_prefix="asyncckpt-storage") as pool:
-        for _ in pool.map(fn, items):  # re-raises the first failure
-            pass
-
-
 def _read_marker(store: ObjectStore, key: str) -> dict:
     body = json.loads(store.get(key))
     if body.get("format", 0) > MARKER_FORMAT:
@@ -165,7 +159,7 @@ def upload_files(
         retry_call(lambda: store.put_file(key, path), what=f"upload {key} ({store.url})",
                    policy=retry)
 
-    _pool_map(put_one, sorted(records, key=lambda r: -r.size), concurrency)
+    run_in_threads(put_one, sorted(records, key=lambda r: -r.size), concurrency, name=THREADS)
 
 
 def download_files(
@@ -195,7 +189,7 @@ def download_files(
         if (size := os.path.getsize(path)) != rec.size:
             raise StorageError(f"{store.url}: {key} has {size} bytes, {rec.size} were uploaded")
 
-    _pool_map(get_one, list(records), concurrency)
+    run_in_threads(get_one, list(records), concurrency, name=THREADS)
 
 
 def check_objects(
@@ -288,7 +282,8 @@ def upload_checkpoint(
 
     if not data_uploaded:
         # Largest first, so the long multipart uploads overlap the small files.
-        _pool_map(put_one, sorted(manifest.files, key=lambda r: -r.size), concurrency)
+        run_in_threads(put_one, sorted(manifest.files, key=lambda r: -r.size), concurrency,
+                       name=THREADS)
     manifest_key = _manifest_key(fw, name)
     call(lambda: store.put(manifest_key, manifest_bytes), f"upload {manifest_key}")
 
@@ -433,7 +428,8 @@ def download_checkpoint(
             call(lambda: store.get_file(remote.root_key + rec.name, dest),
                  f"download {remote.root_key + rec.name}")
 
-        _pool_map(get_one, sorted(manifest.files, key=lambda r: -r.size), concurrency)
+        run_in_threads(get_one, sorted(manifest.files, key=lambda r: -r.size), concurrency,
+                       name=THREADS)
         verify_files(tmp, manifest.files, checksums=checksums, checkpoint=where)
         manifest_name = os.path.basename(remote.manifest_key)
         with open(os.path.join(tmp, manifest_name), "wb") as f:

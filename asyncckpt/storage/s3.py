@@ -16,7 +16,7 @@ import os
 import pathlib
 import threading
 
-from asyncckpt.engine.writer import lower_thread_priority
+from asyncckpt._threads import lower_thread_priority
 from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo, ObjectStore
 
 logger = logging.getLogger(__name__)

@@ -9,6 +9,14 @@ removes what interrupted uploads left. At most one upload runs and one waits;
 a newer checkpoint replaces a waiting one. A failure is kept and re-raised on
 the next ``submit``/``wait``/``close`` call; the local tier is never touched.
 
+Retention in the bucket: in two-tier mode the remote tier keeps its own
+``RemoteOptions.max_to_keep`` newest checkpoints, decided by
+``engine.retention.apply`` as every retention in asyncckpt. A URL directory
+has no retention of its own: its manager's retention (``max_to_keep``,
+``keep_period``, ``best_fn``, ``keep_checkpoint_every_n_hours``, orbax's
+preservation policies) decides, and ``TieredDirectory.delete_remote`` deletes
+what it drops.
+
 ``TieredDirectory`` is what a manager holds: given its ``directory`` (a path
 or a URL) and an optional remote URL, it says where the manager writes locally
 (a scratch directory when the directory is a URL) and hides the remote tier
@@ -25,14 +33,16 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 from asyncckpt import catalog
+from asyncckpt._threads import lower_thread_priority
 from asyncckpt.engine import commit as commit_lib
+from asyncckpt.engine import retention
 from asyncckpt.engine.manifest import read_manifest
-from asyncckpt.engine.writer import lower_thread_priority
 from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import RetryPolicy
@@ -52,8 +62,9 @@ class RemoteOptions:
             (two-tier mode; a URL directory uploads every save).
         every_seconds: Also upload when this long has passed since the last
             upload was handed over (None: steps only).
-        max_to_keep: Remote checkpoints to keep (None keeps all); one is
-            deleted only after a newer one is committed.
+        max_to_keep: Remote checkpoints to keep in two-tier mode (None keeps
+            all); one is deleted only after a newer one is committed. Not
+            for a URL directory, whose manager's retention decides.
         retry: Backoff and deadline for each object.
         concurrency: Files uploaded or downloaded at once.
         part_size: Multipart part size in bytes.
@@ -71,8 +82,40 @@ class RemoteOptions:
     def __post_init__(self) -> None:
         if self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {self.every_n_steps}")
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        retention.check_max_to_keep(self.max_to_keep, allow_zero=False)
+
+
+def url_directory_options(options: RemoteOptions | None) -> RemoteOptions:
+    """The options of a URL directory's tier (retries, parallelism), checked.
+
+    Raises:
+        ValueError: ``options.max_to_keep`` is set: what a URL directory keeps
+            is its manager's retention, given to the manager.
+    """
+    if options is None:
+        return RemoteOptions()
+    if options.max_to_keep is not None:
+        raise ValueError(
+            "RemoteOptions.max_to_keep applies to a remote tier beside a local directory; "
+            "an s3:// / gs:// directory keeps what its manager's retention keeps: give "
+            "max_to_keep (keep_period, ...) to the manager instead")
+    return options
+
+
+def _kept_by_count(listing: list[protocol.RemoteCheckpoint], keep: int | None,
+                   newest: str | None = None) -> tuple[list[protocol.RemoteCheckpoint],
+                                                       list[protocol.RemoteCheckpoint]]:
+    """The remote tier's retention over ``listing`` (oldest first): ``(kept, dropped)``.
+
+    ``newest``: the checkpoint just committed, never dropped (even where the
+    listing has newer ones, committed by another process).
+    """
+    decision = retention.apply(
+        [retention.Candidate(c.name, c.step, c.committed) for c in listing],
+        retention.RetentionPolicy(max_to_keep=keep))
+    dropped = {c.key for c in decision.delete if c.key != newest}
+    return ([c for c in listing if c.name not in dropped],
+            [c for c in listing if c.name in dropped])
 
 
 def _pin(info: catalog.CheckpointInfo, directory: str) -> tuple[catalog.CheckpointInfo, str]:
@@ -131,6 +174,8 @@ class RemoteTier:
         # Retention after an upload made on the caller's (writer) thread runs here.
         self._retainer: ThreadPoolExecutor | None = None
         self._retentions: list[Future] = []
+        # Names ``delete`` was given whose objects are not gone yet: never listed.
+        self._deleting: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -270,36 +315,66 @@ class RemoteTier:
             logger.warning("%s: remote retention after %s failed: %s", self.url, remote.name, e)
 
     def _retain_in_background(self, remote: protocol.RemoteCheckpoint) -> None:
-        keep = self.options.max_to_keep
         with self._cv:
-            if keep is not None and self._listing is not None and len(self._listing) > keep:
-                self._listing = [c for c in self._listing[:-keep] if c.name == remote.name] + (
-                    self._listing[-keep:])
+            if self._listing is not None:
+                self._listing = _kept_by_count(self._listing, self.options.max_to_keep,
+                                               remote.name)[0]
+        self._in_background(self._retain_logged, remote)
+
+    def _in_background(self, fn, *args) -> None:
+        """Runs ``fn(*args)`` on the retention thread (``wait`` waits for it)."""
+        with self._cv:
             if self._retainer is None:
                 self._retainer = ThreadPoolExecutor(
                     1, thread_name_prefix="asyncckpt-retention",
                     initializer=lower_thread_priority, initargs=(self.options.nice,))
             try:
-                future = self._retainer.submit(self._retain_logged, remote)
-            except RuntimeError:  # the interpreter is shutting down: no new threads
+                future = self._retainer.submit(fn, *args)
+            except RuntimeError:  # closed, or the interpreter is shutting down
                 future = None
             else:
                 self._retentions = [f for f in self._retentions if not f.done()] + [future]
         if future is None:
-            self._retain_logged(remote)
+            fn(*args)
+
+    def delete(self, name: str) -> None:
+        """Deletes committed checkpoint ``name`` (a URL directory's manager's retention).
+
+        It leaves the cached listing at once; the objects are deleted on the
+        retention thread (``wait`` waits for it). A failure is logged: the
+        checkpoint shows up again in the next listing, for the next retention.
+        """
+        with self._cv:
+            listed = [c for c in self._listing or () if c.name == name]
+            self._deleting.add(name)
+            if self._listing is not None:
+                self._listing = [c for c in self._listing if c.name != name]
+        self._in_background(self._delete_logged, name, listed)
+
+    def _delete_logged(self, name: str, listed: list[protocol.RemoteCheckpoint]) -> None:
+        try:
+            if not listed:
+                listed = [c for c in protocol.list_committed(
+                    self.store, objects=self.store.list(name)) if c.name == name]
+            for old in listed:
+                protocol.delete_checkpoint(self.store, old)
+                logger.info("%s: retention deleted %s", self.url, name)
+        except Exception as e:  # housekeeping: the save that dropped it is committed
+            logger.warning("%s: could not delete %s (retried at a later save): %s",
+                           self.url, name, e)
+        finally:
+            with self._cv:
+                self._deleting.discard(name)
 
     def _retain(self, newest: protocol.RemoteCheckpoint) -> None:
         objects = self.store.list()
         committed = protocol.list_committed(self.store, objects=objects)
-        keep = self.options.max_to_keep
-        if keep is not None and len(committed) > keep:
-            for old in committed[:-keep]:
-                if old.name != newest.name:
-                    protocol.delete_checkpoint(self.store, old)
-                    committed.remove(old)
-                    logger.info("%s: remote retention deleted %s", self.url, old.name)
+        kept, dropped = _kept_by_count(committed, self.options.max_to_keep, newest.name)
+        for old in dropped:
+            protocol.delete_checkpoint(self.store, old)
+            logger.info("%s: remote retention deleted %s", self.url, old.name)
         with self._cv:
-            self._listing = list(committed)
+            self._listing = [c for c in kept if c.name not in self._deleting]
         if newest.step is not None:
             protocol.delete_uncommitted(self.store, older_than_step=newest.step, objects=objects)
         self.store.abort_incomplete_uploads(older_than_s=max(0.0, time.time() -
@@ -335,13 +410,11 @@ class RemoteTier:
             with self._cv:
                 if self._listing is not None:
                     return list(self._listing)
-        found = protocol.list_committed(self.store)
-        keep = self.options.max_to_keep
-        if keep is not None and len(found) > keep:
-            # The older ones are the retention's: being deleted in the background
-            # (by this process's tier, or by the one that committed the newest).
-            found = found[-keep:]
+        # What the retention drops is being deleted in the background (by this
+        # process's tier, or by the one that committed the newest): not listed.
+        found = _kept_by_count(protocol.list_committed(self.store), self.options.max_to_keep)[0]
         with self._cv:
+            found = [c for c in found if c.name not in self._deleting]
             self._listing = list(found)
         return found
 
@@ -399,7 +472,8 @@ class TieredDirectory:
     * ``directory`` a local path, ``remote`` None: local only (no change).
     * ``directory`` a URL: saves are written to a local scratch directory and
       committed to the URL by the writer thread before the save counts as
-      durable (``after_commit`` raises if the upload fails).
+      durable (``after_commit`` raises if the upload fails). The manager's
+      retention decides what the bucket keeps (``delete_remote``).
     * ``directory`` a local path and ``remote`` a URL: two tiers; every save
       commits locally, and ``RemoteOptions.every_n_steps`` (or seconds) of
       them are uploaded in the background.
@@ -407,7 +481,9 @@ class TieredDirectory:
     Args:
         directory: Path or ``s3://`` / ``gs://`` URL given to the manager.
         remote: Second, persistent tier (two-tier mode).
-        remote_options: Schedule, retention and retries of the remote tier.
+        remote_options: Schedule, retention and retries of the remote tier
+            (a URL directory: retries and parallelism only, see
+            ``url_directory_options``).
         scratch_dir: URL directory only: where saves are staged (default: a
             new temporary directory, removed at ``close``).
     """
@@ -420,6 +496,7 @@ class TieredDirectory:
             if remote is not None:
                 raise ValueError("give a remote tier only with a local directory "
                                  f"(the directory {loc.url} is remote already)")
+            remote_options = url_directory_options(remote_options)
             if scratch_dir is None:
                 scratch_dir = self._own_scratch = tempfile.mkdtemp(prefix="asyncckpt-scratch-")
             self.local_dir = os.path.abspath(scratch_dir)
@@ -457,6 +534,16 @@ class TieredDirectory:
             raise
         if data_uploaded:
             _discard_local(info)  # partial: never to be mistaken for a local copy
+
+    def delete_remote(self, name: str) -> None:
+        """URL directory: deletes checkpoint ``name``, which its manager's retention dropped.
+
+        Returns at once (see ``RemoteTier.delete``); ``wait`` waits for it.
+        Without a URL directory there is nothing to do: the remote tier of
+        two-tier mode keeps its own ``max_to_keep``.
+        """
+        if self.remote_only and self.remote is not None:
+            self.remote.delete(name)
 
     def after_step(self, step: int) -> None:
         """``after_commit`` for a checkpoint named by its step (the JAX layout)."""
@@ -562,6 +649,23 @@ class TieredDirectory:
                     self._fetch_dir = None
 
 
+# The TieredDirectory of each manager that holds one (the preemption handler asks for it).
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_owner(owner: object, tiers: TieredDirectory) -> None:
+    """Records that ``owner`` (a manager) keeps its checkpoints in ``tiers``."""
+    _OWNERS[owner] = tiers
+
+
+def tiers_of(owner: object) -> TieredDirectory | None:
+    """The ``TieredDirectory`` ``owner`` registered, or None."""
+    try:
+        return _OWNERS.get(owner)
+    except TypeError:  # not weakly referenceable: never registered
+        return None
+
+
 def _sorted_listing(found: list[protocol.RemoteCheckpoint]) -> list[protocol.RemoteCheckpoint]:
     return sorted(found, key=lambda c: (c.step if c.step is not None else -1, c.name))
 
@@ -589,4 +693,4 @@ def _list_local(directory: str) -> list[catalog.CheckpointInfo]:
     return []
 
 
-__all__ = ["RemoteOptions", "RemoteTier", "TieredDirectory"]
+__all__ = ["RemoteOptions", "RemoteTier", "TieredDirectory", "register_owner", "tiers_of"]

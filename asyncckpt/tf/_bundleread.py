@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncckpt.engine import fastcrc, reads
-from asyncckpt.engine.manifest import FileRecord, Manifest, verify_files
+from asyncckpt.engine.files import FileRecord
+from asyncckpt.engine.manifest import Manifest, verify_files
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.tf import _bundle
 from asyncckpt.tf._compat import OBJECT_GRAPH_KEY, tf
@@ -256,7 +257,7 @@ def read_pieces(bundle: Bundle, pieces) -> dict[Hashable, tuple[tf.DType, np.nda
             name = bundle.data_names[shard]
             file_reads.append(reads.FileRead(
                 os.path.join(bundle.directory, name), bundle.records[name].size, dests[shard],
-                checksum=bundle.checksums, algorithm=reads.CRC32C, whole_file=False))
+                checksum=bundle.checksums, algorithm=fastcrc.CRC32C, whole_file=False))
     except ValueError as e:  # overlapping tensors or one past the end: a damaged index
         raise fail(bundle.prefix, os.path.join(bundle.directory, bundle.index_name),
                    f"describes an impossible layout ({e})") from e

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import types
 import weakref
+from collections.abc import Callable
 
 try:
     import tensorflow as tf
@@ -137,6 +138,21 @@ def _default_reader_code():
 _DEFAULT_READER = _default_reader_code()
 
 
+def host_numpy(tensor: tf.Tensor):
+    """A NumPy view of a CPU tensor's memory, without a copy."""
+    return tensor._numpy()
+
+
+def lookup_dependency(trackable, name: str):
+    """The child ``trackable`` tracks under ``name`` (None if it has none)."""
+    return trackable._lookup_dependency(name)
+
+
+def lazy_reader(value: TensorCallable) -> Callable[[], tf.Tensor]:
+    """The function a ``TensorCallable`` (a variable's lazy reader) calls to read its value."""
+    return value._tensor
+
+
 def plain_variable(value: object):
     """The variable ``value`` reads, if it is TensorFlow's default lazy variable reader.
 
@@ -217,6 +233,21 @@ def checkpoint_state_text(
 def read_checkpoint_state(directory: str):
     """The parsed ``checkpoint`` state file of a directory, or None."""
     return checkpoint_management.get_checkpoint_state(directory)
+
+
+def parse_checkpoint_state(text: str):
+    """A ``checkpoint`` state file's text parsed (TensorFlow's ``CheckpointState``).
+
+    Raises:
+        ValueError: the text is not a state file.
+    """
+    from google.protobuf import text_format
+    from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
+
+    try:
+        return text_format.Parse(text, CheckpointState())
+    except text_format.ParseError as e:
+        raise ValueError(f"not a checkpoint state file: {e}") from e
 
 
 def iterator_state_reader(owner: object, key: str):

@@ -26,9 +26,11 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 
+from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine import retention
 from asyncckpt.engine.lock import DirectoryLock
@@ -89,6 +91,10 @@ class DirectoryView:
         self.pending_deletes: list[_PendingDelete] = []
         self._saves: dict[futures.Future, weakref.ref] = {}  # in flight -> its manager
         self.retention_failures = 0
+        # A URL directory's scratch view: deletes a checkpoint in the bucket,
+        # and uploads the state file there.
+        self._remote_delete: Callable[[str], None] | None = None
+        self._upload_state: Callable[[str], None] | None = None
         self._seq = 0
         self.dir_lock = DirectoryLock(abs_dir)
         self.lock_users: weakref.WeakSet = weakref.WeakSet()
@@ -167,22 +173,44 @@ class DirectoryView:
             if stamp > self.last_preserved:
                 self.maybe_delete[name] = stamp
 
-    def adopt_remote(self, entries: list[tuple[str, float]]) -> None:
+    def adopt_remote(self, entries: list[tuple[str, float]], *,
+                     state: tuple[list[tuple[str, float | None]], float] | None,
+                     delete: Callable[[str], None], upload_state: Callable[[str], None]) -> None:
         """Manages checkpoints committed in the URL directory this scratch view stands for.
 
         A URL directory's manager writes through a fresh local scratch
-        directory, so its view starts empty; what is committed in the bucket
-        (``(name, commit time)``, oldest first) is what a TensorFlow manager
-        would find in its state file. Those checkpoints are listed and
-        subject to retention; deleting them locally is a no-op (their files
-        are in the bucket, where the remote tier applies retention).
+        directory, so its view starts empty. What it manages is what
+        TensorFlow's manager would take from its state file: ``state``, the
+        state file the managers keep in the bucket (``(managed, last
+        preserved timestamp)``), read as ``_load`` reads a local one, with
+        the committed checkpoints (``entries``, ``(name, commit time)``,
+        oldest first) standing for the files; a checkpoint committed after
+        its last upload (numbered above every one it names) is adopted as
+        the newest. Without a state file every committed checkpoint is
+        managed. Managed checkpoints are subject to retention, as every later
+        save: what it drops is deleted in the scratch directory and, by
+        ``delete(name)``, in the bucket; each state file written from now on
+        is also passed to ``upload_state``.
         """
         with self.lock:
+            self._remote_delete = delete
+            self._upload_state = upload_state
             now = time.time()
-            for name, stamp in entries:
-                if name in self.maybe_delete or name in self.inflight:
+            committed = dict(entries)
+            if state is None:
+                adopted = [(n, min(t, now)) for n, t in entries]
+            else:
+                listed, self.last_preserved = state
+                self._rebuild([(n, t) for n, t in listed if n in committed], now)
+                adopted = list(self.maybe_delete.items())
+                newest = max((layout.tf_step_of(n) or -1 for n, _ in listed), default=-1)
+                adopted += [(n, min(t, now)) for n, t in entries
+                            if (layout.tf_step_of(n) or -1) > newest]
+            self.maybe_delete.clear()
+            for name, stamp in adopted:
+                if name in self.inflight:
                     continue
-                self.maybe_delete[name] = min(stamp, now)
+                self.maybe_delete[name] = stamp
                 self.durable.add(name)
                 self.latest = self.latest_durable = name
 
@@ -282,6 +310,8 @@ class DirectoryView:
                         continue
                 try:
                     delete_checkpoint(os.path.join(self.abs_dir, p.name))
+                    if self._remote_delete is not None:
+                        self._remote_delete(p.name)  # in the background
                     logger.debug("retention deleted %s", p.name)
                 except OSError as e:
                     p.failures += 1
@@ -329,6 +359,8 @@ class DirectoryView:
             commit_lib.write_text_atomic(
                 os.path.join(self.abs_dir, "checkpoint"), text, fsync=self.fsync
             )
+            if self._upload_state is not None:
+                self._upload_state(text)  # a URL directory: beside the checkpoints
         except Exception as e:
             with self.lock:
                 self.retention_failures += 1

@@ -1,5 +1,9 @@
 """The background half of a TensorFlow save: write, verify-able commit, callback.
 
+The staged state is written as TensorFlow's bundle format from the staging
+buffers (``_bundlewrite``), or, for what that cannot write, turned back into
+tensors without copying (DLPack) and handed to TensorFlow's own bundle
+writer; either way the files are TensorFlow-native (``write_bundle``).
 ``commit`` ends with the publish (the index rename); what follows it, the
 ownership record and the ``on_committed`` callback (state file, retention),
 runs in ``after_commit``, where an error no longer fails the save.
@@ -13,13 +17,18 @@ import logging
 import os
 from collections.abc import Callable
 
+import numpy as np
+
 from asyncckpt import layout
 from asyncckpt.engine import commit as commit_lib
 from asyncckpt.engine.files import DurableWriter
 from asyncckpt.engine.manifest import Manifest, record_owned
 from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.options import AsyncOptions
-from asyncckpt.tf._staging import StagedState, write_bundle
+from asyncckpt.tf import _bundlewrite, _compat
+from asyncckpt.tf._compat import tf
+from asyncckpt.tf._staging import StagedState, StagedTensor
+from asyncckpt.tf._variant import CapturedVariant
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +54,57 @@ def delete_checkpoint(prefix: str) -> None:
     for path in [prefix + ".index", *checkpoint_files(prefix)]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _as_tensor(t: StagedTensor) -> tf.Tensor:
+    """Wraps a staged buffer as a tensor without copying it, where possible."""
+    if isinstance(t.host, CapturedVariant):
+        return t.host.tensor
+    if t.dtype == tf.string:
+        return tf.constant(t.host, dtype=tf.string)
+    host = t.host
+    try:
+        return tf.experimental.dlpack.from_dlpack(host.__dlpack__())
+    except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
+        pass
+    # DLPack has no code for bfloat16 and friends: share the bytes as unsigned
+    # integers of the same width and reinterpret them (also without a copy).
+    if host.dtype.itemsize in (1, 2, 4, 8) and t.dtype != tf.bool:
+        as_uint = host.view(np.dtype(f"u{host.dtype.itemsize}"))
+        try:
+            return tf.bitcast(tf.experimental.dlpack.from_dlpack(as_uint.__dlpack__()), t.dtype)
+        except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
+            pass
+    return tf.constant(host, dtype=t.dtype)  # copies; correct for any dtype
+
+
+def write_bundle(prefix: str, state: StagedState, *,
+                 pause: Callable[[], None] | None = None) -> dict[str, tuple[int, int, str]]:
+    """Writes ``state`` as a TensorFlow checkpoint at ``prefix``.
+
+    Produces ``prefix.index`` and ``prefix.data-00000-of-00001``; the object
+    graph goes under the same key ``tf.train.Checkpoint`` uses, so the result
+    restores with plain TensorFlow. The files are written by ``_bundlewrite``
+    straight from the staging buffers, or by TensorFlow's ``SaveV2`` for what
+    that cannot write. Returns the ``(size, checksum, algorithm)`` of each file whose
+    checksum is already known (none after ``SaveV2``). ``pause`` is called
+    between the data file's ranges (``SaveV2`` writes in one call: no pauses).
+    """
+    sums = _bundlewrite.write_bundle(prefix, state, pause=pause)
+    if sums is not None:
+        return sums
+    save_v2_bundle(prefix, state)
+    return {}
+
+
+def save_v2_bundle(prefix: str, state: StagedState) -> None:
+    """Writes ``state`` at ``prefix`` with TensorFlow's own ``SaveV2``."""
+    names = [t.key for t in state.tensors] + [_compat.OBJECT_GRAPH_KEY]
+    slices = [t.slice_spec for t in state.tensors] + [""]
+    with _compat.sync_executor_scope():
+        tensors = [_as_tensor(t) for t in state.tensors]
+        tensors.append(tf.constant(state.object_graph, dtype=tf.string))
+        _compat.save_v2(prefix, names, slices, tensors, io_device=state.io_device)
 
 
 class TFSaveJob:

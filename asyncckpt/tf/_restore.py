@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncckpt.engine import reads
+from asyncckpt.engine import fastcrc, reads
 from asyncckpt.engine.manifest import Manifest, is_owned, load_manifest, verify_files
 from asyncckpt.tf import _bundleread
 from asyncckpt.tf._bundleread import Bundle, fail, masked
@@ -207,13 +207,13 @@ def _read_whole(bundle: Bundle) -> dict[str, tuple[tf.DType, np.ndarray]]:
             rec = records[name]
             tiled = covered[shard] == rec.size
             entries = tiled and reads.has_fast_crc32c()
-            whole = rec.crc is not None and (not entries or rec.algorithm == reads.CRC32C)
+            whole = rec.crc is not None and (not entries or rec.algorithm == fastcrc.CRC32C)
             if entries:
                 by_entries.add(shard)
             file_reads.append(reads.FileRead(
                 os.path.join(bundle.directory, name), rec.size, dests[shard],
                 checksum=checksums and (entries or whole),
-                algorithm=reads.CRC32C if entries else rec.algorithm,
+                algorithm=fastcrc.CRC32C if entries else rec.algorithm,
                 whole_file=whole))
     except ValueError as e:  # overlapping tensors or one past the end: a damaged index
         raise fail(prefix, index_path, f"describes an impossible layout ({e})") from e

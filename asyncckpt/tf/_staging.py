@@ -1,14 +1,11 @@
-"""Snapshot of TensorFlow state into host staging buffers, and its write.
+"""Snapshot of TensorFlow state into host staging buffers.
 
 Staging asks TensorFlow for exactly what ``tf.train.Checkpoint`` would save
 (every variable, ShardedVariable slice, optimizer slot, Python state,
 ``tf.data`` iterator state, in the same object graph and under the same
 keys), and copies each value into a reused host buffer of the slot (a
 variant tensor, an iterator's state, is held as captured: ``_variant``).
-Writing produces TensorFlow's bundle format from those buffers
-(``_bundlewrite``), or, for what that cannot write, turns them back into
-tensors without copying (DLPack) and hands them to TensorFlow's own bundle
-writer; either way the files are TensorFlow-native.
+The staged state is written by ``_job.write_bundle``.
 """
 
 from __future__ import annotations
@@ -21,9 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncckpt.engine.slots import Slot, copy_arrays
+from asyncckpt.engine._copy import copy_arrays
+from asyncckpt.engine.slots import Slot
 from asyncckpt.errors import UnsupportedObjectError
-from asyncckpt.tf import _bundlewrite, _compat
+from asyncckpt.tf import _compat
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._snapshot import DeferredCopy
 from asyncckpt.tf._variant import CapturedVariant
@@ -146,7 +144,7 @@ def _weak_refs(objects: list, on_death) -> list[weakref.ref] | None:
         return None
 
 
-class _Plan:
+class Plan:
     """What one save reads: checkpoint keys, their readers, the object graph.
 
     Building it (TensorFlow's own serialization of the object graph) costs
@@ -269,6 +267,18 @@ class _Plan:
                 self._batched_failed = True
         return [_to_host(e.value, e.key, e.owner) for e in lazy]
 
+    @property
+    def batched_reader(self) -> Callable[[], list] | None:
+        """The traced read of every variable value, called without argument matching.
+
+        None until the first ``read`` has traced it, and once a batched read failed.
+        """
+        return self._call if self._batched is not None and not self._batched_failed else None
+
+    def batched_read_failed(self) -> None:
+        """A batched read failed (e.g. an uninitialized variable): read value by value now."""
+        self._batched_failed = True
+
     def _checked(self, entries: list[_Entry], read: Callable[[], list],
                  how: str) -> list | None:
         """``read()``'s values if it works and their dtypes match; else None (read eagerly)."""
@@ -294,7 +304,7 @@ class _Plan:
         builds the plan and allocates the staging memory; it traces too, so
         that every later save finds the reader ready.
         """
-        readers = [e.value._tensor for e in lazy]
+        readers = [_compat.lazy_reader(e.value) for e in lazy]
         try:
             fn = tf.function(lambda: [r() for r in readers])
             self._call = _compat.flat_caller(fn)  # traces; the cheap way to call fn
@@ -343,7 +353,7 @@ class _Savers:
 _DIRECT_MAX = 32
 
 
-def _graph_signature(checkpoint: tf.train.Checkpoint) -> tuple[list, tuple]:
+def graph_signature(checkpoint: tf.train.Checkpoint) -> tuple[list, tuple]:
     """The objects of the checkpoint's graph and the name path of each."""
     objects, paths = _compat.traverse(checkpoint)
     names = tuple(tuple(ref.name for ref in paths[o]) for o in objects)
@@ -373,19 +383,19 @@ class Stager:
     """
 
     def __init__(self):
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self._on_death = _plan_dropper(weakref.ref(self))
 
     def clear(self) -> None:
         """Forgets the kept plan (and with it the variable readers it holds)."""
         self._plan = None
 
-    def _plan_for(self, checkpoint: tf.train.Checkpoint) -> _Plan:
+    def _plan_for(self, checkpoint: tf.train.Checkpoint) -> Plan:
         """The plan of the checkpoint's current object graph (the kept one if it still fits)."""
-        objects, names = _graph_signature(checkpoint)
+        objects, names = graph_signature(checkpoint)
         plan = self._plan
         if plan is None or not plan.matches(objects, names):
-            plan = _Plan(checkpoint, objects, names, self._on_death, direct_max=_DIRECT_MAX)
+            plan = Plan(checkpoint, objects, names, self._on_death, direct_max=_DIRECT_MAX)
         self._plan = plan if plan.reusable else None
         return plan
 
@@ -469,61 +479,10 @@ def _plan_copy(
         # Device-to-host copy; TensorFlow picks the DMA path for the device.
         with tf.device("CPU:0"):
             tensor = tf.identity(tensor)
-    host_view = tensor._numpy()  # a view of the CPU tensor's memory, no copy
+    host_view = _compat.host_numpy(tensor)  # a view of the CPU tensor's memory, no copy
     buf = slot.buffer(_buffer_key(key, slice_spec), host_view.shape, host_view.dtype)
     if on_host and deferred is not None:
         deferred.append((buf, host_view))
     else:
         copies.append((buf, host_view))
     return StagedTensor(key, slice_spec, tensor.dtype, buf)
-
-
-def _as_tensor(t: StagedTensor) -> tf.Tensor:
-    """Wraps a staged buffer as a tensor without copying it, where possible."""
-    if isinstance(t.host, CapturedVariant):
-        return t.host.tensor
-    if t.dtype == tf.string:
-        return tf.constant(t.host, dtype=tf.string)
-    host = t.host
-    try:
-        return tf.experimental.dlpack.from_dlpack(host.__dlpack__())
-    except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
-        pass
-    # DLPack has no code for bfloat16 and friends: share the bytes as unsigned
-    # integers of the same width and reinterpret them (also without a copy).
-    if host.dtype.itemsize in (1, 2, 4, 8) and t.dtype != tf.bool:
-        as_uint = host.view(np.dtype(f"u{host.dtype.itemsize}"))
-        try:
-            return tf.bitcast(tf.experimental.dlpack.from_dlpack(as_uint.__dlpack__()), t.dtype)
-        except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
-            pass
-    return tf.constant(host, dtype=t.dtype)  # copies; correct for any dtype
-
-
-def write_bundle(prefix: str, state: StagedState, *,
-                 pause: Callable[[], None] | None = None) -> dict[str, tuple[int, int, str]]:
-    """Writes ``state`` as a TensorFlow checkpoint at ``prefix``.
-
-    Produces ``prefix.index`` and ``prefix.data-00000-of-00001``; the object
-    graph goes under the same key ``tf.train.Checkpoint`` uses, so the result
-    restores with plain TensorFlow. The files are written by ``_bundlewrite``
-    straight from the staging buffers, or by TensorFlow's ``SaveV2`` for what
-    that cannot write. Returns the ``(size, checksum, algorithm)`` of each file whose
-    checksum is already known (none after ``SaveV2``). ``pause`` is called
-    between the data file's ranges (``SaveV2`` writes in one call: no pauses).
-    """
-    sums = _bundlewrite.write_bundle(prefix, state, pause=pause)
-    if sums is not None:
-        return sums
-    save_v2_bundle(prefix, state)
-    return {}
-
-
-def save_v2_bundle(prefix: str, state: StagedState) -> None:
-    """Writes ``state`` at ``prefix`` with TensorFlow's own ``SaveV2``."""
-    names = [t.key for t in state.tensors] + [_compat.OBJECT_GRAPH_KEY]
-    slices = [t.slice_spec for t in state.tensors] + [""]
-    with _compat.sync_executor_scope():
-        tensors = [_as_tensor(t) for t in state.tensors]
-        tensors.append(tf.constant(state.object_graph, dtype=tf.string))
-        _compat.save_v2(prefix, names, slices, tensors, io_device=state.io_device)

@@ -37,7 +37,7 @@ from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.errors import CheckpointNotFoundError
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import retry_call
-from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
+from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, url_directory_options
 from asyncckpt.storage.url import UnsupportedURLError, is_url, parse_location
 
 logger = logging.getLogger(__name__)
@@ -155,10 +155,13 @@ class URLDirectories:
 
     Args:
         options: Retries and parallelism of the uploads and downloads.
+
+    Raises:
+        ValueError: ``options.max_to_keep`` is set (``url_directory_options``).
     """
 
     def __init__(self, options: RemoteOptions | None = None):
-        self.options = options or RemoteOptions()
+        self.options = url_directory_options(options)
         self._dirs: dict[str, TieredDirectory] = {}
         self._lock = threading.Lock()
 
@@ -244,14 +247,79 @@ def latest_checkpoint(checkpoint_dir: str, latest_filename: str | None = None) -
 
 def _state_file_latest(text: str) -> str | None:
     """The checkpoint a ``checkpoint`` state file names, relative to its directory."""
+    state = parse_state_file(text)
+    return None if state is None else _base_name(state.model_checkpoint_path)
+
+
+def _base_name(path: str) -> str | None:
+    return path.rstrip("/").rsplit("/", 1)[-1] or None
+
+
+def parse_state_file(text: str):
+    """A bucket's ``checkpoint`` state file (TensorFlow's ``CheckpointState``), or None.
+
+    None for an empty text (no state file) and, with a warning, for an
+    unreadable one.
+    """
     if not text:
         return None
-    from google.protobuf import text_format
-    from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
+    from asyncckpt.tf._compat import parse_checkpoint_state
 
     try:
-        state = text_format.Parse(text, CheckpointState())
-    except text_format.ParseError as e:
+        return parse_checkpoint_state(text)
+    except ValueError as e:
         logger.warning("ignoring an unreadable checkpoint state file: %s", e)
         return None
-    return state.model_checkpoint_path.rstrip("/").rsplit("/", 1)[-1] or None
+
+
+@dataclass(frozen=True)
+class BucketState:
+    """What a manager's state file in a URL directory says (names relative to it).
+
+    Attributes:
+        managed: The checkpoints the manager managed, ``(name, timestamp)``,
+            oldest first (those retention preserved are not among them).
+        last_preserved: The ``keep_checkpoint_every_n_hours`` clock.
+    """
+
+    managed: list[tuple[str, float | None]]
+    last_preserved: float
+
+
+class StateFileInBucket:
+    """A URL directory manager's ``checkpoint`` state file, kept in the bucket too.
+
+    The manager writes its state file in its scratch directory after each
+    durable save, as TensorFlow's manager does in its directory; uploaded
+    beside the checkpoints, it tells a manager made in a new process which
+    checkpoints are managed and when the last one was preserved, so what
+    ``keep_checkpoint_every_n_hours`` preserved stays preserved across restarts.
+    """
+
+    def __init__(self, tiers: TieredDirectory):
+        assert tiers.remote is not None
+        self._remote = tiers.remote
+
+    def _call(self, fn, what: str):
+        return retry_call(fn, what=f"{what} ({self._remote.url})",
+                          policy=self._remote.options.retry)
+
+    def read(self) -> BucketState | None:
+        """The state file in the bucket, or None if there is none (or it is unreadable)."""
+        try:
+            text = self._call(lambda: self._remote.store.get(STATE_FILE), f"read {STATE_FILE}")
+        except FileNotFoundError:
+            return None
+        state = parse_state_file(text.decode("utf-8", "replace"))
+        if state is None:
+            return None
+        names = [_base_name(p) for p in state.all_model_checkpoint_paths]
+        stamps = list(state.all_model_checkpoint_timestamps) or [None] * len(names)
+        return BucketState(
+            managed=[(n, t) for n, t in zip(names, stamps, strict=False) if n is not None],
+            last_preserved=state.last_preserved_timestamp)
+
+    def upload(self, text: str) -> None:
+        """Writer thread, after the local state file is written: the same text in the bucket."""
+        data = text.encode("utf-8")
+        self._call(lambda: self._remote.store.put(STATE_FILE, data), f"upload {STATE_FILE}")

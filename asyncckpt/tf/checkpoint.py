@@ -19,6 +19,7 @@ from asyncckpt.engine.metrics import SaveStats
 from asyncckpt.engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions
+from asyncckpt.storage.url import is_url
 from asyncckpt.tf import _compat, _inflight, _partial, _restore, _staging, _urls
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import CommitCallback, TFSaveJob, manifest_path
@@ -98,14 +99,14 @@ def verify_checkpoint(prefix: str, *, checksums: bool = True) -> bool:
 
 
 @dataclass(frozen=True)
-class _WriteOptions:
+class WriteOptions:
     """What asyncckpt takes from a ``tf.train.CheckpointOptions`` for a save."""
 
     io_device: str | None = None
     callbacks: tuple[Callable, ...] = ()
 
 
-_DEFAULT_WRITE = _WriteOptions()
+_DEFAULT_WRITE = WriteOptions()
 
 
 def _callback_arity(callback: Callable) -> int:
@@ -120,7 +121,7 @@ def _callback_arity(callback: Callable) -> int:
     return n
 
 
-def _write_options(options) -> _WriteOptions:
+def write_options(options) -> WriteOptions:
     """Validates ``options`` for an asynchronous save.
 
     ``enable_async``/``experimental_enable_async_checkpoint`` are accepted (the
@@ -141,7 +142,7 @@ def _write_options(options) -> _WriteOptions:
     callbacks = tuple(options.experimental_write_callbacks or ())
     for cb in callbacks:
         _callback_arity(cb)
-    return _WriteOptions(io_device=options.experimental_io_device, callbacks=callbacks)
+    return WriteOptions(io_device=options.experimental_io_device, callbacks=callbacks)
 
 
 def _synchronous_tf_options(options):
@@ -195,7 +196,7 @@ def _record_latest(path: str, stats: SaveStats, *, fsync: bool) -> None:
 # -- per-checkpoint asynchronous state ------------------------------------------
 
 
-class _AsyncState:
+class AsyncState:
     """The asynchronous machinery of one Checkpoint, invisible to tracking.
 
     Not a trackable, so ``tf.train.Checkpoint``'s dependency tracking ignores
@@ -228,8 +229,8 @@ class _AsyncState:
     def engine_if_any(self) -> AsyncEngine | None:
         return self._engine
 
-    def __deepcopy__(self, memo) -> _AsyncState:
-        return _AsyncState(self.options, self.restore_options, copy.deepcopy(self.wraps, memo),
+    def __deepcopy__(self, memo) -> AsyncState:
+        return AsyncState(self.options, self.restore_options, copy.deepcopy(self.wraps, memo),
                            self.urls.options)
 
 
@@ -282,8 +283,9 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         async_options: Staging slots, fsync and checksums.
         restore_options: Verification done by ``restore``/``read``.
         remote_options: Retries and parallelism of saves to and restores
-            from ``s3://`` / ``gs://`` prefixes (its schedule and retention
-            fields do not apply: every such save is uploaded).
+            from ``s3://`` / ``gs://`` prefixes (its schedule does not apply:
+            every such save is uploaded; ``max_to_keep`` is refused, as
+            ``save()`` deletes nothing).
         **kwargs: Trackable objects to save, as for ``tf.train.Checkpoint``.
     """
 
@@ -299,7 +301,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         **kwargs,
     ):
         super().__init__(root=root, **kwargs)
-        self._asyncckpt = _AsyncState(
+        self._asyncckpt = AsyncState(
             async_options or AsyncOptions(), restore_options or RestoreOptions(), wraps=None,
             remote_options=remote_options,
         )
@@ -392,44 +394,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         prefix = _fspath(file_prefix)
         if not prefix:
             raise ValueError("file_prefix must be a non-empty path")
-        return self._stage(prefix, _write_options(options), step, on_committed, extra)
-
-    def _stage(self, prefix, wopts: _WriteOptions, step, internal, extra, *,
-               on_published: Callable[[str], None] | None = None) -> SaveHandle:
-        state = self._asyncckpt
-        self._check_dir(prefix)
-        on_committed = _OnCommitted(wopts.callbacks, internal)
-        io_device = wopts.io_device
-        url = prefix
-        target = state.urls.target(prefix)
-        if target is not None:
-            # Written to a scratch directory, uploaded as part of the commit (_urls).
-            if on_published is not None:
-                raise ValueError("a URL prefix is uploaded by the Checkpoint itself")
-            prefix, on_published = target.local_prefix, target.upload
-            on_committed = _urls.AtURL(on_committed, target.url)
-
-        def stage(slot):
-            staged = state.stager.stage(self, slot, io_device=io_device,
-                                        background_copy=state.options.background_copy)
-            return TFSaveJob(
-                prefix=prefix,
-                state=staged,
-                step=step,
-                options=state.options,
-                on_committed=on_committed,
-                extra=extra,
-                on_published=on_published,
-            )
-
-        handle = state.engine.save(stage, label=url, step=step)
-        _inflight.register(url, handle)
-        state.last_save = handle
-        if _compat.in_preemption_save_context():
-            # TensorFlow's PreemptionCheckpointHandler exits right after this
-            # save: make it durable before returning, as TensorFlow does.
-            handle.result()
-        return handle
+        return stage_save(self, prefix, write_options(options), step, on_committed, extra)
 
     # -- tf.train.Checkpoint's saving API ----------------------------------------
 
@@ -451,7 +416,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         prefix = _fspath(file_prefix)
         if not prefix:
             raise ValueError("file_prefix must be a non-empty path")
-        self._stage(prefix, _write_options(options), None, None, None)
+        stage_save(self, prefix, write_options(options), None, None, None)
         return prefix
 
     def save(self, file_prefix, options=None):
@@ -467,7 +432,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         """
         if not _compat.executing_eagerly():
             return super().save(file_prefix, _synchronous_tf_options(options))
-        wopts = _write_options(options)
+        wopts = write_options(options)
         prefix = _fspath(file_prefix)
         self._check_dir(prefix)
         engine = self._asyncckpt.engine
@@ -481,7 +446,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
             record = functools.partial(target.record_latest, local=record.func,
                                        fsync=self._asyncckpt.options.fsync)
         try:
-            self._stage(path, wopts, number, record, None)
+            stage_save(self, path, wopts, number, record, None)
         except BaseException:
             counter.assign_sub(1)  # nothing was saved under this number
             raise
@@ -551,7 +516,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         if save_path is None or not _compat.executing_eagerly():
             return super().restore(save_path, options)
         path = _fspath(save_path)
-        if not _urls.is_url(path):
+        if not is_url(path):
             path = _compat.saved_model_variables_path(path) or path
         path, context = self._prepare_read(path, options)
         with context:  # the save counter is created (and restored) inside: read by us
@@ -583,7 +548,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         else:
             root = _compat.graph_view_of(self).root  # what the saved paths start from
             names = list(only)
-            children = {n: root._lookup_dependency(n) for n in names}
+            children = {n: _compat.lookup_dependency(root, n) for n in names}
             missing = [n for n, child in children.items() if child is None]
             if missing:
                 raise ValueError(f"this checkpoint has no attribute(s) {missing} to restore")
@@ -601,3 +566,64 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
                 context.keep(status)
                 return status
         return super().read(save_path, options)
+
+
+def stage_save(checkpoint: Checkpoint, prefix: str, wopts: WriteOptions, step: int | None,
+               internal: CommitCallback | None, extra: dict | None, *,
+               on_published: Callable[[str], None] | None = None) -> SaveHandle:
+    """Stages a save of ``checkpoint`` to ``prefix``; what ``write_async`` and the managers call.
+
+    Args:
+        checkpoint: The checkpoint whose state is saved.
+        prefix: Checkpoint prefix (a path, or an ``s3://`` / ``gs://`` URL).
+        wopts: The save's ``tf.train.CheckpointOptions``, checked (``write_options``).
+        step: Step recorded in the manifest.
+        internal: Called on the writer thread once the checkpoint is durable,
+            after the write callbacks of ``wopts``.
+        extra: Additional manifest data.
+        on_published: Called on the writer thread right after the local
+            publish, as part of the commit (a manager's remote tier).
+    """
+    state = checkpoint._asyncckpt
+    checkpoint._check_dir(prefix)
+    on_committed = _OnCommitted(wopts.callbacks, internal)
+    io_device = wopts.io_device
+    url = prefix
+    target = state.urls.target(prefix)
+    if target is not None:
+        # Written to a scratch directory, uploaded as part of the commit (_urls).
+        if on_published is not None:
+            raise ValueError("a URL prefix is uploaded by the Checkpoint itself")
+        prefix, on_published = target.local_prefix, target.upload
+        on_committed = _urls.AtURL(on_committed, target.url)
+
+    def stage(slot):
+        staged = state.stager.stage(checkpoint, slot, io_device=io_device,
+                                    background_copy=state.options.background_copy)
+        return TFSaveJob(
+            prefix=prefix,
+            state=staged,
+            step=step,
+            options=state.options,
+            on_committed=on_committed,
+            extra=extra,
+            on_published=on_published,
+        )
+
+    handle = state.engine.save(stage, label=url, step=step)
+    _inflight.register(url, handle)
+    state.last_save = handle
+    if _compat.in_preemption_save_context():
+        # TensorFlow's PreemptionCheckpointHandler exits right after this
+        # save: make it durable before returning, as TensorFlow does.
+        handle.result()
+    return handle
+
+
+def async_state(checkpoint: Checkpoint) -> AsyncState:
+    """The asynchronous machinery of ``checkpoint``, for the managers.
+
+    Read here rather than through ``Checkpoint.engine`` and its siblings,
+    which yield to tracked children of the same name.
+    """
+    return checkpoint._asyncckpt

@@ -19,10 +19,16 @@ from asyncckpt.engine import retention
 from asyncckpt.engine.writer import SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
-from asyncckpt.storage.tier import RemoteOptions, TieredDirectory
-from asyncckpt.tf import _compat, _dirview, _inflight
+from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, register_owner
+from asyncckpt.tf import _compat, _dirview, _inflight, _urls
 from asyncckpt.tf._compat import tf
-from asyncckpt.tf.checkpoint import Checkpoint, _write_options, verify_checkpoint
+from asyncckpt.tf.checkpoint import (
+    Checkpoint,
+    async_state,
+    stage_save,
+    verify_checkpoint,
+    write_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +38,6 @@ def _evaluate(value) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     return int(value.numpy() if hasattr(value, "numpy") else value)
-
-
-def _positive_or_none(value, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"Expected a positive integer or `None` for `{name}`, got {value!r}.")
-    return int(value)
 
 
 class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
@@ -100,7 +98,10 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
             ``directory`` itself may be such a URL (saves stage in a local
             scratch directory and are durable once committed remotely).
         remote_options: Schedule, retention and retries of the remote tier
-            (default: every save, ``max_to_keep`` as above).
+            (default: every save, ``max_to_keep`` as above). A URL
+            ``directory`` keeps what this manager's retention keeps
+            (``max_to_keep``, ``keep_checkpoint_every_n_hours``): there
+            ``RemoteOptions.max_to_keep`` is refused.
     """
 
     def __init__(
@@ -146,15 +147,16 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         self._checkpoint = checkpoint
         self._save_counter_assign = None  # TensorFlow's graph-mode save op; never built here
         self._policy = retention.RetentionPolicy(
-            max_to_keep=_positive_or_none(max_to_keep, "max_to_keep"),
+            max_to_keep=retention.check_max_to_keep(max_to_keep, allow_zero=False),
             keep_every_n_hours=keep_checkpoint_every_n_hours,
         )
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name must be a plain file name, got {checkpoint_name!r}")
         # A URL directory stages in a local scratch directory (storage tier).
-        self._tiers = TieredDirectory(
-            directory, remote=remote,
-            remote_options=remote_options or RemoteOptions(max_to_keep=self._max_to_keep))
+        if remote_options is None and remote is not None:  # two tiers: the manager's count
+            remote_options = RemoteOptions(max_to_keep=self._max_to_keep)
+        self._tiers = TieredDirectory(directory, remote=remote, remote_options=remote_options)
+        register_owner(self, self._tiers)  # the preemption handler's final upload uses them
         self._directory = (self._tiers.local_dir if self._tiers.remote_only
                            else os.fspath(directory))
         # What the manager reports: the URL for a URL directory (its scratch
@@ -171,12 +173,19 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         self._checkpoint_interval = checkpoint_interval
         self._step_counter = step_counter
         self._last_checkpoint_step = last_checkpoint_step
-        self._verify_checksums = self._ckpt._asyncckpt.restore_options.verify_checksums
-        self._view = _dirview.view_for(self._directory, fsync=self._ckpt._asyncckpt.options.fsync)
+        self._state = async_state(self._ckpt)  # engine, options, stager of the checkpoint
+        self._verify_checksums = self._state.restore_options.verify_checksums
+        self._view = _dirview.view_for(self._directory, fsync=self._state.options.fsync)
         if self._tiers.remote_only:
             # A new process on a URL directory manages what is committed there,
-            # as TensorFlow's manager does with what its state file names.
-            self._view.adopt_remote(self._remote_checkpoints())
+            # as TensorFlow's manager does with what its state file names; what
+            # its retention drops is deleted in the bucket.
+            bucket_state = _urls.StateFileInBucket(self._tiers)
+            found = bucket_state.read()
+            self._view.adopt_remote(
+                self._remote_checkpoints(),
+                state=None if found is None else (found.managed, found.last_preserved),
+                delete=self._tiers.delete_remote, upload_state=bucket_state.upload)
 
     # -- properties of tf.train.CheckpointManager --------------------------
 
@@ -226,12 +235,12 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
     @property
     def last_save(self) -> SaveHandle | None:
         """Handle of the most recent save (``committed`` resolves when durable)."""
-        return self._ckpt._asyncckpt.last_save
+        return self._state.last_save
 
     @property
     def engine(self):
         """The background engine (stats, ``estimated_write_seconds``)."""
-        return self._ckpt._asyncckpt.engine
+        return self._state.engine
 
     @property
     def retention_failures(self) -> int:
@@ -296,7 +305,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
                 cannot be staged.
             Exception: A failure of an earlier background save (as ``save``).
         """
-        state = self._ckpt._asyncckpt
+        state = self._state
         state.engine.raise_pending_error()
         state.engine.prepare_staging(state.stager.layout(self._ckpt))
 
@@ -316,7 +325,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
                 "asyncckpt.tf.CheckpointManager.save needs eager execution; in graph mode "
                 "use tf.train.CheckpointManager"
             )
-        wopts = _write_options(options)
+        wopts = write_options(options)
         if self._checkpoint_interval is not None:
             current = _evaluate(self._step_counter)
             if self._last_checkpoint_step is not None:
@@ -328,7 +337,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
                     return None
             self._last_checkpoint_step = current
         self._take_directory()
-        self._ckpt._asyncckpt.engine.raise_pending_error()  # before counting a save that would fail
+        self._state.engine.raise_pending_error()  # before counting a save that would fail
         self._tiers.raise_pending_error()  # a failed upload surfaces here
         counter = self._ckpt.save_counter
         counter.assign_add(1)
@@ -338,8 +347,8 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         view = self._view
         ticket = view.record_save(view.rel(prefix), self._policy)
         try:
-            handle = self._ckpt._stage(
-                prefix, wopts, number, functools.partial(view.committed, ticket),
+            handle = stage_save(
+                self._ckpt, prefix, wopts, number, functools.partial(view.committed, ticket),
                 {_dirview.MANAGED_KEY: True},
                 on_published=(None if self._tiers.remote is None
                               else functools.partial(_hand_to_tiers, self._tiers)),

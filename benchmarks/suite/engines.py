@@ -343,7 +343,7 @@ class BackgroundRawWrite(Engine):
         self._thread.start()
 
     def _write(self) -> None:
-        from asyncckpt.engine.writer import lower_thread_priority
+        from asyncckpt._threads import lower_thread_priority
 
         lower_thread_priority(self._nice)
         self._floors.raw_write()

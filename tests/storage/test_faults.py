@@ -111,7 +111,8 @@ def test_server_stopped_then_restarted(own_s3, tmp_path):
         got = mgr.restore(3, target=_state(0))
         assert np.array_equal(np.asarray(got["w0"]), _state(3)["w0"])
         # A bucket directory: durable means committed remotely, so nothing is listed.
-        with aj.CheckpointManager("s3://outage/only", remote_options=opts) as only:
+        url_opts = RemoteOptions(retry=opts.retry)  # a URL directory: no max_to_keep of its own
+        with aj.CheckpointManager("s3://outage/only", remote_options=url_opts) as only:
             only.save(1, _state(1))
             with pytest.raises(StorageError, match="failed after"):
                 only.wait_until_finished()
