@@ -224,8 +224,36 @@ def test_a_restore_given_up_on_one_process_fails_the_others_at_once_and_its_key_
     # Process 0 waits for process 1's reads: it hears of the abort, not a 30 s timeout.
     with pytest.raises(coord.PeerFailedError, match=r"worker 1 failed.*Input/output"):
         v0.combine("reads", "ok")
-    assert any(k.endswith("/abort") for k in values)
+    aborts = [k for k, v in values.items() if v.startswith("abort:")]
+    assert len(aborts) == 2  # process 1's, and process 0's relay of it for the others
     for _ in range(2):  # two restores later, nobody can be waiting on it any more
         w0, w1 = p0.restore_verdicts(), p1.restore_verdicts()
         _both(lambda w=w0: w.agree("1/default", None), lambda w=w1: w.agree("1/default", None))
-    assert not any(k.endswith("/abort") for k in values)
+    assert not any(v.startswith("abort:") for v in values.values())
+
+
+def test_process_0_giving_up_fails_a_process_waiting_for_its_verdict():
+    _, (p0, p1) = _pair(timeout_s=30)
+    v0, v1 = p0.restore_verdicts(), p1.restore_verdicts()
+    v0.abort(ValueError("target does not match"))
+    with pytest.raises(coord.PeerFailedError, match=r"worker 0 failed.*target does not"):
+        v1.combine("reads", "ok")
+
+
+def test_a_waiting_process_makes_no_calls_while_it_waits():
+    """One blocking read per wait, however long: the traffic does not grow with time."""
+    import threading
+
+    stores, (p0, p1) = _pair(timeout_s=30)
+    calls = []
+    for store in stores:  # the coordinators the verdicts talk to, wrapped
+        real_get, real_try = store.get, store.try_get
+        store.get = lambda *a, _g=real_get, **k: (calls.append("get"), _g(*a, **k))[1]
+        store.try_get = lambda *a, _t=real_try, **k: (calls.append("try"), _t(*a, **k))[1]
+    v0, v1 = p0.restore_verdicts(), p1.restore_verdicts()
+    late = threading.Timer(1.5, lambda: v1.combine("reads", "ok"))
+    late.start()
+    assert v0.combine("reads", "ok") == "ok"
+    late.join()
+    assert calls.count("try") == 0
+    assert calls.count("get") == 2  # process 0 reads process 1's value, process 1 the result

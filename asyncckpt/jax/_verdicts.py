@@ -5,11 +5,15 @@ processes of one restore share their integrity verdicts, so all accept or
 skip a checkpoint together. Each process publishes its own verdict; process
 0 gathers them and publishes the combined one, which the others read: two
 keys per process and round, whatever the number of files, and linear in the
-number of processes. (Which files each process reads, and so checks, every
+number of processes. Waits are single blocking reads, never polls, so the
+traffic does not grow with how long a process waits. (Which files each
+process reads, and so checks, every
 process computes itself from the target's shardings: nothing about files
 goes through the store.) A process whose restore fails for another reason
-publishes ``abort``; the others stop waiting for it and raise
-``PeerFailedError``.
+publishes an abort on the key that is waited for next in its place (its own
+value of the round, or, for process 0, the round's combined value); process
+0 passes a peer's abort on as the combined value, so every process stops
+waiting and raises ``PeerFailedError``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ from asyncckpt.errors import CorruptCheckpointError
 logger = logging.getLogger(__name__)
 
 OK = "ok"
-ABORT = "abort"
+ABORT = "abort:"  # prefix of a value that says a process gave the restore up (JSON follows)
 ALL = "all"  # process 0's combined verdict of a round
-# How often a process waiting for another's restore answer looks for its abort.
-_ABORT_POLL_S = 0.2
+
+
+def _peer_failed(text: str) -> PeerFailedError:
+    """The error a published abort stands for."""
+    info = json.loads(text[len(ABORT):])
+    return PeerFailedError(int(info["process"]), f"restore failed there: {info['error']}")
 
 
 class LastRound:
@@ -70,7 +78,8 @@ class RestoreVerdicts:
                  process_count: int, timeout_s: float, last_round: LastRound):
         self._store = store
         self._prefix = prefix
-        self._rounds = 0
+        self._rounds = 0  # rounds entered
+        self._published = 0  # rounds this process has published its value (or combined) of
         self._last_round = last_round
         self.process_index = process_index
         self.process_count = process_count
@@ -91,43 +100,54 @@ class RestoreVerdicts:
         deadline = time.monotonic() + self.timeout_s
         if self.process_index != 0:
             self._store.set(f"{key}/{self.process_index}", mine)
-            return self._wait(f"{key}/{ALL}", deadline, f"process 0's {what}")
+            self._published = self._rounds
+            value = self._wait(f"{key}/{ALL}", deadline, f"process 0's {what}")
+            if value.startswith(ABORT):
+                raise _peer_failed(value)
+            return value
         combined = OK if mine == OK else f"0:{mine}"
         for i in range(1, self.process_count):
             value = self._wait(f"{key}/{i}", deadline, f"process {i}'s {what}")
+            if value.startswith(ABORT):
+                # Passed on as this round's combined value: the others wait for it.
+                self._store.claim(f"{key}/{ALL}", value)
+                self._published = self._rounds
+                self._last_round.replace(self._store, key)  # deleted by a later round
+                raise _peer_failed(value)
             if combined == OK and value != OK:
                 combined = f"{i}:{value}"
         self._store.set(f"{key}/{ALL}", combined)
+        self._published = self._rounds
         # Every process has published this round, so none reads an earlier one.
         self._last_round.replace(self._store, key)
         return combined
 
     def _wait(self, key: str, deadline: float, what: str) -> str:
-        store = self._store
-        while True:
-            value = store.get(key, max(0.001, min(_ABORT_POLL_S, deadline - time.monotonic())))
-            if value is not None:
-                return value
-            aborted = store.try_get(f"{self._prefix}/{ABORT}")
-            if aborted is not None:
-                info = json.loads(aborted)
-                raise PeerFailedError(int(info["process"]),
-                                      f"restore failed there: {info['error']}")
-            if time.monotonic() >= deadline:
-                raise CoordinationTimeoutError(
-                    f"[process {self.process_index}] no answer for {what} within "
-                    f"{self.timeout_s:.0f} s (key {key!r})"
-                )
+        """The value of ``key`` (maybe an abort), in one blocking read."""
+        value = self._store.get(key, max(0.001, deadline - time.monotonic()))
+        if value is None:
+            raise CoordinationTimeoutError(
+                f"[process {self.process_index}] no answer for {what} within "
+                f"{self.timeout_s:.0f} s (key {key!r})"
+            )
+        return value
 
     def abort(self, error: BaseException) -> None:
         """Tells the other processes that this restore failed here, so none waits for it.
 
+        Written where this process would publish next: its own value of the
+        round it has not published yet (process 0: that round's combined
+        value), which is the key the others wait on or will wait on.
         Best effort: the caller raises ``error`` whatever happens here.
         """
-        text = json.dumps({"process": self.process_index,
-                           "error": f"{type(error).__name__}: {error}"})
+        text = ABORT + json.dumps({"process": self.process_index,
+                                   "error": f"{type(error).__name__}: {error}"})
+        key = f"{self._prefix}/{self._published}"
+        who = ALL if self.process_index == 0 else str(self.process_index)
         try:
-            self._store.claim(f"{self._prefix}/{ABORT}", text)
+            self._store.claim(f"{key}/{who}", text)
+            if self.process_index == 0:
+                self._last_round.replace(self._store, key)  # deleted by a later round
         except Exception:  # the store itself may be what failed
             logger.debug("could not publish the restore's abort", exc_info=True)
 
