@@ -11,10 +11,10 @@ This top-level module holds what both share: options, save handles and stats,
 retention rules and errors.
 """
 
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.retention import RetentionPolicy
+from asyncckpt._engine.writer import SaveHandle
 from asyncckpt._version import __version__
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.retention import RetentionPolicy
-from asyncckpt.engine.writer import SaveHandle
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,

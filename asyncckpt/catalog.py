@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt.engine.commit import is_temp_name
-from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt._engine.commit import is_temp_name
+from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 

@@ -34,8 +34,8 @@ from asyncckpt import RestoreOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
-from asyncckpt.engine import fastcrc
-from asyncckpt.engine.manifest import read_manifest
+from asyncckpt._engine import fastcrc
+from asyncckpt._engine.manifest import read_manifest
 from benchmarks.suite import engines as eng
 from benchmarks.suite.restore import checkpoint_files, evict
 

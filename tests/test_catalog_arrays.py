@@ -13,8 +13,8 @@ import dataclasses
 import numpy as np
 
 from asyncckpt import catalog, cli
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest
 from asyncckpt.jobrunner.store import ArrayStore
 from asyncckpt.storage import RetryPolicy, open_store
 from asyncckpt.storage import protocol as proto

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from asyncckpt import AsyncOptions
-from asyncckpt.engine import AsyncEngine
-from asyncckpt.engine import budget as budget_lib
+from asyncckpt._engine import budget as budget_lib
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.errors import HostMemoryError
 from tests.helpers import subprocess_env, write_script
 from tests.test_engine_slots import _LAYOUT, _bytes_of, _Recorder, _state
@@ -44,7 +44,7 @@ def test_fewer_slots_when_the_budget_allows_fewer_copies(tmp_path, caplog):
     state = _state(1, _LAYOUT)
     nbytes = _nbytes(state)
     opts = AsyncOptions(num_slots=2, host_memory_limit=nbytes * 3 // 2)
-    with caplog.at_level(logging.WARNING, logger="asyncckpt.engine.slots"), \
+    with caplog.at_level(logging.WARNING, logger="asyncckpt._engine.slots"), \
             AsyncEngine(options=opts, name="budget") as engine:
         engine.save(rec.stage("a", state), label="a")
         assert engine._pool.num_slots == 1 and engine._pool.slot_cap == 1
@@ -144,8 +144,8 @@ _CHILD = """
     import json, os, resource, sys
     import numpy as np
     from asyncckpt import AsyncOptions
-    from asyncckpt.engine import AsyncEngine
-    from asyncckpt.engine.budget import headroom
+    from asyncckpt._engine.writer import AsyncEngine
+    from asyncckpt._engine.budget import headroom
     from asyncckpt.errors import HostMemoryError
     from tests.test_engine_slots import _Recorder
 

@@ -8,14 +8,11 @@ import threading
 import pytest
 
 from asyncckpt import AsyncOptions, EngineClosedError
-from asyncckpt.engine import (
-    AsyncEngine,
-    DurableWriter,
-    Manifest,
-    StagingPool,
-    make_temp_dir,
-    publish_dir,
-)
+from asyncckpt._engine.commit import make_temp_dir, publish_dir
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest
+from asyncckpt._engine.slots import StagingPool
+from asyncckpt._engine.writer import AsyncEngine
 
 
 class _Job:

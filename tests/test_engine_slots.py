@@ -8,8 +8,10 @@ import threading
 import numpy as np
 
 from asyncckpt import AsyncOptions
-from asyncckpt.engine import AsyncEngine, DurableWriter, StagingPool, make_temp_dir, publish_dir
-from asyncckpt.engine.slots import Slot
+from asyncckpt._engine.commit import make_temp_dir, publish_dir
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.slots import Slot, StagingPool
+from asyncckpt._engine.writer import AsyncEngine
 
 _MB = 1 << 20
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from asyncckpt import AsyncOptions
-from asyncckpt.engine import AsyncEngine, StagingPool
-from asyncckpt.engine.budget import Budget
+from asyncckpt._engine.budget import Budget
+from asyncckpt._engine.slots import StagingPool
+from asyncckpt._engine.writer import AsyncEngine
 from tests.test_engine_slots import _LAYOUT, _bytes_of, _Recorder, _state
 
 _MB = 1 << 20

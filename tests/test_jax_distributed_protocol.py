@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from asyncckpt import _coordination as coord
-from asyncckpt.engine.files import FileRecord
+from asyncckpt._engine.files import FileRecord
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.jax import _distributed as dist
 from asyncckpt.jax import _parts

@@ -23,8 +23,8 @@ from asyncckpt import (  # noqa: E402
     DirectoryLockedError,
     RestoreOptions,
 )
-from asyncckpt.engine import fastcrc  # noqa: E402
-from asyncckpt.engine import files as files_lib  # noqa: E402
+from asyncckpt._engine import fastcrc  # noqa: E402
+from asyncckpt._engine import files as files_lib  # noqa: E402
 from asyncckpt.jax import _job, _ocdbt  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LineWatcher,

@@ -158,7 +158,7 @@ def test_a_save_behind_a_write_in_flight_does_not_list_the_directory(ckpt_dir, m
     import threading
     import time
 
-    from asyncckpt.engine.files import DurableWriter
+    from asyncckpt._engine.files import DurableWriter
     from asyncckpt.jax import _job
 
     made, release = threading.Event(), threading.Event()

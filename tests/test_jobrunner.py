@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import asyncckpt
-from asyncckpt.engine import fastcrc
+from asyncckpt._engine import fastcrc
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.jobrunner import ArrayStore, JobOptions, JobRunner, UploadError
 

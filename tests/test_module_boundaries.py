@@ -3,7 +3,7 @@
 Read from the source (``ast``), nothing is imported. Within ``asyncckpt/``:
 
 * no ``from x import _name`` of another module's private function, class or
-  constant (importing a private *module*, ``from asyncckpt.engine import
+  constant (importing a private *module*, ``from asyncckpt._engine import
   _copy``, is fine: its public names are its interface);
 * no ``module._name`` on a module bound by an import (``_copy._helper``);
 * a module other than a package's ``__init__`` lists in ``__all__`` only
@@ -130,24 +130,24 @@ def test_the_checker_finds_what_it_forbids(tmp_path):
     here = PACKAGE / "storage" / "lazy.py"  # any module path: the rules read the tree only
     bad = ast.parse(
         "from asyncckpt.storage.protocol import _pool_map\n"
-        "from asyncckpt.engine import _pages, writer\n"
-        "import asyncckpt.engine.lock as lock_mod\n"
+        "from asyncckpt._engine import _pages, writer\n"
+        "import asyncckpt._engine.lock as lock_mod\n"
         "_pages._prefault(x)\n"
         "writer._helper()\n"
         "lock_mod._after_fork_in_child()\n"
-        "from asyncckpt.engine._copy import copy_arrays\n"
+        "from asyncckpt._engine._copy import copy_arrays\n"
         "from asyncckpt.storage import _not_a_module\n"
     )
     found = private_uses("asyncckpt.storage.lazy", here, bad)
     assert [f.split(": ", 1)[1] for f in found] == [
         "from asyncckpt.storage.protocol import _pool_map",
         "from asyncckpt.storage import _not_a_module",
-        "_pages._prefault (asyncckpt.engine._pages)",
-        "writer._helper (asyncckpt.engine.writer)",
-        "lock_mod._after_fork_in_child (asyncckpt.engine.lock)",
+        "_pages._prefault (asyncckpt._engine._pages)",
+        "writer._helper (asyncckpt._engine.writer)",
+        "lock_mod._after_fork_in_child (asyncckpt._engine.lock)",
     ]
     module = tmp_path / "mod.py"
-    module.write_text("from asyncckpt.engine._copy import copy_arrays  # noqa: F401\n"
+    module.write_text("from asyncckpt._engine._copy import copy_arrays  # noqa: F401\n"
                       "def own(): ...\n__all__ = ['own', 'copy_arrays']\n")
     tree = ast.parse(module.read_text())
     found = re_exports(module, tree)

@@ -20,7 +20,7 @@ import pytest
 import asyncckpt.preemption as preemption
 from asyncckpt import _coordination as coord
 from asyncckpt._closing import ClosingContext
-from asyncckpt.engine.files import FileRecord
+from asyncckpt._engine.files import FileRecord
 from asyncckpt.jax import _distributed, _parts
 from tests.helpers import subprocess_env
 

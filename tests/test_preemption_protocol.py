@@ -18,7 +18,7 @@ import time
 import pytest
 
 from asyncckpt._coordination import InProcessCoordinator, PeerFailedError
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.preemption import _estimates as estimates_lib
 from asyncckpt.preemption import _stats as stats_lib
 from asyncckpt.preemption import grace as grace_lib

@@ -31,8 +31,8 @@ from typing import Any
 
 from asyncckpt._closing import ClosingContext
 from asyncckpt._coordination import PeerFailedError
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
 from asyncckpt.jax import _args, _compat, _metadata
 from asyncckpt.jax import _format as fmt

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from asyncckpt._closing import ClosingContext
 from asyncckpt._coordination import PeerFailedError
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     EngineClosedError,

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine.metrics import SaveStats
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import retention
+from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.errors import AsyncCkptError
 from asyncckpt.jobrunner.store import ArrayStore, Restored, dropped_by_retention
 from asyncckpt.options import AsyncOptions

@@ -33,15 +33,15 @@ from typing import Any
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import fastcrc, retention
-from asyncckpt.engine._copy import copy_arrays
-from asyncckpt.engine.files import Checksummed, DurableWriter
-from asyncckpt.engine.lock import DirectoryLock
-from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.slots import Slot
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import fastcrc, retention
+from asyncckpt._engine._copy import copy_arrays
+from asyncckpt._engine.files import Checksummed, DurableWriter
+from asyncckpt._engine.lock import DirectoryLock
+from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.slots import Slot
+from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions
 

@@ -13,8 +13,8 @@ from typing import Any
 import keras
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.metrics import SaveStats
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.jobrunner.store import DATA_NAME, INDEX_NAME, ArrayStore, Restored
 from asyncckpt.keras import _callbacks, _state, _tfdata
 from asyncckpt.keras._preemption import METADATA_KEY, KerasTarget, PreemptionOptions

@@ -36,12 +36,12 @@ import keras
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
 
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine._copy import copy_arrays
-from asyncckpt.engine.files import fsync_path
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.slots import Slot
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine._copy import copy_arrays
+from asyncckpt._engine.files import fsync_path
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.slots import Slot
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.jobrunner.store import host_view
 from asyncckpt.keras import _callbacks
 from asyncckpt.options import AsyncOptions

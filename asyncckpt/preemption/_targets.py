@@ -15,7 +15,7 @@ import os
 import shutil
 from typing import Any
 
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.preemption._estimates import decode_estimates, encode_estimates
 from asyncckpt.storage.url import is_url
 

@@ -40,11 +40,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from asyncckpt import layout
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.files import FileRecord
+from asyncckpt._engine.manifest import Manifest, verify_files
 from asyncckpt._threads import run_in_threads
 from asyncckpt.catalog import CheckpointInfo
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.files import FileRecord
-from asyncckpt.engine.manifest import Manifest, verify_files
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.storage.base import (
     AlreadyExistsError,

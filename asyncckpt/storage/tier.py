@@ -39,10 +39,10 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 from asyncckpt import catalog
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import retention
+from asyncckpt._engine.manifest import read_manifest
 from asyncckpt._threads import lower_thread_priority
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine.manifest import read_manifest
 from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import RetryPolicy

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from asyncckpt import errors
 from asyncckpt._closing import ClosingContext
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.manifest import is_owned, load_manifest, verify_files
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.manifest import is_owned, load_manifest, verify_files
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions
 from asyncckpt.storage.url import is_url

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from asyncckpt import layout
 from asyncckpt._closing import ClosingContext
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine.writer import SaveHandle
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import retention
+from asyncckpt._engine.writer import SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, register_owner

@@ -32,8 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from asyncckpt import catalog
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest
 from asyncckpt.storage import RetryPolicy, open_store
 from asyncckpt.storage import protocol as proto
 from asyncckpt.storage.tier import RemoteOptions

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from asyncckpt import catalog
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest
 from asyncckpt.storage import RetryPolicy, StorageError, open_store
 from asyncckpt.storage import protocol as proto
 

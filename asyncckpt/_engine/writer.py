@@ -34,13 +34,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from asyncckpt._closing import ClosingContext
+from asyncckpt._engine import _process
+from asyncckpt._engine._gate import SaveGate
+from asyncckpt._engine._jobs import SaveJob, StageFn
+from asyncckpt._engine.budget import staging_budget
+from asyncckpt._engine.metrics import SaveStats, WriteTimeEstimator
+from asyncckpt._engine.slots import Slot, StagingPool
 from asyncckpt._threads import lower_thread_priority
-from asyncckpt.engine import _process
-from asyncckpt.engine._gate import SaveGate
-from asyncckpt.engine._jobs import SaveJob, StageFn
-from asyncckpt.engine.budget import staging_budget
-from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
-from asyncckpt.engine.slots import Slot, StagingPool
 from asyncckpt.errors import EngineClosedError
 from asyncckpt.options import AsyncOptions
 

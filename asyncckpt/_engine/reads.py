@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncckpt.engine import fastcrc
+from asyncckpt._engine import fastcrc
 
 PIECE = 8 << 20  # bytes per read call: large enough for the disk, small enough to spread
 DIRECT_ALIGN = 4096  # O_DIRECT: file offsets, lengths and addresses aligned like this
