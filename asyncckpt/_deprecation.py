@@ -52,12 +52,14 @@ def moved(namespace: str, names: Mapping[str, tuple[str, str | None, str]]
             attribute None), imported on first use.
     """
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str, *, stacklevel: int = 1) -> Any:
+        # stacklevel: frames between the user's code and this function, for the
+        # warning to point at the user's line (2 when another __getattr__ calls it).
         try:
             module, attribute, instead = names[name]
         except KeyError:
             raise AttributeError(f"module {namespace!r} has no attribute {name!r}") from None
-        warn(f"{namespace}.{name}", instead)
+        warn(f"{namespace}.{name}", instead, stacklevel=stacklevel + 1)
         found = importlib.import_module(module)
         return found if attribute is None else getattr(found, attribute)
 

@@ -1,7 +1,7 @@
 """Find, describe and verify the checkpoints in a directory, for either framework.
 
 Three kinds: ``tensorflow`` (a prefix's files), ``jax`` (an orbax step
-directory) and ``arrays`` (a step directory of ``asyncckpt.jobrunner.ArrayStore``,
+directory) and ``arrays`` (a step directory of ``asyncckpt.jobrunner.store.ArrayStore``,
 written by the Keras callbacks and the job runner: ``arrays.bin`` +
 ``index.json``).
 

@@ -16,8 +16,9 @@ from asyncckpt import catalog, cli
 from asyncckpt._engine.files import DurableWriter
 from asyncckpt._engine.manifest import Manifest
 from asyncckpt.jobrunner.store import ArrayStore
-from asyncckpt.storage import RetryPolicy, open_store
+from asyncckpt.storage import RetryPolicy
 from asyncckpt.storage import protocol as proto
+from asyncckpt.storage.stores import open_store
 
 FAST = RetryPolicy(deadline_s=1.0, initial_backoff_s=0.05)
 

@@ -21,7 +21,7 @@ from asyncckpt.storage.shards import ShardUploader
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, register_owner
 
 if TYPE_CHECKING:
-    from asyncckpt.jax._distributed import Coordinator
+    from asyncckpt.jax._distributed import CommitCoordinator
 
 
 class StepTiers:
@@ -84,7 +84,7 @@ class StepTiers:
         """URL directory: deletes ``step`` in the bucket (in the background; ``wait``)."""
         self._dir.delete_remote(self._names.name(step))
 
-    def multiprocess(self, coordinator: Coordinator | None) -> ShardUploader | None:
+    def multiprocess(self, coordinator: CommitCoordinator | None) -> ShardUploader | None:
         """Sets up several processes' saves; returns the job's shard uploader, if any.
 
         * A URL directory: every process stages its own shards in its own

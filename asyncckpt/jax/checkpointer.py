@@ -30,13 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncckpt._closing import ClosingContext
-from asyncckpt._coordination import PeerFailedError
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine.writer import AsyncEngine, SaveHandle
-from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
+from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError, PeerFailedError
 from asyncckpt.jax import _args, _compat, _metadata
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import Coordinator, Saves
+from asyncckpt.jax._distributed import CommitCoordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt
@@ -231,7 +230,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         self._handler = handler
         self._typestr = _TYPESTR[self._kind]
         self._restore_options = restore_options or RestoreOptions()
-        self._coord = Coordinator.for_this_run(timeout_s=timeout_s, directory=_COORDINATION_NAME)
+        self._coord = CommitCoordinator.for_this_run(timeout_s=timeout_s,
+                                                     directory=_COORDINATION_NAME)
         self._primary = self._coord is None or self._coord.primary
         name = "asyncckpt.jax.checkpointer" if self._coord is None else (
             f"asyncckpt.jax.checkpointer[p{self._coord.process_index}]")

@@ -12,15 +12,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from asyncckpt._closing import ClosingContext
-from asyncckpt._coordination import PeerFailedError
 from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     EngineClosedError,
+    PeerFailedError,
 )
 from asyncckpt.jax import _args, _compat, _metadata, _options, _policies, _view
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import Coordinator, Saves
+from asyncckpt.jax._distributed import CommitCoordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, ItemFormats
@@ -175,7 +175,7 @@ class CheckpointManager(ClosingContext):
         self._options = async_options or AsyncOptions()
         self._restore_options = restore_options or RestoreOptions()
         self._root_metadata = _compat.json_checked(metadata, "metadata")
-        self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s,
+        self._coord = CommitCoordinator.for_this_run(timeout_s=coordination_timeout_s,
                                                directory=directory)
         self._shards = self._tiers.multiprocess(self._coord)  # URL directory: per-process uploads
         self._primary = self._coord is None or self._coord.primary

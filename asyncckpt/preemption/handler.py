@@ -23,12 +23,12 @@ from typing import Any
 
 from asyncckpt._closing import ClosingContext
 from asyncckpt._coordination import (
-    CoordinationTimeoutError,
     Coordinator,
     InProcessCoordinator,
     TFCoordinator,
     auto_coordinator,
 )
+from asyncckpt.errors import CoordinationTimeoutError
 from asyncckpt.preemption._remote import (
     RemoteTierView,
     raise_priority,

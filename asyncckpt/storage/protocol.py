@@ -79,7 +79,7 @@ class RemoteCheckpoint:
     Attributes:
         name: ``ckpt-10`` (TensorFlow prefix basename) or ``10`` (JAX step).
         framework: ``"tensorflow"``, ``"jax"`` or ``"arrays"`` (a directory
-            checkpoint of ``asyncckpt.jobrunner.ArrayStore``).
+            checkpoint of ``asyncckpt.jobrunner.store.ArrayStore``).
         step: The step, when the name carries one.
         manifest_crc32: CRC32 of the manifest object, from the marker.
         nbytes: Bytes of data the manifest lists.

@@ -34,8 +34,9 @@ import numpy as np
 from asyncckpt import catalog
 from asyncckpt._engine.files import DurableWriter
 from asyncckpt._engine.manifest import Manifest
-from asyncckpt.storage import RetryPolicy, open_store
+from asyncckpt.storage import RetryPolicy
 from asyncckpt.storage import protocol as proto
+from asyncckpt.storage.stores import open_store
 from asyncckpt.storage.tier import RemoteOptions
 from asyncckpt.storage.url import parse_location
 from tests.servers import FakeGCS, SeaweedS3

@@ -13,8 +13,9 @@ import pytest
 from asyncckpt import catalog
 from asyncckpt._engine.files import DurableWriter
 from asyncckpt._engine.manifest import Manifest
-from asyncckpt.storage import RetryPolicy, StorageError, open_store
+from asyncckpt.storage import RetryPolicy, StorageError
 from asyncckpt.storage import protocol as proto
+from asyncckpt.storage.stores import open_store
 
 FAST = RetryPolicy(deadline_s=1.0, initial_backoff_s=0.05)
 
