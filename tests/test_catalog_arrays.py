@@ -29,7 +29,7 @@ def _array_store(directory, steps=(3, 7)) -> dict[str, np.ndarray]:
     with ArrayStore(directory, max_to_keep=None) as store:
         for step in steps:
             store.save(step, arrays, {"epoch": step})
-        store.sync()
+        store.wait_until_finished()
     return arrays
 
 

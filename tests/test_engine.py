@@ -246,10 +246,10 @@ def test_engine_saves_commits_and_reports_stats(tmp_path):
                         label=f"c{i}")
             for i in range(3)
         ]
-        engine.sync()
+        engine.wait_until_finished()
         assert all(h.done() for h in handles)
         assert [s.label for s in engine.history] == ["c0", "c1", "c2"]
-        assert engine.estimated_write_seconds is not None
+        assert engine.estimated_write_s is not None
     for i in range(3):
         m = read_manifest(str(tmp_path / f"c{i}" / "manifest.json"))
         verify_files(str(tmp_path / f"c{i}"), m.files, checksums=True, checkpoint=f"c{i}")
@@ -270,11 +270,11 @@ def test_background_error_is_reraised_once_and_cleaned_up(tmp_path, stage):
     handle = engine.save(failing, label="bad")
     assert handle.committed.exception(30) is not None
     with pytest.raises((OSError, RuntimeError)) as err:
-        engine.sync()
+        engine.wait_until_finished()
     assert "bad" in "".join(getattr(err.value, "__notes__", []))
     assert not os.path.exists(jobs[0].tmp)
     assert not (tmp_path / "bad").exists()
-    engine.sync()  # reported once, then cleared
+    engine.wait_until_finished()  # reported once, then cleared
     engine.save(lambda slot: _Job(str(tmp_path), "good", b"y"), label="good")
     engine.close()
     assert (tmp_path / "good").is_dir()

@@ -74,7 +74,7 @@ class _Waiting(threading.Thread):
 def _wait_in_sync(engine):
     def fn(started):
         started.set()
-        engine.sync(timeout=60)
+        engine.wait_until_finished(timeout=60)
     return _Waiting(fn)
 
 
@@ -198,7 +198,7 @@ def test_error_after_publish_is_logged_counted_and_not_a_failure(tmp_path, caplo
             label="a",
         )
         stats = h.result(30)
-        engine.sync()
+        engine.wait_until_finished()
         assert engine.post_commit_errors == 1
         assert "Device or resource busy" in stats.post_commit_error
         assert engine.history[-1].post_commit_error == stats.post_commit_error

@@ -307,13 +307,13 @@ def test_a_finished_save_holds_no_reference_to_its_job(tmp_path):
     with AsyncEngine() as engine:
         handle = engine.save(stage, label="c")
         handle.result(30)
-        engine.sync()
+        engine.wait_until_finished()
         failed = engine.save(failing, label="bad")
         assert failed.committed.exception(30) is not None
         with pytest.raises(OSError):
-            engine.sync()
+            engine.wait_until_finished()
         engine.save(lambda slot: _SlotJob(str(tmp_path), "d", state), label="d").result(30)
-        engine.sync()  # the writer is idle now, its last save done
+        engine.wait_until_finished()  # the writer is idle now, its last save done
         # Alive engine, handles kept, error delivered: the jobs are gone.
         assert jobs[0]() is None and bad_jobs[0]() is None
 

@@ -91,7 +91,7 @@ def test_later_saves_find_their_slot_prepared_and_save_the_values_at_the_call(tm
                     v += 1
         finally:
             gate.set()
-        engine.sync()
+        engine.wait_until_finished()
         # Only the first save allocated; the others found every buffer built.
         assert [a for _, a in rec.seen] == [len(_LAYOUT), 0, 0]
         assert len({i for i, _ in rec.seen}) == 3
@@ -137,7 +137,7 @@ def test_a_layout_change_stages_correctly_and_is_prepared_again(tmp_path):
             want_c = _bytes_of(state)
         finally:
             gate.set()
-        engine.sync()
+        engine.wait_until_finished()
         (slot_b, alloc_b), (slot_c, alloc_c) = rec.seen[1:]
         assert slot_b != slot_c
         assert alloc_b == 2  # "w01" resized and "extra" new; the rest reused

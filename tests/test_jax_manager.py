@@ -80,7 +80,7 @@ def test_pipelined_saves_are_all_committed_in_order(ckpt_dir):
         mgr.wait_until_finished()
         assert mgr.all_steps() == [3, 4, 5]
         assert [s.step for s in mgr.engine.history] == list(range(6))
-        assert mgr.engine.estimated_write_seconds is not None
+        assert mgr.engine.estimated_write_s is not None
         for step in (3, 4, 5):
             got = mgr.restore(step, target=_state(0))
             assert got["step"] == step

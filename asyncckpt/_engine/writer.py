@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+from asyncckpt import _deprecation
 from asyncckpt._closing import ClosingContext
 from asyncckpt._engine import _process
 from asyncckpt._engine._gate import SaveGate
@@ -208,9 +209,12 @@ class AsyncEngine(ClosingContext):
         return self._estimator
 
     @property
-    def estimated_write_seconds(self) -> float | None:
+    def estimated_write_s(self) -> float | None:
         """Smoothed background seconds (write + commit) of recent saves."""
         return self._estimator.seconds
+
+    estimated_write_seconds = _deprecation.renamed_property(
+        "estimated_write_s", "estimated_write_seconds", "AsyncEngine")
 
     @property
     def writer_thread_id(self) -> int | None:
@@ -539,7 +543,7 @@ class AsyncEngine(ClosingContext):
         with self._cond:
             return self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout)
 
-    def sync(self, timeout: float | None = None) -> None:
+    def wait_until_finished(self, timeout: float | None = None) -> None:
         """Waits until every staged save is durable.
 
         Raises:
@@ -553,6 +557,8 @@ class AsyncEngine(ClosingContext):
                 f"{self.name}: {self.pending} save(s) still in flight after {timeout} s"
             )
         self._deliver(since)
+
+    sync = _deprecation.renamed_method("wait_until_finished", "sync", "AsyncEngine")
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes in-flight saves, stops the writer and frees host buffers.

@@ -139,8 +139,8 @@ class StepTiers:
         """Re-raises a failed background upload (two tiers)."""
         self._dir.raise_pending_error()
 
-    def wait(self, timeout: float | None = None) -> None:
-        self._dir.wait(timeout)
+    def wait_until_finished(self, timeout: float | None = None) -> None:
+        self._dir.wait_until_finished(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         self._dir.close(timeout)

@@ -256,7 +256,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
 
     @property
     def engine(self) -> AsyncEngine:
-        """The background engine: stats, history, ``estimated_write_seconds``."""
+        """The background engine: stats, history, ``estimated_write_s``."""
         return self._engine
 
     @property
@@ -357,7 +357,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             self._check_destination(path, force)
             self._start_save(path, item, ocdbt, custom, force, self._saves.next_seq(), None)
         if self._blocking:
-            self._engine.sync()
+            self._engine.wait_until_finished()
 
     def _check_destination(self, path: str, force: bool) -> None:
         """orbax's rule: an existing destination is an error unless ``force``."""
@@ -445,7 +445,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         Raises:
             Exception: a background failure not yet reported.
         """
-        self._engine.sync()
+        self._engine.wait_until_finished()
 
     def check_for_errors(self) -> None:
         """Raises the failure of a background save not yet reported, if any."""
@@ -504,10 +504,10 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         try:
             with shared_verdicts(verdicts):
                 if request is None:
-                    return restore_tree(path, checksums=self._restore_options.verify_checksums,
+                    return restore_tree(path, checksums=self._restore_options.checksums,
                                         item=ROOT)
                 return restore_tree(path, request.target,
-                                    checksums=self._restore_options.verify_checksums,
+                                    checksums=self._restore_options.checksums,
                                     item=ROOT, partial=request.partial,
                                     restore_args=request.restore_args)
         except Exception as e:

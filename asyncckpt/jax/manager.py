@@ -202,7 +202,7 @@ class CheckpointManager(ClosingContext):
             self._tiers if self._tiers.remote_only else None) if self._primary else None
         if self._tiers.remote_only:  # steps only the bucket holds: their records from there
             self._view.remote_record = functools.partial(
-                _remote_record, self._tiers, checksums=self._restore_options.verify_checksums)
+                _remote_record, self._tiers, checksums=self._restore_options.checksums)
         callback = self._config.post_finalization_callback
         self._finalized = (_compat.PostFinalization(callback)
                            if callback is not None and self._primary else None)
@@ -229,7 +229,7 @@ class CheckpointManager(ClosingContext):
 
     @property
     def engine(self) -> AsyncEngine:
-        """The background engine: stats, history, ``estimated_write_seconds``."""
+        """The background engine: stats, history, ``estimated_write_s``."""
         return self._engine
 
     @property
@@ -358,7 +358,7 @@ class CheckpointManager(ClosingContext):
         step = self._existing_step(step)
         if self._tiers.has_remote:  # a step only the remote tier holds: its metadata files
             self._wait_for([step])
-        remote = self._tiers.open_remote(step, checksums=self._restore_options.verify_checksums)
+        remote = self._tiers.open_remote(step, checksums=self._restore_options.checksums)
         return _metadata.read_step_metadata(step, self._view.step_dir(step) if remote is None
                                             else remote.path)
 
@@ -453,7 +453,7 @@ class CheckpointManager(ClosingContext):
         if multi:
             self._raise_pending()
         if started and not self._config.enable_async:
-            self._engine.sync()
+            self._engine.wait_until_finished()
         if started and self._logger is not None:
             self._logger.log_entry(_compat.step_statistics(
                 "save", step=step, directory=self._directory,
@@ -619,7 +619,7 @@ class CheckpointManager(ClosingContext):
             own = timeout is None or left < timeout
             timeout = left if own else timeout
         try:
-            self._engine.sync(timeout)
+            self._engine.wait_until_finished(timeout)
         except TimeoutError as e:
             # A save that failed (its own timeout included) carries the engine's
             # note; only the engine's "still in flight" is this timeout's.
@@ -630,7 +630,7 @@ class CheckpointManager(ClosingContext):
                 f"not finish within the timeout of {self._config.save_timeout_s:.0f} s "
                 "(AsyncOptions.timeout_secs); it will not be committed") from e
         self._view.removals.wait(timeout)  # [retention] deleted steps' files gone too
-        self._tiers.wait(timeout)
+        self._tiers.wait_until_finished(timeout)
         if self._finalized is not None:
             self._finalized.raise_pending()
 
@@ -726,7 +726,7 @@ class CheckpointManager(ClosingContext):
 
     def _restore(self, step: int | None, requests: Any, named: bool,
                  directory: str | os.PathLike | None, tried: list[int]) -> Any:
-        names, checksums = self._config.names, self._restore_options.verify_checksums
+        names, checksums = self._config.names, self._restore_options.checksums
         step = None if step is None else operator.index(step)
         if directory is None:
             self._wait_for(None if step is None else [step])

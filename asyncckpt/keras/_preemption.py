@@ -98,5 +98,5 @@ class KerasTarget(Target):
         self._save()
         return None
 
-    def sync(self) -> None:
-        self._store.sync()
+    def wait_until_finished(self) -> None:
+        self._store.wait_until_finished()

@@ -279,7 +279,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         None if there is no such backup.
         """
         if self._store is not None:
-            self._store.sync()
+            self._store.wait_until_finished()
         steps = _list_steps(os.path.abspath(self.backup_dir))
         if len(steps) < -which:
             return None
@@ -513,7 +513,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 # No iterator state: the iterator of an epoch that has not begun is
                 # not the one that epoch will use (Keras makes another).
                 self._save(*position, stopped=stopped, iterator=False, retake=retake)
-                store.sync()
+                store.wait_until_finished()
         finally:
             self._finish()
 
