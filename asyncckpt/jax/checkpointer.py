@@ -158,7 +158,7 @@ def _engine_settings(async_options: Any, timeout_s: float | None
         # create_directories_asynchronously: the writer thread creates them anyway.
         return (AsyncOptions(), timeout_s or float(async_options.timeout_secs),
                 async_options.post_finalization_callback)
-    raise TypeError(f"async_options must be asyncckpt.options.AsyncOptions or orbax's "
+    raise TypeError(f"async_options must be asyncckpt.AsyncOptions or orbax's "
                     f"AsyncOptions, got {type(async_options).__qualname__}")
 
 

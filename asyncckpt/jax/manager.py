@@ -35,6 +35,29 @@ logger = logging.getLogger(__name__)
 __all__ = ["CheckpointManager"]
 
 
+def _own_async_options(options: Any) -> AsyncOptions:
+    """The manager's ``async_options=``: asyncckpt's ``AsyncOptions``, or the default.
+
+    orbax's class of the same name belongs in orbax's manager options, where
+    orbax's ``CheckpointManager`` takes it; the two are told apart by type here.
+
+    Raises:
+        TypeError: anything else (orbax's ``AsyncOptions`` named with its place).
+    """
+    if options is None:
+        return AsyncOptions()
+    if isinstance(options, AsyncOptions):
+        return options
+    if type(options).__name__ == "AsyncOptions" and type(options).__module__.startswith("orbax."):
+        raise TypeError(
+            "async_options= takes asyncckpt.AsyncOptions (staging slots, fsync, checksums); "
+            "orbax's AsyncOptions (timeout_secs, post_finalization_callback) goes where "
+            "orbax's CheckpointManager takes it: "
+            "options=ocp.CheckpointManagerOptions(async_options=ocp.AsyncOptions(...))")
+    raise TypeError(f"async_options must be asyncckpt.AsyncOptions, got "
+                    f"{type(options).__module__}.{type(options).__qualname__}")
+
+
 class CheckpointManager(ClosingContext):
     """Numbered asynchronous checkpoints of pytrees, spelled and laid out as orbax's.
 
@@ -92,7 +115,11 @@ class CheckpointManager(ClosingContext):
         best_mode: ``"max"`` or ``"min"``.
         keep_checkpoints_without_metrics: With ``best_fn``, keep checkpoints
             saved without metrics instead of deleting them.
-        async_options: Staging slots, fsync, checksums.
+        async_options: asyncckpt's ``AsyncOptions``: staging slots, fsync,
+            checksums. orbax's ``AsyncOptions`` (its timeout and
+            ``post_finalization_callback``) go where orbax's manager takes
+            them, ``options=CheckpointManagerOptions(async_options=...)``;
+            given here, it is refused with a ``TypeError`` naming that place.
         restore_options: Verification on restore.
         coordination_timeout_s: Multi-process: longest wait for another
             process during a save.
@@ -172,7 +199,7 @@ class CheckpointManager(ClosingContext):
                 f"an s3:// / gs:// directory ({os.fspath(directory)!r}) has no renames: leave "
                 "it unset there (retention deletes the steps it drops)")
         self._directory = self._tiers.local_dir
-        self._options = async_options or AsyncOptions()
+        self._options = _own_async_options(async_options)
         self._restore_options = restore_options or RestoreOptions()
         self._root_metadata = _compat.json_checked(metadata, "metadata")
         self._coord = CommitCoordinator.for_this_run(timeout_s=coordination_timeout_s,
