@@ -13,9 +13,10 @@ it is used:
 * the package ``asyncckpt.engine``, now ``asyncckpt._engine``
   (``asyncckpt/engine/__init__.py``).
 
-Nothing in asyncckpt itself uses an old spelling (``tests/test_public_api.py``
-runs with each of these warnings turned into an error where it imports the
-package).
+Nothing in asyncckpt, its benchmarks, examples or tests uses an old spelling
+outside a check that it warns: the test suite turns these warnings into
+errors where such code triggers them (``pyproject.toml``, ``filterwarnings``),
+and ``tests/test_public_api.py`` checks each old spelling.
 """
 
 from __future__ import annotations

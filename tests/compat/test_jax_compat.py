@@ -813,7 +813,7 @@ def test_orbax_async_options_in_async_options_keyword_is_refused_naming_its_plac
 
     with pytest.raises(TypeError, match=r"CheckpointManagerOptions\(async_options="):
         aj.CheckpointManager(tmp_path / "a", async_options=ocp.AsyncOptions(timeout_secs=5))
-    with pytest.raises(TypeError, match="must be asyncckpt.AsyncOptions"):
+    with pytest.raises(TypeError, match=r"must be asyncckpt\.AsyncOptions"):
         aj.CheckpointManager(tmp_path / "b", async_options={"num_slots": 1})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     with aj.CheckpointManager(tmp_path / "c", async_options=AsyncOptions(num_slots=1),
