@@ -110,11 +110,11 @@ def test_failure_reaches_side_waiter_and_the_owner_close(tmp_path):
     assert isinstance(side.error, RuntimeError)
     # A non-owner call does not clear it: it still reaches the owner.
     with pytest.raises(RuntimeError):
-        _call_on_thread(engine.sync)
+        _call_on_thread(engine.wait_until_finished)
     with pytest.raises(RuntimeError, match="boom"):
         engine.close()
     engine.close()  # seen by the owner: nothing more to report
-    _call_on_thread(engine.sync)  # nor to other threads
+    _call_on_thread(engine.wait_until_finished)  # nor to other threads
 
 
 def _call_on_thread(fn):

@@ -9,7 +9,7 @@ writer and spare builds pause between pieces (``engine/_gate.py``). The flush
 at exit and ``fork()`` are handled in ``engine/_process.py``.
 
 Errors contract (see ``AsyncEngine``): a background failure is raised to every
-thread waiting in ``sync()``/``close()`` when it happens, and to every later
+thread waiting in ``wait_until_finished()``/``close()`` when it happens, and to every later
 call on any thread until it has been raised on the engine's *owner* thread,
 the thread that last called ``save()``.
 
@@ -127,8 +127,8 @@ def _clear_frames(error: BaseException) -> None:
 class AsyncEngine(ClosingContext):
     """Stages saves into host slots and writes them on a background thread.
 
-    Errors: a background failure is raised by every ``sync()``/``close()``
-    waiting when it happens, and by every later ``save()``, ``sync()``,
+    Errors: a background failure is raised by every ``wait_until_finished()``/``close()``
+    waiting when it happens, and by every later ``save()``, ``wait_until_finished()``,
     ``close()`` or ``raise_pending_error()`` on any thread, until it has been
     raised on the *owner* thread: the thread that last called ``save()`` (the
     training loop; before any save, the thread that made the engine). Once
@@ -172,7 +172,7 @@ class AsyncEngine(ClosingContext):
         self._finalizer: weakref.finalize | None = None
         # Errors: (sequence number, error), oldest first. The owner thread
         # has seen every error numbered below _owner_seen; _waiters holds the
-        # error count at the start of each sync()/close() still waiting.
+        # error count at the start of each wait_until_finished()/close() still waiting.
         self._errors: list[tuple[int, BaseException]] = []
         self._error_count = 0
         self._owner_seen = 0
