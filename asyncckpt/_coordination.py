@@ -37,31 +37,9 @@ import os
 import sys
 import threading
 
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import CoordinationError, CoordinationTimeoutError, PeerFailedError
 
 logger = logging.getLogger(__name__)
-
-
-class CoordinationError(AsyncCkptError, RuntimeError):
-    """A coordination service failed, or another worker failed its part."""
-
-
-class CoordinationTimeoutError(CoordinationError, TimeoutError):
-    """A worker did not take its part in the protocol in time."""
-
-
-class PeerFailedError(CoordinationError):
-    """Another worker's training function raised; this worker stops too.
-
-    Attributes:
-        worker: Index of the worker that failed first.
-        error: That worker's exception, as text.
-    """
-
-    def __init__(self, worker: int, error: str):
-        super().__init__(f"worker {worker} failed: {error}")
-        self.worker = worker
-        self.error = error
 
 
 class Coordinator(abc.ABC):

@@ -1,7 +1,7 @@
 """Find, describe and verify the checkpoints in a directory, for either framework.
 
 Three kinds: ``tensorflow`` (a prefix's files), ``jax`` (an orbax step
-directory) and ``arrays`` (a step directory of ``asyncckpt.jobrunner.ArrayStore``,
+directory) and ``arrays`` (a step directory of ``asyncckpt.jobrunner.store.ArrayStore``,
 written by the Keras callbacks and the job runner: ``arrays.bin`` +
 ``index.json``).
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt.engine.commit import is_temp_name
-from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt._engine.commit import is_temp_name
+from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 

@@ -27,8 +27,8 @@ def _mib(n: float) -> str:
 
 
 def _remote_list(url: str):
-    from asyncckpt.storage import open_store
     from asyncckpt.storage.protocol import list_committed
+    from asyncckpt.storage.stores import open_store
 
     store = open_store(url)
     return store, list_committed(store)
@@ -37,7 +37,7 @@ def _remote_list(url: str):
 @contextlib.contextmanager
 def _local_view(args: argparse.Namespace):
     """``args.dir`` itself, or for a URL a temporary directory with the selected checkpoints."""
-    from asyncckpt.storage import is_url
+    from asyncckpt.storage.url import is_url
 
     if not is_url(args.dir):
         yield args.dir
@@ -65,7 +65,7 @@ def _local_view(args: argparse.Namespace):
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from asyncckpt.storage import is_url
+    from asyncckpt.storage.url import is_url
 
     if is_url(args.dir):
         _store, remote = _remote_list(args.dir)

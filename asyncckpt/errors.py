@@ -1,8 +1,14 @@
-"""Exceptions raised by asyncckpt.
+"""Exceptions raised by asyncckpt, every front end's.
 
-Each one subclasses the built-in exception a caller would already catch for the
-same situation (a missing file, a bad value), so code written against the
-framework's own checkpoint API keeps working.
+Every error asyncckpt raises on its own account is an ``AsyncCkptError``,
+and each also subclasses the built-in exception a caller would already catch
+for the same situation (a missing file, a bad value), so code written against
+the framework's own checkpoint API keeps working. A front end's own errors
+live in its namespace and join the family the same way
+(``asyncckpt.jax.StepAlreadyExistsError`` is also orbax's
+``StepAlreadyExistsError``; the TensorFlow front end's missing checkpoint is
+also a ``tf.errors.NotFoundError``; ``asyncckpt.storage.StorageError`` an
+``OSError``).
 """
 
 from __future__ import annotations
@@ -57,3 +63,25 @@ class HostMemoryError(AsyncCkptError, MemoryError):
         super().__init__(message)
         self.state_nbytes = state_nbytes
         self.budget_nbytes = budget_nbytes
+
+
+class CoordinationError(AsyncCkptError, RuntimeError):
+    """A coordination service failed, or another worker failed its part."""
+
+
+class CoordinationTimeoutError(CoordinationError, TimeoutError):
+    """A worker did not take its part in the protocol in time."""
+
+
+class PeerFailedError(CoordinationError):
+    """Another worker's training function raised; this worker stops too.
+
+    Attributes:
+        worker: Index of the worker that failed first.
+        error: That worker's exception, as text.
+    """
+
+    def __init__(self, worker: int, error: str):
+        super().__init__(f"worker {worker} failed: {error}")
+        self.worker = worker
+        self.error = error

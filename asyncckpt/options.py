@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asyncckpt import _deprecation
+
 
 @dataclass(frozen=True, kw_only=True)
 class AsyncOptions:
@@ -145,15 +147,19 @@ class AsyncOptions:
         return self.num_slots + 1 if self.max_slots is None else self.max_slots
 
 
+@_deprecation.renamed_fields(verify_checksums="checksums")
 @dataclass(frozen=True, kw_only=True)
 class RestoreOptions:
     """How a checkpoint is checked before it is restored.
 
     Attributes:
-        verify_checksums: Recompute every file's checksum (in the algorithm
-            its manifest record names) and compare it with the manifest. File
+        checksums: Recompute every file's checksum (in the algorithm its
+            manifest record names) and compare it with the manifest. File
             sizes are always checked; restores compute the checksums as the
-            bytes arrive, other checks add one read pass.
+            bytes arrive, other checks add one read pass. The one name of
+            checksums in asyncckpt: ``AsyncOptions.checksums`` writes them,
+            ``verify_checkpoint(checksums=...)`` checks them too. Spelled
+            ``verify_checksums`` until asyncckpt 0.2 (deprecated).
     """
 
-    verify_checksums: bool = True
+    checksums: bool = True

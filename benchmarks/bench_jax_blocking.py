@@ -67,7 +67,7 @@ def main() -> None:
     import jax
 
     import asyncckpt.jax as aj
-    from asyncckpt.engine._pages import aligned_empty
+    from asyncckpt._engine._pages import aligned_empty
     from benchmarks.suite import engines as eng
 
     copy_ns: list[int] = []

@@ -10,7 +10,7 @@ changes hit every case alike (order rotated per repetition):
 * raw read: one ``readinto`` of a file of the same size (the floor);
 * crc32c: the CRC32C checkpoint, checksums checked (the default);
 * crc32: the zlib checkpoint, checksums checked (old checkpoints);
-* unchecked: the CRC32C checkpoint with ``verify_checksums=False``.
+* unchecked: the CRC32C checkpoint with ``checksums=False``.
 
 Prints medians and each case's median ratio to the raw read.
 
@@ -34,8 +34,8 @@ from asyncckpt import RestoreOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
-from asyncckpt.engine import fastcrc
-from asyncckpt.engine.manifest import read_manifest
+from asyncckpt._engine import fastcrc
+from asyncckpt._engine.manifest import read_manifest
 from benchmarks.suite import engines as eng
 from benchmarks.suite.restore import checkpoint_files, evict
 
@@ -76,7 +76,7 @@ def main() -> None:
             "crc32c": aj.CheckpointManager(dirs["crc32c"]),
             "crc32": aj.CheckpointManager(dirs["crc32"]),
             "unchecked": aj.CheckpointManager(
-                dirs["crc32c"], restore_options=RestoreOptions(verify_checksums=False)),
+                dirs["crc32c"], restore_options=RestoreOptions(checksums=False)),
         }
         cases = {"raw read": (os.path.join(work, "floors"), floors.raw_read)}
         for name, mgr in managers.items():

@@ -229,9 +229,9 @@ def warm_up(framework: str, directory: str, step_s: float, grace: float, saves: 
             if engine.pending == 0:
                 loop.periodic_save()
             loop.train()
-        engine.sync()
+        engine.wait_until_finished()
         loop.periodic_save()  # carries the samples of all the saves above
-        engine.sync()
+        engine.wait_until_finished()
     finally:
         loop.close()
 

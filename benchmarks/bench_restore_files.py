@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
-from asyncckpt.engine import fastcrc, reads
+from asyncckpt._engine import fastcrc, reads
 from benchmarks.suite import engines as eng
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
 
-from asyncckpt.engine import reads
+from asyncckpt._engine import reads
 from benchmarks.suite import engines as eng
 from benchmarks.suite.restore import checkpoint_files
 

@@ -682,7 +682,7 @@ def _run_case(case: dict, cfg: dict, pid: int, barrier, mark) -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from asyncckpt.storage import open_store
+    from asyncckpt.storage.stores import open_store
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
     sharding = NamedSharding(mesh, P("d"))

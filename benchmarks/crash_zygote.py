@@ -108,7 +108,7 @@ def _probe_file_writes() -> None:
     a write lands inside that write however slow the machine is. (TensorFlow
     writes its bundle in one ``SaveV2`` call; its kills are aimed by time.)
     """
-    from asyncckpt.engine.files import DurableWriter
+    from asyncckpt._engine.files import DurableWriter
 
     real = DurableWriter.write
     if getattr(real, "crash_probe", False):

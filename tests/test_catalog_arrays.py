@@ -13,11 +13,12 @@ import dataclasses
 import numpy as np
 
 from asyncckpt import catalog, cli
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest
 from asyncckpt.jobrunner.store import ArrayStore
-from asyncckpt.storage import RetryPolicy, open_store
+from asyncckpt.storage import RetryPolicy
 from asyncckpt.storage import protocol as proto
+from asyncckpt.storage.stores import open_store
 
 FAST = RetryPolicy(deadline_s=1.0, initial_backoff_s=0.05)
 
@@ -28,7 +29,7 @@ def _array_store(directory, steps=(3, 7)) -> dict[str, np.ndarray]:
     with ArrayStore(directory, max_to_keep=None) as store:
         for step in steps:
             store.save(step, arrays, {"epoch": step})
-        store.sync()
+        store.wait_until_finished()
     return arrays
 
 

@@ -19,7 +19,7 @@ from asyncckpt import (  # noqa: E402
     CorruptCheckpointError,
     DirectoryLockedError,
 )
-from asyncckpt.engine import files as files_lib  # noqa: E402
+from asyncckpt._engine import files as files_lib  # noqa: E402
 from asyncckpt.tf import _job  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LineWatcher,

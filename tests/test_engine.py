@@ -14,30 +14,19 @@ import numpy as np
 import pytest
 
 from asyncckpt import AsyncOptions, CorruptCheckpointError, EngineClosedError
-from asyncckpt.engine import (
-    AsyncEngine,
-    Candidate,
-    DurableWriter,
-    Manifest,
-    RetentionPolicy,
-    StagingPool,
-    cleanup_stale_temps,
-    commit,
-    fastcrc,
-    make_temp_dir,
-    publish_dir,
-    publish_files,
-    read_manifest,
-    retention,
-    verify_files,
-)
-from asyncckpt.engine._copy import copy_arrays
-from asyncckpt.engine.files import Checksummed
+from asyncckpt._engine import commit, fastcrc, retention
+from asyncckpt._engine._copy import copy_arrays
+from asyncckpt._engine.commit import cleanup_stale_temps, make_temp_dir, publish_dir, publish_files
+from asyncckpt._engine.files import Checksummed, DurableWriter
+from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt._engine.retention import Candidate, RetentionPolicy
+from asyncckpt._engine.slots import StagingPool
+from asyncckpt._engine.writer import AsyncEngine
 
 
 def test_engine_package_imports_no_framework():
     code = (
-        "import sys, asyncckpt, asyncckpt.engine;"
+        "import sys, asyncckpt, asyncckpt._engine;"
         "bad = [m for m in ('tensorflow', 'jax') if m in sys.modules];"
         "sys.exit(1 if bad else 0)"
     )
@@ -105,7 +94,7 @@ def _tapped_copy(monkeypatch, before=None, after=None, each=None) -> dict[str, i
     """
     import threading
 
-    from asyncckpt.engine import _copy
+    from asyncckpt._engine import _copy
 
     copied: dict[str, int] = {}
     real = _copy._copy_all
@@ -142,7 +131,7 @@ def _assert_copied(pairs):
 def test_copy_arrays_shares_a_state_of_many_small_arrays_with_the_copy_threads(monkeypatch):
     import threading
 
-    from asyncckpt.engine import _copy
+    from asyncckpt._engine import _copy
 
     if _copy._copy_threads() < 2:
         pytest.skip("one copy thread on this machine")
@@ -173,7 +162,7 @@ def test_copy_arrays_does_not_wait_for_a_copy_thread_that_starts_late(monkeypatc
     """Pieces are taken from one queue: a late copy thread finds none left."""
     import threading
 
-    from asyncckpt.engine import _copy
+    from asyncckpt._engine import _copy
 
     if _copy._copy_threads() < 2:
         pytest.skip("one copy thread on this machine")
@@ -199,7 +188,7 @@ def test_copy_arrays_does_not_wait_for_a_copy_thread_that_starts_late(monkeypatc
 
 
 def test_staging_buffers_are_aligned_writable_and_on_huge_pages_where_little_is_wasted():
-    from asyncckpt.engine._pages import aligned_empty
+    from asyncckpt._engine._pages import aligned_empty
 
     for nbytes in (100, (2 << 20) + 64, 4 << 20, (32 << 20) + 4096):
         buf = aligned_empty(nbytes)
@@ -257,10 +246,10 @@ def test_engine_saves_commits_and_reports_stats(tmp_path):
                         label=f"c{i}")
             for i in range(3)
         ]
-        engine.sync()
+        engine.wait_until_finished()
         assert all(h.done() for h in handles)
         assert [s.label for s in engine.history] == ["c0", "c1", "c2"]
-        assert engine.estimated_write_seconds is not None
+        assert engine.estimated_write_s is not None
     for i in range(3):
         m = read_manifest(str(tmp_path / f"c{i}" / "manifest.json"))
         verify_files(str(tmp_path / f"c{i}"), m.files, checksums=True, checkpoint=f"c{i}")
@@ -281,11 +270,11 @@ def test_background_error_is_reraised_once_and_cleaned_up(tmp_path, stage):
     handle = engine.save(failing, label="bad")
     assert handle.committed.exception(30) is not None
     with pytest.raises((OSError, RuntimeError)) as err:
-        engine.sync()
+        engine.wait_until_finished()
     assert "bad" in "".join(getattr(err.value, "__notes__", []))
     assert not os.path.exists(jobs[0].tmp)
     assert not (tmp_path / "bad").exists()
-    engine.sync()  # reported once, then cleared
+    engine.wait_until_finished()  # reported once, then cleared
     engine.save(lambda slot: _Job(str(tmp_path), "good", b"y"), label="good")
     engine.close()
     assert (tmp_path / "good").is_dir()

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from asyncckpt import AsyncOptions
-from asyncckpt.engine import AsyncEngine
-from asyncckpt.engine import budget as budget_lib
+from asyncckpt._engine import budget as budget_lib
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.errors import HostMemoryError
 from tests.helpers import subprocess_env, write_script
 from tests.test_engine_slots import _LAYOUT, _bytes_of, _Recorder, _state
@@ -44,7 +44,7 @@ def test_fewer_slots_when_the_budget_allows_fewer_copies(tmp_path, caplog):
     state = _state(1, _LAYOUT)
     nbytes = _nbytes(state)
     opts = AsyncOptions(num_slots=2, host_memory_limit=nbytes * 3 // 2)
-    with caplog.at_level(logging.WARNING, logger="asyncckpt.engine.slots"), \
+    with caplog.at_level(logging.WARNING, logger="asyncckpt._engine.slots"), \
             AsyncEngine(options=opts, name="budget") as engine:
         engine.save(rec.stage("a", state), label="a")
         assert engine._pool.num_slots == 1 and engine._pool.slot_cap == 1
@@ -60,7 +60,7 @@ def test_fewer_slots_when_the_budget_allows_fewer_copies(tmp_path, caplog):
         t.join(60)
         assert done and engine.staging_bytes == nbytes
         engine.save(rec.stage("c", _state(3, _LAYOUT)), label="c")
-        engine.sync()
+        engine.wait_until_finished()
         assert engine._pool.num_slots == 1
     assert rec.read("b") == _bytes_of(_state(2, _LAYOUT))
     warnings = [r for r in caplog.records if "host memory budget" in r.getMessage()]
@@ -86,7 +86,7 @@ def test_a_state_over_the_budget_is_refused_before_anything_is_allocated(tmp_pat
             engine.prepare_staging({k: v.nbytes for k, v in big.items()})
         assert engine.staging_bytes == 0
         engine.save(rec.stage("small", small), label="small")  # the engine goes on
-        engine.sync()
+        engine.wait_until_finished()
     assert rec.read("small") == _bytes_of(small)
 
 
@@ -115,7 +115,7 @@ def test_spares_stay_within_the_budget(tmp_path):
         assert engine.staging_bytes == 2 * nbytes
         gate.set()
         t.join(60)
-        engine.sync()
+        engine.wait_until_finished()
         assert pool.num_slots == 2 and engine.staging_bytes == 2 * nbytes
     assert rec.read("s2") == _bytes_of(state)
 
@@ -144,8 +144,8 @@ _CHILD = """
     import json, os, resource, sys
     import numpy as np
     from asyncckpt import AsyncOptions
-    from asyncckpt.engine import AsyncEngine
-    from asyncckpt.engine.budget import headroom
+    from asyncckpt._engine.writer import AsyncEngine
+    from asyncckpt._engine.budget import headroom
     from asyncckpt.errors import HostMemoryError
     from tests.test_engine_slots import _Recorder
 
@@ -177,7 +177,7 @@ _CHILD = """
             for v in state.values():
                 v += 1
             engine.save(rec.stage(f"s{step}", state), label=f"s{step}")
-        engine.sync()
+        engine.wait_until_finished()
         out["slots"] = engine._pool.num_slots
         out["staging_bytes"] = engine.staging_bytes
         with open(os.path.join(sys.argv[1], "s3", "data.bin"), "rb") as f:  # piece by piece:
@@ -255,17 +255,17 @@ def test_a_restore_makes_room_by_freeing_idle_staging(tmp_path):
     opts = AsyncOptions(num_slots=2, host_memory_limit=2 * nbytes + nbytes // 2)
     with AsyncEngine(options=opts) as engine:
         engine.save(rec.stage("a", state), label="a")
-        engine.sync()
+        engine.wait_until_finished()
         assert engine.staging_bytes == 2 * nbytes  # two copies fit ...
         assert engine.make_room_for_restore() == nbytes  # ... but not a third for a restore
         assert engine.staging_bytes == nbytes
         assert engine.make_room_for_restore() == 0  # it fits now
         engine.save(rec.stage("b", _state(2, _LAYOUT)), label="b")  # slots come back on demand
-        engine.sync()
+        engine.wait_until_finished()
     assert rec.read("b") == _bytes_of(_state(2, _LAYOUT))
     with AsyncEngine(options=AsyncOptions(num_slots=2)) as engine:  # the machine has room
         engine.save(rec.stage("c", state), label="c")
-        engine.sync()
+        engine.wait_until_finished()
         assert engine.make_room_for_restore() == 0 and engine.staging_bytes == 2 * nbytes
 
 

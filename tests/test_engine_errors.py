@@ -8,14 +8,11 @@ import threading
 import pytest
 
 from asyncckpt import AsyncOptions, EngineClosedError
-from asyncckpt.engine import (
-    AsyncEngine,
-    DurableWriter,
-    Manifest,
-    StagingPool,
-    make_temp_dir,
-    publish_dir,
-)
+from asyncckpt._engine.commit import make_temp_dir, publish_dir
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest
+from asyncckpt._engine.slots import StagingPool
+from asyncckpt._engine.writer import AsyncEngine
 
 
 class _Job:
@@ -77,7 +74,7 @@ class _Waiting(threading.Thread):
 def _wait_in_sync(engine):
     def fn(started):
         started.set()
-        engine.sync(timeout=60)
+        engine.wait_until_finished(timeout=60)
     return _Waiting(fn)
 
 
@@ -113,11 +110,11 @@ def test_failure_reaches_side_waiter_and_the_owner_close(tmp_path):
     assert isinstance(side.error, RuntimeError)
     # A non-owner call does not clear it: it still reaches the owner.
     with pytest.raises(RuntimeError):
-        _call_on_thread(engine.sync)
+        _call_on_thread(engine.wait_until_finished)
     with pytest.raises(RuntimeError, match="boom"):
         engine.close()
     engine.close()  # seen by the owner: nothing more to report
-    _call_on_thread(engine.sync)  # nor to other threads
+    _call_on_thread(engine.wait_until_finished)  # nor to other threads
 
 
 def _call_on_thread(fn):
@@ -201,7 +198,7 @@ def test_error_after_publish_is_logged_counted_and_not_a_failure(tmp_path, caplo
             label="a",
         )
         stats = h.result(30)
-        engine.sync()
+        engine.wait_until_finished()
         assert engine.post_commit_errors == 1
         assert "Device or resource busy" in stats.post_commit_error
         assert engine.history[-1].post_commit_error == stats.post_commit_error

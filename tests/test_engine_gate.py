@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from asyncckpt import AsyncOptions
-from asyncckpt.engine import AsyncEngine, DurableWriter, _spares, make_temp_dir, publish_dir
-from asyncckpt.engine import writer as writer_mod
-from asyncckpt.engine._gate import SaveGate
-from asyncckpt.engine.files import _PAUSE_CHUNK
+from asyncckpt._engine import _spares
+from asyncckpt._engine import writer as writer_mod
+from asyncckpt._engine._gate import SaveGate
+from asyncckpt._engine.commit import make_temp_dir, publish_dir
+from asyncckpt._engine.files import _PAUSE_CHUNK, DurableWriter
+from asyncckpt._engine.writer import AsyncEngine
 
 _MB = 1 << 20
 
@@ -333,7 +335,7 @@ def test_jax_save_pauses_between_write_pieces_and_fsyncs(tmp_path, monkeypatch):
 def test_tf_save_pauses_between_bundle_ranges(tmp_path, monkeypatch):
     tf = pytest.importorskip("tensorflow")
     import asyncckpt.tf as at
-    from asyncckpt.engine import fastcrc
+    from asyncckpt._engine import fastcrc
 
     if not fastcrc.available():
         pytest.skip("no native CRC32C: TensorFlow's SaveV2 writes the bundle")

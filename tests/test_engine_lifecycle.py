@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from asyncckpt import AsyncOptions, DirectoryLockedError
-from asyncckpt.engine import AsyncEngine, DurableWriter, make_temp_dir, publish_dir
-from asyncckpt.engine.lock import DirectoryLock
+from asyncckpt._engine.commit import make_temp_dir, publish_dir
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.lock import DirectoryLock
+from asyncckpt._engine.writer import AsyncEngine
 from tests.helpers import run_python, start_python, write_script
 
 _MB = 1 << 20
@@ -96,7 +98,7 @@ def test_dropped_tf_checkpoints_are_freed(tmp_path):
 _TRY_LOCK = """
 import sys
 from asyncckpt import DirectoryLockedError
-from asyncckpt.engine.lock import DirectoryLock
+from asyncckpt._engine.lock import DirectoryLock
 try:
     DirectoryLock(sys.argv[1]).acquire()
 except DirectoryLockedError as e:
@@ -141,7 +143,7 @@ def test_another_process_is_refused_with_the_holder_named(tmp_path):
     d = tmp_path / "ckpts"
     script = write_script(tmp_path, "hold.py", """
         import sys, threading
-        from asyncckpt.engine.lock import DirectoryLock
+        from asyncckpt._engine.lock import DirectoryLock
         lock = DirectoryLock(sys.argv[1])
         lock.acquire()
         print("held", flush=True)
@@ -162,7 +164,9 @@ def test_another_process_is_refused_with_the_holder_named(tmp_path):
 _FORK = """
 import os, sys, threading
 from asyncckpt import AsyncOptions, EngineClosedError
-from asyncckpt.engine import AsyncEngine, DurableWriter, make_temp_dir, publish_dir
+from asyncckpt._engine.commit import make_temp_dir, publish_dir
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.writer import AsyncEngine
 
 root = sys.argv[1]
 gate = threading.Event()
@@ -303,20 +307,21 @@ def test_a_finished_save_holds_no_reference_to_its_job(tmp_path):
     with AsyncEngine() as engine:
         handle = engine.save(stage, label="c")
         handle.result(30)
-        engine.sync()
+        engine.wait_until_finished()
         failed = engine.save(failing, label="bad")
         assert failed.committed.exception(30) is not None
         with pytest.raises(OSError):
-            engine.sync()
+            engine.wait_until_finished()
         engine.save(lambda slot: _SlotJob(str(tmp_path), "d", state), label="d").result(30)
-        engine.sync()  # the writer is idle now, its last save done
+        engine.wait_until_finished()  # the writer is idle now, its last save done
         # Alive engine, handles kept, error delivered: the jobs are gone.
         assert jobs[0]() is None and bad_jobs[0]() is None
 
 
 _EXIT_BEFORE_ATEXIT = """
 import atexit, os, sys, threading
-from asyncckpt.engine import AsyncEngine, make_temp_dir, publish_dir
+from asyncckpt._engine.commit import make_temp_dir, publish_dir
+from asyncckpt._engine.writer import AsyncEngine
 
 def refuse(*args):
     raise RuntimeError("threading._register_atexit is private CPython API")

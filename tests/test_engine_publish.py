@@ -13,17 +13,11 @@ import threading
 
 import pytest
 
-from asyncckpt.engine import (
-    AsyncEngine,
-    Manifest,
-    cleanup_stale_temps,
-    commit,
-    make_temp_dir,
-    publish_dir,
-    publish_files,
-)
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import read_manifest, verify_files
+from asyncckpt._engine import commit
+from asyncckpt._engine.commit import cleanup_stale_temps, make_temp_dir, publish_dir, publish_files
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt._engine.writer import AsyncEngine
 from tests.helpers import run_python, write_script
 
 
@@ -51,7 +45,7 @@ _KILL_IN_PUBLISH = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
 from tests.test_engine_publish import _write_checkpoint
-from asyncckpt.engine import publish_files
+from asyncckpt._engine.commit import publish_files
 
 directory, victim = sys.argv[1], sys.argv[3]
 tmp, names = _write_checkpoint(directory, "ck", b"NEW-" * 1000)

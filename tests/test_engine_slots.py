@@ -8,8 +8,10 @@ import threading
 import numpy as np
 
 from asyncckpt import AsyncOptions
-from asyncckpt.engine import AsyncEngine, DurableWriter, StagingPool, make_temp_dir, publish_dir
-from asyncckpt.engine.slots import Slot
+from asyncckpt._engine.commit import make_temp_dir, publish_dir
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.slots import Slot, StagingPool
+from asyncckpt._engine.writer import AsyncEngine
 
 _MB = 1 << 20
 
@@ -89,7 +91,7 @@ def test_later_saves_find_their_slot_prepared_and_save_the_values_at_the_call(tm
                     v += 1
         finally:
             gate.set()
-        engine.sync()
+        engine.wait_until_finished()
         # Only the first save allocated; the others found every buffer built.
         assert [a for _, a in rec.seen] == [len(_LAYOUT), 0, 0]
         assert len({i for i, _ in rec.seen}) == 3
@@ -135,7 +137,7 @@ def test_a_layout_change_stages_correctly_and_is_prepared_again(tmp_path):
             want_c = _bytes_of(state)
         finally:
             gate.set()
-        engine.sync()
+        engine.wait_until_finished()
         (slot_b, alloc_b), (slot_c, alloc_c) = rec.seen[1:]
         assert slot_b != slot_c
         assert alloc_b == 2  # "w01" resized and "extra" new; the rest reused

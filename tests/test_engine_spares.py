@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from asyncckpt import AsyncOptions
-from asyncckpt.engine import AsyncEngine, StagingPool
-from asyncckpt.engine.budget import Budget
+from asyncckpt._engine.budget import Budget
+from asyncckpt._engine.slots import StagingPool
+from asyncckpt._engine.writer import AsyncEngine
 from tests.test_engine_slots import _LAYOUT, _bytes_of, _Recorder, _state
 
 _MB = 1 << 20
@@ -145,7 +146,7 @@ def test_engine_pool_grows_to_the_burst_depth_and_stops_at_the_cap(tmp_path):
                 save()
         finally:
             gate.set()
-        engine.sync()
+        engine.wait_until_finished()
         assert pool.num_slots == 3
         assert rec.seen[2] == (2, 0)  # the spare, complete: it allocated nothing
         gate.clear()
@@ -164,7 +165,7 @@ def test_engine_pool_grows_to_the_burst_depth_and_stops_at_the_cap(tmp_path):
         finally:
             gate.set()
         t.join(60)
-        engine.sync()
+        engine.wait_until_finished()
         assert pool.num_slots == 4
         assert engine.staging_bytes == 4 * sum(v.nbytes for v in state.values())
         assert all(a == 0 for _, a in rec.seen[1:])  # only the first save allocated
@@ -274,14 +275,14 @@ def test_engine_early_spare_option(tmp_path, early):
     assert not AsyncOptions().early_spare  # off by default: num_slots states of memory
     with AsyncEngine(options=opts, name="early") as engine:
         engine.save(rec.stage("a", state), label="a")
-        engine.sync()
+        engine.wait_until_finished()
         pool = engine._pool
         assert pool.wait_prepared(60)
         # Early: one spare beside the two slots, with no save having waited.
         assert pool.num_slots == (3 if early else 2)
         assert engine.staging_bytes == pool.num_slots * nbytes
         engine.save(rec.stage("b", state), label="b")
-        engine.sync()
+        engine.wait_until_finished()
         assert pool.wait_prepared(60) and pool.num_slots == (3 if early else 2)
     assert rec.read("b") == _bytes_of(state)
 

@@ -306,7 +306,7 @@ def test_every_staging_path_stages_each_shard_exactly(path):
     z = jax.device_put(np.arange(24, dtype=np.int32).reshape(8, 3), NamedSharding(mesh, P("a")))
     tree = {"x": x, "n": np.arange(3), "s": 2.0, "z": z}
     snap = Forced(primary=True)
-    from asyncckpt.engine.slots import Slot
+    from asyncckpt._engine.slots import Slot
 
     overwrite = jax.jit(lambda t: {k: v * 0 - 7 for k, v in t.items()}, donate_argnums=0,
                         out_shardings={"x": x.sharding, "z": z.sharding})

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError, layout  # noqa: E402
-from asyncckpt.engine import files as files_lib  # noqa: E402
-from asyncckpt.engine.manifest import OWNER_MARKER  # noqa: E402
+from asyncckpt._engine import files as files_lib  # noqa: E402
+from asyncckpt._engine.manifest import OWNER_MARKER  # noqa: E402
 from asyncckpt.jax import _job, _ocdbt  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
 

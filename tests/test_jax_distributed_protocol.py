@@ -15,8 +15,9 @@ import threading
 
 import pytest
 
+import asyncckpt
 from asyncckpt import _coordination as coord
-from asyncckpt.engine.files import FileRecord
+from asyncckpt._engine.files import FileRecord
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.jax import _distributed as dist
 from asyncckpt.jax import _parts
@@ -120,7 +121,7 @@ def test_a_failure_is_one_verdict_raised_alike_on_every_process():
     assert isinstance(raised, dist.DistributedSaveError)
     assert str(agreed) == str(raised)
     assert raised.failures == {0: "OSError: [Errno 5] Input/output error"}
-    assert isinstance(raised, coord.CoordinationError)
+    assert isinstance(raised, asyncckpt.CoordinationError)
 
 
 def test_a_save_raised_before_staging_fails_the_others_at_once_and_numbers_stay_aligned():
@@ -222,7 +223,7 @@ def test_a_restore_given_up_on_one_process_fails_the_others_at_once_and_its_key_
     v0, v1 = p0.restore_verdicts(), p1.restore_verdicts()
     v1.abort(OSError(5, "Input/output error"))
     # Process 0 waits for process 1's reads: it hears of the abort, not a 30 s timeout.
-    with pytest.raises(coord.PeerFailedError, match=r"worker 1 failed.*Input/output"):
+    with pytest.raises(asyncckpt.PeerFailedError, match=r"worker 1 failed.*Input/output"):
         v0.combine("reads", "ok")
     aborts = [k for k, v in values.items() if v.startswith("abort:")]
     assert len(aborts) == 2  # process 1's, and process 0's relay of it for the others
@@ -236,7 +237,7 @@ def test_process_0_giving_up_fails_a_process_waiting_for_its_verdict():
     _, (p0, p1) = _pair(timeout_s=30)
     v0, v1 = p0.restore_verdicts(), p1.restore_verdicts()
     v0.abort(ValueError("target does not match"))
-    with pytest.raises(coord.PeerFailedError, match=r"worker 0 failed.*target does not"):
+    with pytest.raises(asyncckpt.PeerFailedError, match=r"worker 0 failed.*target does not"):
         v1.combine("reads", "ok")
 
 

@@ -23,8 +23,8 @@ from asyncckpt import (  # noqa: E402
     DirectoryLockedError,
     RestoreOptions,
 )
-from asyncckpt.engine import fastcrc  # noqa: E402
-from asyncckpt.engine import files as files_lib  # noqa: E402
+from asyncckpt._engine import fastcrc  # noqa: E402
+from asyncckpt._engine import files as files_lib  # noqa: E402
 from asyncckpt.jax import _job, _ocdbt  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LineWatcher,
@@ -163,7 +163,7 @@ def test_corruption_is_detected_named_and_skipped(ckpt_dir, caplog, monkeypatch,
     np.testing.assert_array_equal(got["w"], np.full(1000, 2.0, np.float32))
     assert "step 3" in caplog.text and where in caplog.text
     # Turning checksums off keeps the size check: a truncated chunk is still caught.
-    quick = aj.CheckpointManager(ckpt_dir, restore_options=RestoreOptions(verify_checksums=False))
+    quick = aj.CheckpointManager(ckpt_dir, restore_options=RestoreOptions(checksums=False))
     if damage == "truncate":
         with pytest.raises(CorruptCheckpointError, match="truncated"):
             quick.restore(3, target=target)

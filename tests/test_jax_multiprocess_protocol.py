@@ -36,7 +36,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                            initialization_timeout=120)
 from jax._src import distributed
 import asyncckpt.jax as aj
-from asyncckpt.engine import files as files_lib
+from asyncckpt._engine import files as files_lib
 from asyncckpt.jax import _job, manager as manager_lib
 from asyncckpt.options import AsyncOptions
 

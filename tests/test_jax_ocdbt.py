@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError  # noqa: E402
-from asyncckpt.engine import fastcrc  # noqa: E402
+from asyncckpt._engine import fastcrc  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
 
 PLAIN = aj.FormatOptions(use_ocdbt=False)

@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 
-import asyncckpt
-from asyncckpt.engine import fastcrc
+from asyncckpt._engine import fastcrc
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from asyncckpt.jobrunner import ArrayStore, JobOptions, JobRunner, UploadError
+from asyncckpt.jobrunner import JobOptions, JobRunner, UploadError
+from asyncckpt.jobrunner.store import ArrayStore
 
 
 class Job:
@@ -55,10 +55,6 @@ class Job:
 
 def _expected_after(epochs: int) -> float:
     return float(sum(range(1, epochs + 1)))
-
-
-def test_exported_at_top_level():
-    assert asyncckpt.JobRunner is JobRunner
 
 
 def test_runs_init_then_epochs_and_saves_epoch_zero(ckpt_dir):

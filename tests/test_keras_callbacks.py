@@ -97,7 +97,7 @@ def test_epoch_backups_resume_at_the_interrupted_epoch(tmp_path):
     model = _model()
     with pytest.raises(RuntimeError):
         model.fit(x, y, epochs=5, batch_size=16, callbacks=[backup, RaiseAt(epoch=3)], verbose=0)
-    backup.store.sync()  # the backup taken as epoch 2 ended may still be in flight
+    backup.store.wait_until_finished()  # the backup taken as epoch 2 ended may still be in flight
     assert ArrayStore(tmp_path / "b").all_steps() == [12]  # after epoch 2: 3 x 4 batches
     history = model.fit(x, y, epochs=5, batch_size=16, callbacks=[backup], verbose=0)
     assert backup.restored_position == (3, 0)
@@ -126,7 +126,7 @@ def test_restores_into_an_unbuilt_model_and_warns_without_resumable_data(tmp_pat
     with pytest.raises(RuntimeError):
         model.fit(x, y, epochs=2, batch_size=16, verbose=0,
                   callbacks=[backup, RaiseAt(batches=6)])
-    backup.store.sync()
+    backup.store.wait_until_finished()
     saved = ArrayStore(tmp_path / "b").restore()
     # Due after the 6th batch (batch 1 of epoch 1), taken before RaiseAt raised there.
     assert (saved.metadata["epoch"], saved.metadata["batch"]) == (1, 2)

@@ -100,7 +100,7 @@ def test_a_due_backup_survives_a_later_callback_raising_right_after_it(tmp_path,
     model = _model()
     with pytest.raises(RuntimeError, match="later callback"):
         model.fit(x, y, epochs=4, batch_size=16, verbose=0, callbacks=[backup, interrupt])
-    backup.store.sync()
+    backup.store.wait_until_finished()
     # asyncckpt's reader: the newest backup is the one due where the callback raised.
     saved = ArrayStore(tmp_path / "b").restore()
     meta = saved.metadata
@@ -132,7 +132,7 @@ def test_a_callback_listed_after_the_backup_is_in_the_newest_backup(tmp_path):
     with pytest.raises(RuntimeError, match="stopped"):
         _model().fit(x, y, epochs=4, batch_size=16, verbose=0,
                      callbacks=[backup, early, Stop()])
-    backup.store.sync()
+    backup.store.wait_until_finished()
     store = ArrayStore(tmp_path / "b")
     # Each retaken backup replaced its first copy: the two kept are two positions.
     kept = [store.restore(s).metadata for s in store.all_steps()]

@@ -51,7 +51,7 @@ def train(backup_dir, pause_at):
         def on_train_batch_end(self, batch, logs=None):
             print("B", backup._global, flush=True)
             if backup._global == pause_at:
-                backup.store.sync()  # no periodic backup in flight: the handler saves anew
+                backup.store.wait_until_finished()  # no periodic backup in flight
                 sys.stdin.readline()  # the parent sends SIGTERM, then a line
 
     model.fit(data, epochs=3, callbacks=[backup, Report()], verbose=0, shuffle=False)

@@ -3,12 +3,22 @@
 Read from the source (``ast``), nothing is imported. Within ``asyncckpt/``:
 
 * no ``from x import _name`` of another module's private function, class or
-  constant (importing a private *module*, ``from asyncckpt.engine import
+  constant (importing a private *module*, ``from asyncckpt._engine import
   _copy``, is fine: its public names are its interface);
 * no ``module._name`` on a module bound by an import (``_copy._helper``);
-* a module other than a package's ``__init__`` lists in ``__all__`` only
+* a module other than a public namespace's ``__init__`` (``asyncckpt``,
+  ``asyncckpt.tf``, ``.jax``, ``.keras``, ``.preemption``, ``.storage``,
+  ``.jobrunner``: where the public API is listed) lists in ``__all__`` only
   names it defines, and keeps no import only to be imported from it
-  (``# noqa: F401``): a user imports a name from where it is defined.
+  (``# noqa: F401``): a user imports a name from where it is defined;
+* one exception, deliberate, documented and time-limited: the deprecation
+  shim ``asyncckpt/engine/__init__.py`` (the engine's old name, for one
+  release) hands out ``asyncckpt._engine``'s names and modules. It is the only
+  module that puts modules into ``sys.modules``, the only one besides the
+  public ``__init__``s with a module ``__getattr__``, it must warn
+  (``asyncckpt._deprecation``), and no module of the library, the benchmarks,
+  the examples or the tests imports it (``tests/test_public_api.py`` does, to
+  check that it warns).
 
 Private attributes and methods of *objects* whose class another module
 defines cannot be told apart statically; those are kept out by review.
@@ -38,6 +48,13 @@ def _sources() -> dict[str, pathlib.Path]:
 
 MODULES = _sources()
 ALL_MODULES = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+#: Where the public API is listed (``tests/test_public_api.py`` pins each ``__all__``).
+PUBLIC_NAMESPACES = {"asyncckpt", "asyncckpt.tf", "asyncckpt.jax", "asyncckpt.keras",
+                     "asyncckpt.preemption", "asyncckpt.storage", "asyncckpt.jobrunner"}
+#: The deprecation shim of ``asyncckpt.engine`` (now ``asyncckpt._engine``), removed in 0.3.
+SHIM = "asyncckpt.engine"
+#: Files that may import the shim: the test that checks it warns, and this checker's examples.
+SHIM_IMPORTERS = {"tests/test_public_api.py", "tests/test_module_boundaries.py"}
 
 
 def _shown(path: pathlib.Path) -> str:
@@ -100,9 +117,9 @@ def _defined(tree: ast.Module) -> set[str]:
     return names
 
 
-def re_exports(path: pathlib.Path, tree: ast.Module) -> list[str]:
-    """Names a module other than an ``__init__`` lists in ``__all__`` but does not define."""
-    if path.name == "__init__.py":
+def re_exports(name: str, path: pathlib.Path, tree: ast.Module) -> list[str]:
+    """Names a module lists in ``__all__`` but does not define (public ``__init__``s may)."""
+    if name in PUBLIC_NAMESPACES or name == SHIM:
         return []
     found = []
     for node in tree.body:
@@ -117,11 +134,78 @@ def re_exports(path: pathlib.Path, tree: ast.Module) -> list[str]:
     return found
 
 
+def forwarding(name: str, path: pathlib.Path, tree: ast.Module) -> list[str]:
+    """Ways of handing out other modules' names besides ``__all__``, outside their places.
+
+    A module ``__getattr__`` (lazy or deprecated names) belongs in a public
+    namespace's ``__init__`` or the shim; assigning into ``sys.modules``
+    (module aliases) in the shim only.
+    """
+    found = []
+    for node in tree.body:
+        getattr_here = (
+            (isinstance(node, ast.FunctionDef) and node.name == "__getattr__")
+            or (isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in node.targets)))
+        if getattr_here and name not in PUBLIC_NAMESPACES and name != SHIM:
+            found.append(f"{_shown(path)}:{node.lineno}: a module __getattr__ outside the "
+                         "public namespaces' __init__s and the asyncckpt.engine shim")
+    if name != SHIM:
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Subscript) and ast.unparse(t.value) == "sys.modules"
+                    for t in node.targets)):
+                found.append(f"{_shown(path)}:{node.lineno}: a module put into sys.modules "
+                             "outside the asyncckpt.engine shim")
+    return found
+
+
+def shim_imports(path: pathlib.Path, tree: ast.AST) -> list[str]:
+    """Imports of the ``asyncckpt.engine`` shim (or its modules)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        if any(n == SHIM or n.startswith(SHIM + ".") for n in names):
+            found.append(f"{_shown(path)}:{node.lineno}: imports the deprecated {SHIM} "
+                         "(use asyncckpt's public names, or asyncckpt._engine's modules)")
+    return found
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_private_names_of_other_modules_and_no_re_exports(name):
     path = MODULES[name]
     tree = ast.parse(path.read_text(), filename=str(path))
-    found = private_uses(name, path, tree) + re_exports(path, tree)
+    found = (private_uses(name, path, tree) + re_exports(name, path, tree)
+             + forwarding(name, path, tree) + shim_imports(path, tree) * (name != SHIM))
+    assert not found, "\n".join(found)
+
+
+def test_the_engine_shim_is_only_a_shim():
+    """``asyncckpt/engine/`` is one ``__init__`` that defines nothing and warns on import."""
+    shim = PACKAGE / "engine"
+    assert sorted(p.name for p in shim.glob("*.py")) == ["__init__.py"]
+    tree = ast.parse((shim / "__init__.py").read_text())
+    defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defined == []
+    calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert {"_deprecation.warn", "_deprecation.moved"} <= calls
+    private = ast.parse((PACKAGE / "_engine" / "__init__.py").read_text())
+    assert [type(n).__name__ for n in private.body] == ["Expr"]  # a docstring: exports nothing
+
+
+def test_nothing_outside_its_test_imports_the_engine_shim():
+    roots = [ROOT / d for d in ("asyncckpt", "benchmarks", "examples", "tests")]
+    found = []
+    for path in sorted(p for r in roots for p in r.rglob("*.py")):
+        if (path.is_relative_to(PACKAGE / "engine")
+                or str(path.relative_to(ROOT)) in SHIM_IMPORTERS):
+            continue
+        found += shim_imports(path, ast.parse(path.read_text(), filename=str(path)))
     assert not found, "\n".join(found)
 
 
@@ -130,28 +214,39 @@ def test_the_checker_finds_what_it_forbids(tmp_path):
     here = PACKAGE / "storage" / "lazy.py"  # any module path: the rules read the tree only
     bad = ast.parse(
         "from asyncckpt.storage.protocol import _pool_map\n"
-        "from asyncckpt.engine import _pages, writer\n"
-        "import asyncckpt.engine.lock as lock_mod\n"
+        "from asyncckpt._engine import _pages, writer\n"
+        "import asyncckpt._engine.lock as lock_mod\n"
         "_pages._prefault(x)\n"
         "writer._helper()\n"
         "lock_mod._after_fork_in_child()\n"
-        "from asyncckpt.engine._copy import copy_arrays\n"
+        "from asyncckpt._engine._copy import copy_arrays\n"
         "from asyncckpt.storage import _not_a_module\n"
     )
     found = private_uses("asyncckpt.storage.lazy", here, bad)
     assert [f.split(": ", 1)[1] for f in found] == [
         "from asyncckpt.storage.protocol import _pool_map",
         "from asyncckpt.storage import _not_a_module",
-        "_pages._prefault (asyncckpt.engine._pages)",
-        "writer._helper (asyncckpt.engine.writer)",
-        "lock_mod._after_fork_in_child (asyncckpt.engine.lock)",
+        "_pages._prefault (asyncckpt._engine._pages)",
+        "writer._helper (asyncckpt._engine.writer)",
+        "lock_mod._after_fork_in_child (asyncckpt._engine.lock)",
     ]
     module = tmp_path / "mod.py"
-    module.write_text("from asyncckpt.engine._copy import copy_arrays  # noqa: F401\n"
+    module.write_text("from asyncckpt._engine._copy import copy_arrays  # noqa: F401\n"
                       "def own(): ...\n__all__ = ['own', 'copy_arrays']\n")
     tree = ast.parse(module.read_text())
-    found = re_exports(module, tree)
+    found = re_exports("asyncckpt.storage.mod", module, tree)
     assert len(found) == 2 and "'copy_arrays'" in found[0] and "re-exported" in found[1]
+    assert re_exports("asyncckpt.storage", module, tree) == []  # a public __init__ lists its API
+    assert len(re_exports("asyncckpt._engine", module, tree)) == 2  # a private one does not
+    forwards = ast.parse("import sys\nimport asyncckpt.engine.writer\n"
+                         "def __getattr__(name): ...\nsys.modules['x'] = sys\n")
+    found = forwarding("asyncckpt.storage.mod", module, forwards)
+    assert [f.split(": ", 1)[1].split(" ")[:4] for f in found] == [
+        ["a", "module", "__getattr__", "outside"], ["a", "module", "put", "into"]]
+    assert len(forwarding("asyncckpt.storage", module, forwards)) == 1  # sys.modules: shim only
+    assert forwarding(SHIM, module, forwards) == []
+    assert len(shim_imports(module, forwards)) == 1
+    assert len(shim_imports(module, ast.parse("from asyncckpt import engine\n"))) == 1
 
 
 def test_architecture_lists_every_module_once():

@@ -17,19 +17,17 @@ import threading
 
 import pytest
 
+import asyncckpt
 import asyncckpt.preemption as preemption
 from asyncckpt import _coordination as coord
 from asyncckpt._closing import ClosingContext
-from asyncckpt.engine.files import FileRecord
+from asyncckpt._engine.files import FileRecord
 from asyncckpt.jax import _distributed, _parts
 from tests.helpers import subprocess_env
 
 PUBLIC = {
     "AgreementOptions",
-    "CoordinationError",
-    "CoordinationTimeoutError",
     "GraceOptions",
-    "PeerFailedError",
     "Platform",
     "PreemptionCheckpointHandler",
     "PreemptionSave",
@@ -98,17 +96,15 @@ def test_the_package_has_no_import_cycle_not_even_through_deferred_imports():
 
 
 def test_one_error_hierarchy_for_every_coordination_user():
-    assert issubclass(_distributed.DistributedSaveError, coord.CoordinationError)
-    assert issubclass(coord.CoordinationTimeoutError, coord.CoordinationError)
-    assert issubclass(coord.CoordinationTimeoutError, TimeoutError)
-    assert issubclass(coord.PeerFailedError, coord.CoordinationError)
-    assert preemption.CoordinationError is coord.CoordinationError
-    import asyncckpt.jax
-
-    assert asyncckpt.jax.CoordinationError is coord.CoordinationError
-    # The JAX manager keeps its entry point (a thin name for the commit protocol).
-    assert _distributed.Coordinator is _distributed.CommitCoordinator
-    assert _distributed.Coordinator.for_this_run(timeout_s=1.0) is None  # one process
+    assert issubclass(_distributed.DistributedSaveError, asyncckpt.CoordinationError)
+    assert issubclass(asyncckpt.CoordinationTimeoutError, asyncckpt.CoordinationError)
+    assert issubclass(asyncckpt.CoordinationTimeoutError, TimeoutError)
+    assert issubclass(asyncckpt.PeerFailedError, asyncckpt.CoordinationError)
+    assert issubclass(asyncckpt.CoordinationError, asyncckpt.AsyncCkptError)
+    # "Coordinator" is the key-value store; the JAX commit protocol over it has its own name.
+    assert "Coordinator" not in _distributed.__all__
+    assert _distributed.Coordinator is coord.Coordinator
+    assert _distributed.CommitCoordinator.for_this_run(timeout_s=1.0) is None  # one process
 
 
 def _run(fns):

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from asyncckpt._coordination import InProcessCoordinator
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.preemption import _stats
 from asyncckpt.preemption import grace as grace_lib
 from asyncckpt.preemption.agreement import AgreementOptions, Decision, StepAgreement

@@ -17,8 +17,9 @@ import time
 
 import pytest
 
-from asyncckpt._coordination import InProcessCoordinator, PeerFailedError
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt._coordination import InProcessCoordinator
+from asyncckpt._engine.writer import AsyncEngine
+from asyncckpt.errors import PeerFailedError
 from asyncckpt.preemption import _estimates as estimates_lib
 from asyncckpt.preemption import _stats as stats_lib
 from asyncckpt.preemption import grace as grace_lib

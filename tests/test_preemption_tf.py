@@ -579,7 +579,7 @@ def test_the_cluster_resolver_says_which_worker_and_needs_its_coordination_servi
     """The resolver's cluster spec and task are used: several workers need the
     coordination service MultiWorkerMirroredStrategy starts; parameter servers and
     evaluators are refused as TensorFlow's handler refuses them."""
-    from asyncckpt._coordination import CoordinationError
+    from asyncckpt.errors import CoordinationError
     from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
 
     ckpt = tf.train.Checkpoint(v=tf.Variable(1.0))
@@ -671,7 +671,8 @@ def test_a_peers_tensorflow_error_is_raised_as_its_own_class_on_every_worker():
     import json
     import pickle
 
-    from asyncckpt._coordination import InProcessCoordinator, PeerFailedError, TFCoordinator
+    from asyncckpt._coordination import InProcessCoordinator, TFCoordinator
+    from asyncckpt.errors import PeerFailedError
     from asyncckpt.preemption.agreement import StepAgreement
 
     coordinators = InProcessCoordinator.group(2)

@@ -1,6 +1,6 @@
 """A TensorFlow restore reads only the tensors it restores, each verified before it is assigned.
 
-Bytes read are counted by wrapping the real ``engine.reads.read_all``;
+Bytes read are counted by wrapping the real ``_engine.reads.read_all``;
 TensorFlow's own reads of tensors by wrapping the ``RestoreV2`` it would
 call. The checkpoint: a model (two variables) and its Adam state (two slot
 variables per model variable, plus the optimizer's own variables).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncckpt.engine import fastcrc, reads
+from asyncckpt._engine import fastcrc, reads
 from tests.helpers import flip_byte, test_seed
 
 tf = pytest.importorskip("tensorflow")

@@ -9,8 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from asyncckpt.engine import fastcrc, reads
-from asyncckpt.engine.manifest import read_manifest
+from asyncckpt._engine import fastcrc, reads
+from asyncckpt._engine.manifest import read_manifest
 from tests.helpers import evict, flip_byte, test_seed
 
 tf = pytest.importorskip("tensorflow")
@@ -20,7 +20,7 @@ from asyncckpt import CorruptCheckpointError  # noqa: E402
 from asyncckpt.tf import _bundle, _restore  # noqa: E402
 from asyncckpt.tf._job import manifest_path  # noqa: E402
 
-# -- engine.reads ------------------------------------------------------------------
+# -- _engine.reads ------------------------------------------------------------------
 
 
 def test_crc_combine_matches_zlib_and_crc32c_for_random_splits():

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from asyncckpt.engine import reads
+from asyncckpt._engine import reads
 from tests.helpers import evict, flip_byte, test_seed
 
 jax = pytest.importorskip("jax")

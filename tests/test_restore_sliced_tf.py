@@ -17,9 +17,9 @@ import random
 import numpy as np
 import pytest
 
-from asyncckpt.engine import fastcrc
-from asyncckpt.engine.files import FileRecord
-from asyncckpt.engine.manifest import Manifest, read_manifest, record_owned
+from asyncckpt._engine import fastcrc
+from asyncckpt._engine.files import FileRecord
+from asyncckpt._engine.manifest import Manifest, read_manifest, record_owned
 from tests.helpers import flip_byte, test_seed
 
 tf = pytest.importorskip("tensorflow")

@@ -14,7 +14,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noqa: E402
 
 import asyncckpt.tf as at  # noqa: E402
-from asyncckpt.engine import fastcrc  # noqa: E402
+from asyncckpt._engine import fastcrc  # noqa: E402
 from asyncckpt.tf import _bundlewrite, _job, _slices  # noqa: E402
 from asyncckpt.tf._staging import StagedState, StagedTensor  # noqa: E402
 from tests.tfrestore import restore_both  # noqa: E402

@@ -337,7 +337,7 @@ def test_save_stats_are_recorded(ckpt_dir):
         assert stats.nbytes >= v.numpy().nbytes
         assert stats.blocking_s > 0 and stats.write_s > 0 and stats.commit_s > 0
         assert stats.durable_s >= stats.write_s
-        assert ckpt.engine.estimated_write_seconds == pytest.approx(stats.background_s)
+        assert ckpt.engine.estimated_write_s == pytest.approx(stats.background_s)
 
 
 def test_graph_changes_between_saves_are_picked_up(ckpt_dir):

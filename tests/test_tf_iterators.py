@@ -18,7 +18,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import asyncckpt.tf as at  # noqa: E402
-from asyncckpt.engine import fastcrc  # noqa: E402
+from asyncckpt._engine import fastcrc  # noqa: E402
 from asyncckpt.tf import _bundle, _bundlewrite, _job  # noqa: E402
 from asyncckpt.tf._variant import CapturedVariant  # noqa: E402
 from tests.conftest import TF_LOGICAL_CPUS  # noqa: E402

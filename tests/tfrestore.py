@@ -19,8 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 import asyncckpt.tf as at
-from asyncckpt.engine import reads
-from asyncckpt.engine.manifest import read_manifest
+from asyncckpt._engine import reads
+from asyncckpt._engine.manifest import read_manifest
 from asyncckpt.tf import _bundle, _bundleread, _restore
 from asyncckpt.tf._job import manifest_path
 

@@ -16,7 +16,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "asyncckpt.jax needs JAX: pip install 'asyncckpt[jax]' (or pip install jax)"
     ) from e
 
-from asyncckpt._coordination import CoordinationError
+from asyncckpt import _deprecation
 from asyncckpt.jax._args import PLACEHOLDER
 from asyncckpt.jax._compat import step_already_exists_error
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
@@ -32,7 +32,6 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointManager",
     "Checkpointer",
-    "CoordinationError",
     "FormatOptions",
     "PyTreeCheckpointer",
     "RootMetadata",
@@ -40,6 +39,13 @@ __all__ = [
     "StepAlreadyExistsError",
     "StepMetadata",
 ]
+
+
+# Names that left this namespace in asyncckpt 0.2: they warn, for one release.
+_moved = _deprecation.moved(__name__, {
+    "CoordinationError": ("asyncckpt.errors", "CoordinationError",
+                          "use asyncckpt.CoordinationError (the preemption handler raises it too)"),
+})
 
 
 def __getattr__(name: str):
@@ -51,4 +57,4 @@ def __getattr__(name: str):
         from asyncckpt.jax import checkpointer
 
         return getattr(checkpointer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _moved(name, stacklevel=2)

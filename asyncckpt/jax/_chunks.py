@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from asyncckpt.engine import fastcrc, reads
-from asyncckpt.engine.files import FileRecord
-from asyncckpt.engine.manifest import Manifest
+from asyncckpt._engine import fastcrc, reads
+from asyncckpt._engine.files import FileRecord
+from asyncckpt._engine.manifest import Manifest
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.jax._format import in_item
 

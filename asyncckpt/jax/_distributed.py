@@ -105,16 +105,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-from asyncckpt._coordination import (
-    CoordinationError,
-    CoordinationTimeoutError,
-    JaxCoordinator,
-)
-from asyncckpt._coordination import Coordinator as KeyValueStore
+from asyncckpt._coordination import Coordinator, JaxCoordinator
+from asyncckpt.errors import CoordinationError, CoordinationTimeoutError
 from asyncckpt.jax._verdicts import ABORT, LastRound, RestoreVerdicts
 from asyncckpt.storage.url import is_url
 
-__all__ = ["CommitCoordinator", "Coordinator", "DistributedSaveError", "Saves", "manager_key"]
+__all__ = ["CommitCoordinator", "DistributedSaveError", "Saves", "manager_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +179,7 @@ class CommitCoordinator:
             derived from it (see the module docstring).
     """
 
-    def __init__(self, store: KeyValueStore, *, timeout_s: float,
+    def __init__(self, store: Coordinator, *, timeout_s: float,
                  directory: str | os.PathLike = ""):
         self._store = store
         self.process_index = store.worker_id
@@ -488,6 +484,3 @@ class Saves:
             self.coord.fail_before_staging(key, step, e)
             raise
 
-
-# The JAX manager's name for the commit protocol.
-Coordinator = CommitCoordinator

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
-from asyncckpt.engine.metrics import SaveStats
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
+from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _ocdbt, _parts
-from asyncckpt.jax._distributed import ABSENT, Coordinator, DistributedSaveError
+from asyncckpt.jax._distributed import ABSENT, CommitCoordinator, DistributedSaveError
 from asyncckpt.jax._snapshot import StagedTree
 from asyncckpt.options import AsyncOptions
 
@@ -91,7 +91,7 @@ class JaxSaveJob:
         staged: StagedTree,
         options: AsyncOptions,
         temp_token: str,
-        coordinator: Coordinator | None,
+        coordinator: CommitCoordinator | None,
         save_key: str | None,
         metrics: dict | None,
         custom_metadata: dict | None,

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.manifest import read_manifest
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.manifest import read_manifest
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.jax import _args, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncckpt.engine.files import DurableWriter
+from asyncckpt._engine.files import DurableWriter
 from asyncckpt.jax._format import in_item
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncckpt.engine import retention
+from asyncckpt._engine import retention
 
 logger = logging.getLogger(__name__)
 

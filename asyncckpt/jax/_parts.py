@@ -22,8 +22,8 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.files import FileRecord
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.files import FileRecord
 
 _FORMAT = 1
 _READERS = 16  # parts read at once by process 0

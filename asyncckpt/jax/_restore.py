@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt.engine.manifest import has_owner_marker, load_manifest, verify_files
+from asyncckpt._engine.manifest import has_owner_marker, load_manifest, verify_files
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,

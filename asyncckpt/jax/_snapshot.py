@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from asyncckpt.engine._copy import copy_arrays
-from asyncckpt.engine.slots import Slot
+from asyncckpt._engine._copy import copy_arrays
+from asyncckpt._engine.slots import Slot
 from asyncckpt.errors import UnsupportedObjectError
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _tree

@@ -21,7 +21,7 @@ from asyncckpt.storage.shards import ShardUploader
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, register_owner
 
 if TYPE_CHECKING:
-    from asyncckpt.jax._distributed import Coordinator
+    from asyncckpt.jax._distributed import CommitCoordinator
 
 
 class StepTiers:
@@ -84,7 +84,7 @@ class StepTiers:
         """URL directory: deletes ``step`` in the bucket (in the background; ``wait``)."""
         self._dir.delete_remote(self._names.name(step))
 
-    def multiprocess(self, coordinator: Coordinator | None) -> ShardUploader | None:
+    def multiprocess(self, coordinator: CommitCoordinator | None) -> ShardUploader | None:
         """Sets up several processes' saves; returns the job's shard uploader, if any.
 
         * A URL directory: every process stages its own shards in its own
@@ -139,8 +139,8 @@ class StepTiers:
         """Re-raises a failed background upload (two tiers)."""
         self._dir.raise_pending_error()
 
-    def wait(self, timeout: float | None = None) -> None:
-        self._dir.wait(timeout)
+    def wait_until_finished(self, timeout: float | None = None) -> None:
+        self._dir.wait_until_finished(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         self._dir.close(timeout)

@@ -22,9 +22,8 @@ import json
 import logging
 import time
 
-from asyncckpt._coordination import CoordinationTimeoutError, PeerFailedError
-from asyncckpt._coordination import Coordinator as KeyValueStore
-from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt._coordination import Coordinator
+from asyncckpt.errors import CoordinationTimeoutError, CorruptCheckpointError, PeerFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class LastRound:
     def __init__(self) -> None:
         self._keys: list[str] = []
 
-    def replace(self, store: KeyValueStore, key: str) -> None:
+    def replace(self, store: Coordinator, key: str) -> None:
         """Deletes the previous round's keys; ``key`` is the newest round."""
         for earlier in self._keys:
             store.delete(earlier)
@@ -74,7 +73,7 @@ class RestoreVerdicts:
             older rounds' keys through it).
     """
 
-    def __init__(self, store: KeyValueStore, prefix: str, *, process_index: int,
+    def __init__(self, store: Coordinator, prefix: str, *, process_index: int,
                  process_count: int, timeout_s: float, last_round: LastRound):
         self._store = store
         self._prefix = prefix

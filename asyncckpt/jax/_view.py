@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine._removals import BackgroundRemover
-from asyncckpt.engine.lock import DirectoryLock
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import retention
+from asyncckpt._engine._removals import BackgroundRemover
+from asyncckpt._engine.lock import DirectoryLock
 from asyncckpt.jax import _metadata, _policies
 from asyncckpt.jax._options import ManagerConfig, StepNames
 

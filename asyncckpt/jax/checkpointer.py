@@ -30,13 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncckpt._closing import ClosingContext
-from asyncckpt._coordination import PeerFailedError
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle
-from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.writer import AsyncEngine, SaveHandle
+from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError, PeerFailedError
 from asyncckpt.jax import _args, _compat, _metadata
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import Coordinator, Saves
+from asyncckpt.jax._distributed import CommitCoordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt
@@ -159,7 +158,7 @@ def _engine_settings(async_options: Any, timeout_s: float | None
         # create_directories_asynchronously: the writer thread creates them anyway.
         return (AsyncOptions(), timeout_s or float(async_options.timeout_secs),
                 async_options.post_finalization_callback)
-    raise TypeError(f"async_options must be asyncckpt.options.AsyncOptions or orbax's "
+    raise TypeError(f"async_options must be asyncckpt.AsyncOptions or orbax's "
                     f"AsyncOptions, got {type(async_options).__qualname__}")
 
 
@@ -231,7 +230,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         self._handler = handler
         self._typestr = _TYPESTR[self._kind]
         self._restore_options = restore_options or RestoreOptions()
-        self._coord = Coordinator.for_this_run(timeout_s=timeout_s, directory=_COORDINATION_NAME)
+        self._coord = CommitCoordinator.for_this_run(timeout_s=timeout_s,
+                                                     directory=_COORDINATION_NAME)
         self._primary = self._coord is None or self._coord.primary
         name = "asyncckpt.jax.checkpointer" if self._coord is None else (
             f"asyncckpt.jax.checkpointer[p{self._coord.process_index}]")
@@ -256,7 +256,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
 
     @property
     def engine(self) -> AsyncEngine:
-        """The background engine: stats, history, ``estimated_write_seconds``."""
+        """The background engine: stats, history, ``estimated_write_s``."""
         return self._engine
 
     @property
@@ -357,7 +357,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             self._check_destination(path, force)
             self._start_save(path, item, ocdbt, custom, force, self._saves.next_seq(), None)
         if self._blocking:
-            self._engine.sync()
+            self._engine.wait_until_finished()
 
     def _check_destination(self, path: str, force: bool) -> None:
         """orbax's rule: an existing destination is an error unless ``force``."""
@@ -445,7 +445,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         Raises:
             Exception: a background failure not yet reported.
         """
-        self._engine.sync()
+        self._engine.wait_until_finished()
 
     def check_for_errors(self) -> None:
         """Raises the failure of a background save not yet reported, if any."""
@@ -504,10 +504,10 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         try:
             with shared_verdicts(verdicts):
                 if request is None:
-                    return restore_tree(path, checksums=self._restore_options.verify_checksums,
+                    return restore_tree(path, checksums=self._restore_options.checksums,
                                         item=ROOT)
                 return restore_tree(path, request.target,
-                                    checksums=self._restore_options.verify_checksums,
+                                    checksums=self._restore_options.checksums,
                                     item=ROOT, partial=request.partial,
                                     restore_args=request.restore_args)
         except Exception as e:

@@ -12,15 +12,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from asyncckpt._closing import ClosingContext
-from asyncckpt._coordination import PeerFailedError
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     EngineClosedError,
+    PeerFailedError,
 )
 from asyncckpt.jax import _args, _compat, _metadata, _options, _policies, _view
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._distributed import Coordinator, Saves
+from asyncckpt.jax._distributed import CommitCoordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, ItemFormats
@@ -33,6 +33,29 @@ from asyncckpt.storage.tier import RemoteOptions
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager"]
+
+
+def _own_async_options(options: Any) -> AsyncOptions:
+    """The manager's ``async_options=``: asyncckpt's ``AsyncOptions``, or the default.
+
+    orbax's class of the same name belongs in orbax's manager options, where
+    orbax's ``CheckpointManager`` takes it; the two are told apart by type here.
+
+    Raises:
+        TypeError: anything else (orbax's ``AsyncOptions`` named with its place).
+    """
+    if options is None:
+        return AsyncOptions()
+    if isinstance(options, AsyncOptions):
+        return options
+    if type(options).__name__ == "AsyncOptions" and type(options).__module__.startswith("orbax."):
+        raise TypeError(
+            "async_options= takes asyncckpt.AsyncOptions (staging slots, fsync, checksums); "
+            "orbax's AsyncOptions (timeout_secs, post_finalization_callback) goes where "
+            "orbax's CheckpointManager takes it: "
+            "options=ocp.CheckpointManagerOptions(async_options=ocp.AsyncOptions(...))")
+    raise TypeError(f"async_options must be asyncckpt.AsyncOptions, got "
+                    f"{type(options).__module__}.{type(options).__qualname__}")
 
 
 class CheckpointManager(ClosingContext):
@@ -92,7 +115,11 @@ class CheckpointManager(ClosingContext):
         best_mode: ``"max"`` or ``"min"``.
         keep_checkpoints_without_metrics: With ``best_fn``, keep checkpoints
             saved without metrics instead of deleting them.
-        async_options: Staging slots, fsync, checksums.
+        async_options: asyncckpt's ``AsyncOptions``: staging slots, fsync,
+            checksums. orbax's ``AsyncOptions`` (its timeout and
+            ``post_finalization_callback``) go where orbax's manager takes
+            them, ``options=CheckpointManagerOptions(async_options=...)``;
+            given here, it is refused with a ``TypeError`` naming that place.
         restore_options: Verification on restore.
         coordination_timeout_s: Multi-process: longest wait for another
             process during a save.
@@ -172,10 +199,10 @@ class CheckpointManager(ClosingContext):
                 f"an s3:// / gs:// directory ({os.fspath(directory)!r}) has no renames: leave "
                 "it unset there (retention deletes the steps it drops)")
         self._directory = self._tiers.local_dir
-        self._options = async_options or AsyncOptions()
+        self._options = _own_async_options(async_options)
         self._restore_options = restore_options or RestoreOptions()
         self._root_metadata = _compat.json_checked(metadata, "metadata")
-        self._coord = Coordinator.for_this_run(timeout_s=coordination_timeout_s,
+        self._coord = CommitCoordinator.for_this_run(timeout_s=coordination_timeout_s,
                                                directory=directory)
         self._shards = self._tiers.multiprocess(self._coord)  # URL directory: per-process uploads
         self._primary = self._coord is None or self._coord.primary
@@ -202,7 +229,7 @@ class CheckpointManager(ClosingContext):
             self._tiers if self._tiers.remote_only else None) if self._primary else None
         if self._tiers.remote_only:  # steps only the bucket holds: their records from there
             self._view.remote_record = functools.partial(
-                _remote_record, self._tiers, checksums=self._restore_options.verify_checksums)
+                _remote_record, self._tiers, checksums=self._restore_options.checksums)
         callback = self._config.post_finalization_callback
         self._finalized = (_compat.PostFinalization(callback)
                            if callback is not None and self._primary else None)
@@ -229,7 +256,7 @@ class CheckpointManager(ClosingContext):
 
     @property
     def engine(self) -> AsyncEngine:
-        """The background engine: stats, history, ``estimated_write_seconds``."""
+        """The background engine: stats, history, ``estimated_write_s``."""
         return self._engine
 
     @property
@@ -358,7 +385,7 @@ class CheckpointManager(ClosingContext):
         step = self._existing_step(step)
         if self._tiers.has_remote:  # a step only the remote tier holds: its metadata files
             self._wait_for([step])
-        remote = self._tiers.open_remote(step, checksums=self._restore_options.verify_checksums)
+        remote = self._tiers.open_remote(step, checksums=self._restore_options.checksums)
         return _metadata.read_step_metadata(step, self._view.step_dir(step) if remote is None
                                             else remote.path)
 
@@ -453,7 +480,7 @@ class CheckpointManager(ClosingContext):
         if multi:
             self._raise_pending()
         if started and not self._config.enable_async:
-            self._engine.sync()
+            self._engine.wait_until_finished()
         if started and self._logger is not None:
             self._logger.log_entry(_compat.step_statistics(
                 "save", step=step, directory=self._directory,
@@ -619,7 +646,7 @@ class CheckpointManager(ClosingContext):
             own = timeout is None or left < timeout
             timeout = left if own else timeout
         try:
-            self._engine.sync(timeout)
+            self._engine.wait_until_finished(timeout)
         except TimeoutError as e:
             # A save that failed (its own timeout included) carries the engine's
             # note; only the engine's "still in flight" is this timeout's.
@@ -630,7 +657,7 @@ class CheckpointManager(ClosingContext):
                 f"not finish within the timeout of {self._config.save_timeout_s:.0f} s "
                 "(AsyncOptions.timeout_secs); it will not be committed") from e
         self._view.removals.wait(timeout)  # [retention] deleted steps' files gone too
-        self._tiers.wait(timeout)
+        self._tiers.wait_until_finished(timeout)
         if self._finalized is not None:
             self._finalized.raise_pending()
 
@@ -726,7 +753,7 @@ class CheckpointManager(ClosingContext):
 
     def _restore(self, step: int | None, requests: Any, named: bool,
                  directory: str | os.PathLike | None, tried: list[int]) -> Any:
-        names, checksums = self._config.names, self._restore_options.verify_checksums
+        names, checksums = self._config.names, self._restore_options.checksums
         step = None if step is None else operator.index(step)
         if directory is None:
             self._wait_for(None if step is None else [step])

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine.metrics import SaveStats
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import retention
+from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.errors import AsyncCkptError
 from asyncckpt.jobrunner.store import ArrayStore, Restored, dropped_by_retention
 from asyncckpt.options import AsyncOptions
@@ -189,7 +189,7 @@ class JobRunner:
                 if stop:
                     logger.info("epoch %d asked to stop", n)
                     break
-            self.store.sync()
+            self.store.wait_until_finished()
             self._wait_uploads()
             return last
         finally:
@@ -214,12 +214,12 @@ class JobRunner:
             for s in newer:
                 commit_lib.remove_tree(self.store.step_dir(s))
         self._record({
-            "event": "restore", "epoch": r.step, "restore_s": r.seconds,
+            "event": "restore", "epoch": r.step, "restore_s": r.restore_s,
             "bytes": r.bytes_read, "arrays": len(r.arrays),
-            "mb_per_s": r.bytes_read / r.seconds / 1e6 if r.seconds > 0 else None,
+            "mb_per_s": r.bytes_read / r.restore_s / 1e6 if r.restore_s > 0 else None,
         })
         logger.info("resumed from epoch %d (%d arrays, %.1f MB in %.3f s)",
-                    r.step, len(r.arrays), r.bytes_read / 1e6, r.seconds)
+                    r.step, len(r.arrays), r.bytes_read / 1e6, r.restore_s)
         return r.step + 1
 
     def _save(self, n: int, epoch_s: float) -> None:
@@ -344,5 +344,5 @@ class JobRunner:
         if self.restored is not None:
             r = self.restored
             rows.append(f"restored epoch {r.step}: {r.bytes_read / 1e6:.2f} MB in "
-                        f"{r.seconds * 1e3:.1f} ms")
+                        f"{r.restore_s * 1e3:.1f} ms")
         return "\n".join(rows)

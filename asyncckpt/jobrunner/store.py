@@ -32,16 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from asyncckpt import layout
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import fastcrc, retention
-from asyncckpt.engine._copy import copy_arrays
-from asyncckpt.engine.files import Checksummed, DurableWriter
-from asyncckpt.engine.lock import DirectoryLock
-from asyncckpt.engine.manifest import Manifest, read_manifest, verify_files
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.slots import Slot
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt import _deprecation, layout
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import fastcrc, retention
+from asyncckpt._engine._copy import copy_arrays
+from asyncckpt._engine.files import Checksummed, DurableWriter
+from asyncckpt._engine.lock import DirectoryLock
+from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.slots import Slot
+from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions
 
@@ -82,6 +82,7 @@ def select_names(
     return out
 
 
+@_deprecation.renamed_fields(seconds="restore_s")
 @dataclass(frozen=True)
 class Restored:
     """What ``ArrayStore.restore`` read.
@@ -91,14 +92,15 @@ class Restored:
         arrays: The selected arrays (fresh host copies), by name.
         metadata: The JSON metadata saved with them.
         bytes_read: Array bytes read from disk (the index not counted).
-        seconds: Wall time of the restore.
+        restore_s: Wall time of the restore, in seconds (``seconds`` until
+            asyncckpt 0.2, deprecated).
     """
 
     step: int
     arrays: dict[str, np.ndarray]
     metadata: dict
     bytes_read: int
-    seconds: float
+    restore_s: float
 
 
 @dataclass
@@ -367,9 +369,11 @@ class ArrayStore:
         if self._on_commit is not None:
             self._on_commit(step, stats)
 
-    def sync(self, timeout: float | None = None) -> None:
+    def wait_until_finished(self, timeout: float | None = None) -> None:
         """Waits until every save is durable; re-raises background errors."""
-        self._engine.sync(timeout)
+        self._engine.wait_until_finished(timeout)
+
+    sync = _deprecation.renamed_method("wait_until_finished", "sync", "ArrayStore")
 
     def close(self) -> None:
         """Flushes saves in flight, stops the writer and releases the directory."""
@@ -380,7 +384,7 @@ class ArrayStore:
 
     def delete_all(self) -> None:
         """Waits for saves in flight, then removes every checkpoint and the directory."""
-        self._engine.sync()
+        self._engine.wait_until_finished()
         self._lock.release()
         self._joined = False
         commit_lib.remove_tree(self.directory)

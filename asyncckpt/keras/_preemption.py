@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.preemption._targets import Target
 from asyncckpt.preemption.agreement import AgreementOptions
 from asyncckpt.preemption.config import TerminationConfig
@@ -98,5 +98,5 @@ class KerasTarget(Target):
         self._save()
         return None
 
-    def sync(self) -> None:
-        self._store.sync()
+    def wait_until_finished(self) -> None:
+        self._store.wait_until_finished()

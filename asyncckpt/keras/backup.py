@@ -13,8 +13,8 @@ from typing import Any
 import keras
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.metrics import SaveStats
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.jobrunner.store import DATA_NAME, INDEX_NAME, ArrayStore, Restored
 from asyncckpt.keras import _callbacks, _state, _tfdata
 from asyncckpt.keras._preemption import METADATA_KEY, KerasTarget, PreemptionOptions
@@ -279,7 +279,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         None if there is no such backup.
         """
         if self._store is not None:
-            self._store.sync()
+            self._store.wait_until_finished()
         steps = _list_steps(os.path.abspath(self.backup_dir))
         if len(steps) < -which:
             return None
@@ -513,7 +513,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 # No iterator state: the iterator of an epoch that has not begun is
                 # not the one that epoch will use (Keras makes another).
                 self._save(*position, stopped=stopped, iterator=False, retake=retake)
-                store.sync()
+                store.wait_until_finished()
         finally:
             self._finish()
 

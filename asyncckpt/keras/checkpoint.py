@@ -36,12 +36,13 @@ import keras
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
 
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine._copy import copy_arrays
-from asyncckpt.engine.files import fsync_path
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.slots import Slot
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt import _deprecation
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine._copy import copy_arrays
+from asyncckpt._engine.files import fsync_path
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.slots import Slot
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.jobrunner.store import host_view
 from asyncckpt.keras import _callbacks
 from asyncckpt.options import AsyncOptions
@@ -391,10 +392,12 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
         self.engine.save(stage, label=os.path.basename(filepath))
 
-    def sync(self) -> None:
+    def wait_until_finished(self) -> None:
         """Waits until every file saved so far is written; re-raises background errors."""
         if self._engine is not None:
-            self._engine.sync()
+            self._engine.wait_until_finished()
+
+    sync = _deprecation.renamed_method("wait_until_finished", "sync", "ModelCheckpoint")
 
     def on_train_end(self, logs=None):
         if self._engine is not None:

@@ -10,11 +10,13 @@ measured distributions of write and step times. See ``docs/preemption.md``.
 
 The names below are the public API; the submodules (``config``,
 ``platform``, ``watchers``, ``agreement``, ``grace``, ``handler``) are
-internal and may change. Importing this package imports neither TensorFlow
-nor JAX.
+internal and may change. The coordination errors it raises
+(``CoordinationError``, ``CoordinationTimeoutError``, ``PeerFailedError``)
+are ``asyncckpt``'s, shared with the JAX manager's multi-process commit.
+Importing this package imports neither TensorFlow nor JAX.
 """
 
-from asyncckpt._coordination import CoordinationError, CoordinationTimeoutError, PeerFailedError
+from asyncckpt import _deprecation
 from asyncckpt.preemption.agreement import AgreementOptions
 from asyncckpt.preemption.config import TerminationConfig
 from asyncckpt.preemption.grace import GraceOptions
@@ -23,13 +25,16 @@ from asyncckpt.preemption.platform import Platform, detect_platform
 
 __all__ = [
     "AgreementOptions",
-    "CoordinationError",
-    "CoordinationTimeoutError",
     "GraceOptions",
-    "PeerFailedError",
     "Platform",
     "PreemptionCheckpointHandler",
     "PreemptionSave",
     "TerminationConfig",
     "detect_platform",
 ]
+
+# Names that left this namespace in asyncckpt 0.2: they warn, for one release.
+__getattr__ = _deprecation.moved(__name__, {
+    name: ("asyncckpt.errors", name, f"use asyncckpt.{name} (the JAX manager raises it too)")
+    for name in ("CoordinationError", "CoordinationTimeoutError", "PeerFailedError")
+})

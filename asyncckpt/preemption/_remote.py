@@ -101,7 +101,7 @@ class RemoteTierView:
             if name in (waiting, running[0] if running else None):
                 # Handed over by the manager's schedule already. A failure
                 # stays pending: the manager's next call raises it too.
-                remote.wait(timeout, raise_errors=False)
+                remote.wait_until_finished(timeout, raise_errors=False)
                 if not any(e["name"] == name for e in list(remote.stats)):
                     return (f"upload to {self.url} failed (the manager's next call raises "
                             "the error)")

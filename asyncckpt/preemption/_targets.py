@@ -15,7 +15,7 @@ import os
 import shutil
 from typing import Any
 
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.preemption._estimates import decode_estimates, encode_estimates
 from asyncckpt.storage.url import is_url
 
@@ -62,12 +62,13 @@ class Target:
     def prepare(self, state: Any) -> None:
         """Builds the staging memory of the saves to come in the background (``prepare()``)."""
 
-    def sync(self) -> None:
+    def wait_until_finished(self) -> None:
+        """Waits until every save is durable (uploads to a remote tier included)."""
         raise NotImplementedError
 
-    def sync_local(self) -> None:
+    def wait_until_committed_locally(self) -> None:
         """Waits until every save is committed locally (not for background uploads)."""
-        self.engine.sync()
+        self.engine.wait_until_finished()
 
     @property
     def manager(self) -> Any:
@@ -269,8 +270,8 @@ class TFTarget(Target):
         del state
         self._write.prepare()
 
-    def sync(self) -> None:
-        self._write.sync()
+    def wait_until_finished(self) -> None:
+        self._write.wait_until_finished()
 
     def after_final_save(self) -> None:
         if self._temp_dir is not None:
@@ -373,5 +374,5 @@ class JaxTarget(Target):
         if state is not None:
             self._mgr.prepare(state)
 
-    def sync(self) -> None:
+    def wait_until_finished(self) -> None:
         self._mgr.wait_until_finished()

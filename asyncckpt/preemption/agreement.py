@@ -53,11 +53,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncckpt._coordination import (
-    CoordinationTimeoutError,
-    Coordinator,
-    PeerFailedError,
-)
+from asyncckpt._coordination import Coordinator
+from asyncckpt.errors import CoordinationTimeoutError, PeerFailedError
 from asyncckpt.preemption.watchers import Notice
 
 logger = logging.getLogger(__name__)

@@ -82,8 +82,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.writer import AsyncEngine
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.preemption._estimates import (
     COLD_WINDOW,
     FINAL_WINDOW,

@@ -23,12 +23,12 @@ from typing import Any
 
 from asyncckpt._closing import ClosingContext
 from asyncckpt._coordination import (
-    CoordinationTimeoutError,
     Coordinator,
     InProcessCoordinator,
     TFCoordinator,
     auto_coordinator,
 )
+from asyncckpt.errors import CoordinationTimeoutError
 from asyncckpt.preemption._remote import (
     RemoteTierView,
     raise_priority,
@@ -607,12 +607,12 @@ class PreemptionCheckpointHandler(ClosingContext):
         """
         remote = self._remote
         if remote is None:
-            self._target.sync()
+            self._target.wait_until_finished()
             return "local", self._target.directory, None, time.time()
         if remote.every_save:  # a URL directory: committed remotely, or the save fails
-            self._target.sync()
+            self._target.wait_until_finished()
             return "remote", remote.url, None, time.time()
-        self._target.sync_local()
+        self._target.wait_until_committed_locally()
         local_at = time.time()
         last = self._target.engine.last_stats
         name = os.path.basename(last.label) if last is not None else ""

@@ -22,6 +22,8 @@ import threading
 import urllib.parse
 from dataclasses import dataclass
 
+from asyncckpt.errors import AsyncCkptError
+
 logger = logging.getLogger(__name__)
 
 METADATA_FLAVOR = ("Metadata-Flavor", "Google")
@@ -68,7 +70,7 @@ def metadata_host() -> str:
     return DEFAULT_METADATA_HOST
 
 
-class MetadataError(Exception):
+class MetadataError(AsyncCkptError):
     """The metadata server answered with an error, or something else answered."""
 
     def __init__(self, message: str, *, status: int | None = None):

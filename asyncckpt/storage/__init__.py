@@ -1,6 +1,9 @@
 """Checkpoint storage: local disk, S3 and GCS behind one small interface.
 
-Framework-free (imports neither TensorFlow nor JAX). Layers, bottom up:
+Framework-free (imports neither TensorFlow nor JAX). What a user writes is
+the managers' ``directory="s3://bucket/run"`` or ``remote="gs://bucket/run"``,
+and the options and errors listed here. Layers, bottom up (internal: import
+from the module that defines a name):
 
 * ``url``: what a location string means (``parse_location``);
 * ``base`` and one module per kind (``local``, ``s3``, ``gcs``): the object
@@ -11,36 +14,28 @@ Framework-free (imports neither TensorFlow nor JAX). Layers, bottom up:
   background, and the managers' view of a local + remote directory.
 """
 
-from asyncckpt.storage.base import (
-    AlreadyExistsError,
-    ObjectInfo,
-    ObjectStore,
-    RetryPolicy,
-    StorageError,
-)
-from asyncckpt.storage.stores import open_store
-from asyncckpt.storage.tier import RemoteOptions, RemoteTier, TieredDirectory
-from asyncckpt.storage.url import (
-    SUPPORTED_SCHEMES,
-    Location,
-    UnsupportedURLError,
-    is_url,
-    parse_location,
-)
+from asyncckpt import _deprecation
+from asyncckpt.storage.base import RetryPolicy, StorageError
+from asyncckpt.storage.tier import RemoteOptions
+from asyncckpt.storage.url import UnsupportedURLError
 
 __all__ = [
-    "SUPPORTED_SCHEMES",
-    "AlreadyExistsError",
-    "Location",
-    "ObjectInfo",
-    "ObjectStore",
     "RemoteOptions",
-    "RemoteTier",
     "RetryPolicy",
     "StorageError",
-    "TieredDirectory",
     "UnsupportedURLError",
-    "is_url",
-    "open_store",
-    "parse_location",
 ]
+
+_INTERNAL = ("internal since asyncckpt 0.2: the managers take directory='s3://...' or "
+             "remote='gs://...'; import it from {} if you must")
+
+# Names that left this namespace in asyncckpt 0.2: they warn, for one release.
+__getattr__ = _deprecation.moved(__name__, {
+    name: (f"asyncckpt.storage.{module}", name, _INTERNAL.format(f"asyncckpt.storage.{module}"))
+    for module, names in {
+        "base": ("AlreadyExistsError", "ObjectInfo", "ObjectStore"),
+        "stores": ("open_store",),
+        "tier": ("RemoteTier", "TieredDirectory"),
+        "url": ("SUPPORTED_SCHEMES", "Location", "is_url", "parse_location"),
+    }.items() for name in names
+})

@@ -30,9 +30,9 @@ import zlib
 from collections.abc import Iterable
 
 from asyncckpt import layout
+from asyncckpt._engine.files import FileRecord
+from asyncckpt._engine.manifest import Manifest
 from asyncckpt._threads import run_in_threads
-from asyncckpt.engine.files import FileRecord
-from asyncckpt.engine.manifest import Manifest
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.storage.base import ObjectStore, RetryPolicy, retry_call
 from asyncckpt.storage.protocol import THREADS, RemoteCheckpoint

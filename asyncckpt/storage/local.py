@@ -6,7 +6,7 @@ import os
 import shutil
 import uuid
 
-from asyncckpt.engine.files import fsync_path
+from asyncckpt._engine.files import fsync_path
 from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo, ObjectStore
 
 _TMP = ".asyncckpt-obj-tmp-"

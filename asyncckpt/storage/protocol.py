@@ -40,11 +40,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from asyncckpt import layout
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.files import FileRecord
+from asyncckpt._engine.manifest import Manifest, verify_files
 from asyncckpt._threads import run_in_threads
 from asyncckpt.catalog import CheckpointInfo
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.files import FileRecord
-from asyncckpt.engine.manifest import Manifest, verify_files
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.storage.base import (
     AlreadyExistsError,
@@ -79,7 +79,7 @@ class RemoteCheckpoint:
     Attributes:
         name: ``ckpt-10`` (TensorFlow prefix basename) or ``10`` (JAX step).
         framework: ``"tensorflow"``, ``"jax"`` or ``"arrays"`` (a directory
-            checkpoint of ``asyncckpt.jobrunner.ArrayStore``).
+            checkpoint of ``asyncckpt.jobrunner.store.ArrayStore``).
         step: The step, when the name carries one.
         manifest_crc32: CRC32 of the manifest object, from the marker.
         nbytes: Bytes of data the manifest lists.

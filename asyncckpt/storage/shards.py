@@ -21,7 +21,7 @@ calls it on its background writer thread, never on the training thread:
    the same size check once more, the create-only commit marker and orbax's
    ``commit_success.txt`` (``protocol.upload_checkpoint``).
 
-Framework-free: the records are ``asyncckpt.engine.files.FileRecord``.
+Framework-free: the records are ``asyncckpt._engine.files.FileRecord``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from asyncckpt.engine.files import FileRecord
+from asyncckpt._engine.files import FileRecord
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import StorageError, retry_call
 from asyncckpt.storage.tier import RemoteTier

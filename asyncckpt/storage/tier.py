@@ -38,11 +38,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
-from asyncckpt import catalog
+from asyncckpt import _deprecation, catalog
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import retention
+from asyncckpt._engine.manifest import read_manifest
 from asyncckpt._threads import lower_thread_priority
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine.manifest import read_manifest
 from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import RetryPolicy
@@ -53,6 +53,7 @@ from asyncckpt.storage.url import parse_location
 logger = logging.getLogger(__name__)
 
 
+@_deprecation.renamed_fields(every_seconds="every_s")
 @dataclass(frozen=True, kw_only=True)
 class RemoteOptions:
     """How and when checkpoints reach the remote tier.
@@ -60,8 +61,9 @@ class RemoteOptions:
     Attributes:
         every_n_steps: Upload checkpoints whose step is a multiple of this
             (two-tier mode; a URL directory uploads every save).
-        every_seconds: Also upload when this long has passed since the last
-            upload was handed over (None: steps only).
+        every_s: Also upload when this many seconds have passed since the
+            last upload was handed over (None: steps only). Spelled
+            ``every_seconds`` until asyncckpt 0.2 (deprecated).
         max_to_keep: Remote checkpoints to keep in two-tier mode (None keeps
             all); one is deleted only after a newer one is committed. Not
             for a URL directory, whose manager's retention decides.
@@ -72,7 +74,7 @@ class RemoteOptions:
     """
 
     every_n_steps: int = 1
-    every_seconds: float | None = None
+    every_s: float | None = None
     max_to_keep: int | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     concurrency: int = 4
@@ -196,7 +198,7 @@ class RemoteTier:
         """Whether a checkpoint of ``step`` is to be uploaded now."""
         if step is not None and step % self.options.every_n_steps == 0:
             return True
-        every = self.options.every_seconds
+        every = self.options.every_s
         return every is not None and time.monotonic() - self._last_handed >= every
 
     def submit(self, info: catalog.CheckpointInfo, *, force: bool = False,
@@ -426,7 +428,8 @@ class RemoteTier:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None, *, raise_errors: bool = True) -> None:
+    def wait_until_finished(self, timeout: float | None = None, *,
+                            raise_errors: bool = True) -> None:
         """Waits until nothing is uploading or waiting; re-raises a failure.
 
         ``raise_errors=False`` leaves a failure pending for the next call.
@@ -445,10 +448,12 @@ class RemoteTier:
         if raise_errors:
             self.raise_pending_error()
 
+    wait = _deprecation.renamed_method("wait_until_finished", "wait", "RemoteTier")
+
     def close(self, timeout: float | None = None) -> None:
         """Finishes the uploads in flight, stops the uploader, re-raises a failure."""
         try:
-            self.wait(timeout)
+            self.wait_until_finished(timeout)
         finally:
             with self._cv:
                 self._closed = True
@@ -631,9 +636,12 @@ class TieredDirectory:
         if self.remote is not None:
             self.remote.raise_pending_error()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait_until_finished(self, timeout: float | None = None) -> None:
+        """Waits until the remote tier's uploads are done; re-raises a failure."""
         if self.remote is not None:
-            self.remote.wait(timeout)
+            self.remote.wait_until_finished(timeout)
+
+    wait = _deprecation.renamed_method("wait_until_finished", "wait", "TieredDirectory")
 
     def close(self, timeout: float | None = None) -> None:
         try:

@@ -13,6 +13,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from asyncckpt.errors import AsyncCkptError
+
 SUPPORTED_SCHEMES = ("gs", "s3")
 
 # "scheme:/..." with a scheme of two or more letters (so "C:/x" stays a path).
@@ -20,7 +22,7 @@ _URLISH = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):(/|$)")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,221}[a-z0-9]$")
 
 
-class UnsupportedURLError(ValueError):
+class UnsupportedURLError(AsyncCkptError, ValueError):
     """A directory given as a URL of a kind asyncckpt cannot write to."""
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
+from asyncckpt.errors import AsyncCkptError
 from asyncckpt.tf._slices import WHOLE, Slice, intersect, is_slice_key, parse_slice_key
 
 _MAGIC = 0xDB4775248B80FB57  # tsl::table::kTableMagicNumber
@@ -30,7 +31,7 @@ _FOOTER = 48  # two block handles padded to 40 bytes, then the magic number
 _TRAILER = 5  # block type byte + masked CRC32C
 
 
-class BundleFormatError(ValueError):
+class BundleFormatError(AsyncCkptError, ValueError):
     """The index is not an uncompressed TensorFlow bundle SSTable."""
 
 

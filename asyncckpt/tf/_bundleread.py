@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncckpt.engine import fastcrc, reads
-from asyncckpt.engine.files import FileRecord
-from asyncckpt.engine.manifest import Manifest, verify_files
+from asyncckpt._engine import fastcrc, reads
+from asyncckpt._engine.files import FileRecord
+from asyncckpt._engine.manifest import Manifest, verify_files
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.tf import _bundle
 from asyncckpt.tf._compat import OBJECT_GRAPH_KEY, tf

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncckpt.engine import fastcrc
-from asyncckpt.engine.fastcrc import CRC32C, crc_combine
+from asyncckpt._engine import fastcrc
+from asyncckpt._engine.fastcrc import CRC32C, crc_combine
 from asyncckpt.tf._compat import OBJECT_GRAPH_KEY, tf
 from asyncckpt.tf._slices import WHOLE, parse_spec, slice_key
 from asyncckpt.tf._sstable import build_table, varint

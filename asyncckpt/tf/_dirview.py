@@ -31,11 +31,11 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 from asyncckpt import layout
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine.lock import DirectoryLock
-from asyncckpt.engine.manifest import Manifest
-from asyncckpt.engine.metrics import SaveStats
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import retention
+from asyncckpt._engine.lock import DirectoryLock
+from asyncckpt._engine.manifest import Manifest
+from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.tf import _compat
 from asyncckpt.tf._job import delete_checkpoint, manifest_path
 

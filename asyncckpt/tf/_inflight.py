@@ -13,7 +13,7 @@ import os
 import threading
 from concurrent import futures
 
-from asyncckpt.engine.writer import SaveHandle
+from asyncckpt._engine.writer import SaveHandle
 from asyncckpt.storage.url import is_url
 
 _LOCK = threading.Lock()

@@ -20,10 +20,10 @@ from collections.abc import Callable
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest, record_owned
-from asyncckpt.engine.metrics import SaveStats
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest, record_owned
+from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.options import AsyncOptions
 from asyncckpt.tf import _bundlewrite, _compat
 from asyncckpt.tf._compat import tf

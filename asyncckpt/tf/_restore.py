@@ -70,8 +70,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncckpt.engine import fastcrc, reads
-from asyncckpt.engine.manifest import Manifest, is_owned, load_manifest, verify_files
+from asyncckpt._engine import fastcrc, reads
+from asyncckpt._engine.manifest import Manifest, is_owned, load_manifest, verify_files
 from asyncckpt.tf import _bundleread
 from asyncckpt.tf._bundleread import Bundle, fail, masked
 from asyncckpt.tf._compat import tf

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from asyncckpt.engine._copy import copy_arrays
+from asyncckpt._engine._copy import copy_arrays
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from asyncckpt.engine import fastcrc
+from asyncckpt._engine import fastcrc
 
 _BLOCK_SIZE = 262144  # tsl::table::Options().block_size
 _RESTART_INTERVAL = 16  # tsl::table::Options().block_restart_interval

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncckpt.engine._copy import copy_arrays
-from asyncckpt.engine.slots import Slot
+from asyncckpt._engine._copy import copy_arrays
+from asyncckpt._engine.slots import Slot
 from asyncckpt.errors import UnsupportedObjectError
 from asyncckpt.tf import _compat
 from asyncckpt.tf._compat import tf

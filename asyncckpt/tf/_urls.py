@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncckpt import layout
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.metrics import SaveStats
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.errors import CheckpointNotFoundError
 from asyncckpt.storage import protocol
 from asyncckpt.storage.base import retry_call

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from asyncckpt import errors
 from asyncckpt._closing import ClosingContext
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine.manifest import is_owned, load_manifest, verify_files
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.writer import AsyncEngine, SaveHandle
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.manifest import is_owned, load_manifest, verify_files
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions
 from asyncckpt.storage.url import is_url
@@ -359,7 +359,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
 
     @_Attribute
     def engine(self) -> AsyncEngine:
-        """The background engine: stats, ``estimated_write_seconds``, pending count."""
+        """The background engine: stats, ``estimated_write_s``, pending count."""
         return self._asyncckpt.engine
 
     def _check_dir(self, prefix: str) -> None:
@@ -454,11 +454,19 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
 
     # -- waiting -------------------------------------------------------------------
 
-    def sync(self, timeout: float | None = None) -> None:
-        """Waits until every save so far is durable; re-raises background errors."""
+    def wait_until_finished(self, timeout: float | None = None) -> None:
+        """Waits until every save so far is durable; re-raises background errors.
+
+        asyncckpt's one spelling of the wait, on every object that saves in
+        the background; ``sync()`` is TensorFlow's, and the same.
+        """
         engine = self._asyncckpt.engine_if_any
         if engine is not None:
-            engine.sync(timeout)
+            engine.wait_until_finished(timeout)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """TensorFlow's ``tf.train.Checkpoint.sync()``: ``wait_until_finished``."""
+        self.wait_until_finished(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves in flight and frees the staging memory."""
@@ -486,7 +494,7 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         engine = self._asyncckpt.engine_if_any
         if engine is not None:
             engine.make_room_for_restore()  # idle staging gives way (host memory budget)
-        checksums = self._asyncckpt.restore_options.verify_checksums
+        checksums = self._asyncckpt.restore_options.checksums
         target = self._asyncckpt.urls.target(path)
         if target is None:
             return path, _restore.prepared(path, options=options, verify=verify_checkpoint,

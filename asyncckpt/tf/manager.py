@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from asyncckpt import layout
 from asyncckpt._closing import ClosingContext
-from asyncckpt.engine import commit as commit_lib
-from asyncckpt.engine import retention
-from asyncckpt.engine.writer import SaveHandle
+from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import retention
+from asyncckpt._engine.writer import SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, register_owner
@@ -174,7 +174,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         self._step_counter = step_counter
         self._last_checkpoint_step = last_checkpoint_step
         self._state = async_state(self._ckpt)  # engine, options, stager of the checkpoint
-        self._verify_checksums = self._state.restore_options.verify_checksums
+        self._checksums = self._state.restore_options.checksums
         self._view = _dirview.view_for(self._directory, fsync=self._state.options.fsync)
         if self._tiers.remote_only:
             # A new process on a URL directory manages what is committed there,
@@ -239,7 +239,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
 
     @property
     def engine(self):
-        """The background engine (stats, ``estimated_write_seconds``)."""
+        """The background engine (stats, ``estimated_write_s``)."""
         return self._state.engine
 
     @property
@@ -420,9 +420,9 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
             path = self._local_path(name)
             _inflight.wait_for(path)
             try:
-                self._tiers.ensure_local(name, checksums=self._verify_checksums)
+                self._tiers.ensure_local(name, checksums=self._checksums)
                 if use is None:
-                    verify_checkpoint(path, checksums=self._verify_checksums)
+                    verify_checkpoint(path, checksums=self._checksums)
                 else:
                     use(path)
                 return name
@@ -452,21 +452,27 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
             logger.info("Customized initialization is done through the passed `init_fn`.")
         return None
 
-    def sync(self, timeout: float | None = None) -> None:
+    def wait_until_finished(self, timeout: float | None = None) -> None:
         """Waits until every save is durable; re-raises background errors.
 
         Also waits for saves of the same directory by managers of this process
         that were dropped without ``close()`` (as for a restart), so what they
         leave (files, retention, the state file) is settled when this returns.
+        asyncckpt's one spelling of the wait; ``sync()`` is TensorFlow's, and
+        the same.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._ckpt.sync(timeout)
+        self._ckpt.wait_until_finished(timeout)
         if not self._view.wait_orphans(_remaining(deadline)):
             raise TimeoutError(
                 f"saves of {self._view.abs_dir} by a dropped manager still in flight after "
                 f"{timeout} s"
             )
-        self._tiers.wait(_remaining(deadline))
+        self._tiers.wait_until_finished(_remaining(deadline))
+
+    def sync(self, timeout: float | None = None) -> None:
+        """TensorFlow's ``tf.train.CheckpointManager.sync()``: ``wait_until_finished``."""
+        self.wait_until_finished(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes saves; the last manager of the directory releases its lock."""
@@ -474,7 +480,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
             if self._owns_ckpt:
                 self._ckpt.close(timeout)
             else:
-                self._ckpt.sync(timeout)
+                self._ckpt.wait_until_finished(timeout)
         finally:
             try:
                 self._view.leave(self)

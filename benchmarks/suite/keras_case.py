@@ -107,7 +107,7 @@ def measure(nbytes: int, *, reps: int, workdir: str) -> dict:
             self.backup = backup
 
         def on_train_batch_end(self, batch, logs=None):
-            self.backup.store.sync()
+            self.backup.store.wait_until_finished()
 
     class TimedKeras(keras.callbacks.BackupAndRestore):
         times: list[float] = []

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from asyncckpt.engine import reads
+from asyncckpt._engine import reads
 from benchmarks.suite import child_env
 from benchmarks.suite import engines as eng
 

@@ -32,10 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from asyncckpt import catalog
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest
-from asyncckpt.storage import RetryPolicy, open_store
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest
+from asyncckpt.storage import RetryPolicy
 from asyncckpt.storage import protocol as proto
+from asyncckpt.storage.stores import open_store
 from asyncckpt.storage.tier import RemoteOptions
 from asyncckpt.storage.url import parse_location
 from tests.servers import FakeGCS, SeaweedS3
@@ -134,12 +135,12 @@ def measure_blocking(url: str, workdir: str, nbytes: int, reps: int, saves: int,
                           "remote_options": RemoteOptions(max_to_keep=2)}
             with aj.CheckpointManager(local, max_to_keep=2, **kwargs) as mgr:
                 mgr.save(0, states[0])  # untimed: first-use slot allocation
-                mgr.engine.sync()
+                mgr.engine.wait_until_finished()
                 for i in range(1, saves + 1):
                     t = time.perf_counter()
                     mgr.save(i, states[i % 2])
                     times[mode].append(time.perf_counter() - t)
-                    mgr.engine.sync()  # locally durable; uploads keep running behind
+                    mgr.engine.wait_until_finished()  # locally durable; uploads keep running behind
             progress(f"  blocking rep {rep} {mode}: median "
                      f"{statistics.median(times[mode][-saves:]) * 1e3:.1f} ms")
     off, on = statistics.median(times["off"]), statistics.median(times["on"])

@@ -802,6 +802,28 @@ def test_async_options_create_directories_synchronously(tmp_path, monkeypatch):
         _GatedJob.gate.set()
 
 
+def test_orbax_async_options_in_async_options_keyword_is_refused_naming_its_place(tmp_path):
+    """Two classes named ``AsyncOptions``: the manager's keyword takes asyncckpt's only.
+
+    orbax's goes where orbax's manager takes it (``options=``); given to the
+    keyword, it is refused at construction, naming that place, and nothing
+    is created in the directory.
+    """
+    from asyncckpt import AsyncOptions
+
+    with pytest.raises(TypeError, match=r"CheckpointManagerOptions\(async_options="):
+        aj.CheckpointManager(tmp_path / "a", async_options=ocp.AsyncOptions(timeout_secs=5))
+    with pytest.raises(TypeError, match=r"must be asyncckpt\.AsyncOptions"):
+        aj.CheckpointManager(tmp_path / "b", async_options={"num_slots": 1})
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with aj.CheckpointManager(tmp_path / "c", async_options=AsyncOptions(num_slots=1),
+                              options=_opts(async_options=ocp.AsyncOptions(timeout_secs=60))
+                              ) as mgr:
+        mgr.save(1, _state(1))
+    with ocp.CheckpointManager(tmp_path / "c") as theirs:
+        _same(theirs.restore(1, args=ocp.args.StandardRestore(_abstract())), _state(1))
+
+
 # -- logger ------------------------------------------------------------------------------
 
 

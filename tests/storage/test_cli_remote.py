@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from asyncckpt.cli import main
-from asyncckpt.storage import open_store
+from asyncckpt.storage.stores import open_store
 
 jax = pytest.importorskip("jax")
 

@@ -15,8 +15,9 @@ import pytest
 
 from asyncckpt import catalog
 from asyncckpt.errors import CheckpointNotFoundError
-from asyncckpt.storage import RetryPolicy, StorageError, open_store
+from asyncckpt.storage import RetryPolicy, StorageError
 from asyncckpt.storage import protocol as proto
+from asyncckpt.storage.stores import open_store
 from tests.helpers import start_python, subprocess_env, write_script
 
 pytest.importorskip("jax")

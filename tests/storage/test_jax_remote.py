@@ -13,8 +13,9 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
-from asyncckpt.storage import StorageError, UnsupportedURLError, open_store  # noqa: E402
+from asyncckpt.storage import StorageError, UnsupportedURLError  # noqa: E402
 from asyncckpt.storage.protocol import ORBAX_COMMIT_NAME, list_committed  # noqa: E402
+from asyncckpt.storage.stores import open_store  # noqa: E402
 from asyncckpt.storage.tier import RemoteOptions  # noqa: E402
 
 

@@ -21,11 +21,11 @@ ocp = pytest.importorskip("orbax.checkpoint")
 import jax.numpy as jnp  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
-from asyncckpt.engine import reads  # noqa: E402
+from asyncckpt._engine import reads  # noqa: E402
 from asyncckpt.errors import CorruptCheckpointError  # noqa: E402
-from asyncckpt.storage import open_store  # noqa: E402
 from asyncckpt.storage.lazy import is_chunk  # noqa: E402
 from asyncckpt.storage.protocol import list_committed  # noqa: E402
+from asyncckpt.storage.stores import open_store  # noqa: E402
 
 PLAIN = aj.FormatOptions(use_ocdbt=False)
 

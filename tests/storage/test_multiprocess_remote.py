@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
-from asyncckpt.storage import open_store  # noqa: E402
 from asyncckpt.storage.protocol import JAX_MARKER_NAME, list_committed  # noqa: E402
+from asyncckpt.storage.stores import open_store  # noqa: E402
 from tests.helpers import run_workers, subprocess_env, write_script  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 from tests.storage.conftest import BUCKET  # noqa: E402

@@ -21,8 +21,9 @@ pytest.importorskip("jax")
 
 import asyncckpt.jax as aj
 from asyncckpt.preemption import GraceOptions, PreemptionCheckpointHandler, TerminationConfig
-from asyncckpt.storage import RetryPolicy, StorageError, open_store
+from asyncckpt.storage import RetryPolicy, StorageError
 from asyncckpt.storage.protocol import list_committed
+from asyncckpt.storage.stores import open_store
 from asyncckpt.storage.tier import RemoteOptions
 
 N = 64 * 1024

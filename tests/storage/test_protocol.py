@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from asyncckpt import catalog
-from asyncckpt.engine.files import DurableWriter
-from asyncckpt.engine.manifest import Manifest
-from asyncckpt.storage import RetryPolicy, StorageError, open_store
+from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.manifest import Manifest
+from asyncckpt.storage import RetryPolicy, StorageError
 from asyncckpt.storage import protocol as proto
+from asyncckpt.storage.stores import open_store
 
 FAST = RetryPolicy(deadline_s=1.0, initial_backoff_s=0.05)
 

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from asyncckpt.storage import open_store
+from asyncckpt.storage.stores import open_store
 
 botocore_session = pytest.importorskip("botocore.session")
 

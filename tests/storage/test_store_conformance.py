@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from asyncckpt.storage import AlreadyExistsError, ObjectInfo, open_store
+from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo
+from asyncckpt.storage.stores import open_store
 
 
 @pytest.fixture

@@ -12,13 +12,9 @@ tf = pytest.importorskip("tensorflow")
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt.errors import CorruptCheckpointError  # noqa: E402
-from asyncckpt.storage import (  # noqa: E402
-    RetryPolicy,
-    StorageError,
-    UnsupportedURLError,
-    open_store,
-)
+from asyncckpt.storage import RetryPolicy, StorageError, UnsupportedURLError  # noqa: E402
 from asyncckpt.storage.protocol import list_committed  # noqa: E402
+from asyncckpt.storage.stores import open_store  # noqa: E402
 from asyncckpt.storage.tier import RemoteOptions  # noqa: E402
 from tests.storage import conftest as storage_conftest  # noqa: E402
 

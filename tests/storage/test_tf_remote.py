@@ -11,8 +11,9 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import asyncckpt.tf as at  # noqa: E402
-from asyncckpt.storage import UnsupportedURLError, open_store  # noqa: E402
+from asyncckpt.storage import UnsupportedURLError  # noqa: E402
 from asyncckpt.storage.protocol import list_committed  # noqa: E402
+from asyncckpt.storage.stores import open_store  # noqa: E402
 from asyncckpt.storage.tier import RemoteOptions  # noqa: E402
 
 

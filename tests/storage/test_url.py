@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from asyncckpt.storage import UnsupportedURLError, is_url, parse_location
+from asyncckpt.storage import UnsupportedURLError
+from asyncckpt.storage.url import is_url, parse_location
 
 
 @pytest.mark.parametrize("url,scheme,bucket,prefix", [

@@ -14,8 +14,9 @@ import uuid
 import numpy as np
 import pytest
 
-from asyncckpt.storage import RetryPolicy, open_store
+from asyncckpt.storage import RetryPolicy
 from asyncckpt.storage.protocol import download_checkpoint, list_committed
+from asyncckpt.storage.stores import open_store
 from asyncckpt.storage.tier import RemoteOptions
 from tests.storage.conftest import BUCKET
 

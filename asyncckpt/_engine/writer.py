@@ -9,7 +9,7 @@ writer and spare builds pause between pieces (``engine/_gate.py``). The flush
 at exit and ``fork()`` are handled in ``engine/_process.py``.
 
 Errors contract (see ``AsyncEngine``): a background failure is raised to every
-thread waiting in ``sync()``/``close()`` when it happens, and to every later
+thread waiting in ``wait_until_finished()``/``close()`` when it happens, and to every later
 call on any thread until it has been raised on the engine's *owner* thread,
 the thread that last called ``save()``.
 
@@ -33,14 +33,15 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+from asyncckpt import _deprecation
 from asyncckpt._closing import ClosingContext
+from asyncckpt._engine import _process
+from asyncckpt._engine._gate import SaveGate
+from asyncckpt._engine._jobs import SaveJob, StageFn
+from asyncckpt._engine.budget import staging_budget
+from asyncckpt._engine.metrics import SaveStats, WriteTimeEstimator
+from asyncckpt._engine.slots import Slot, StagingPool
 from asyncckpt._threads import lower_thread_priority
-from asyncckpt.engine import _process
-from asyncckpt.engine._gate import SaveGate
-from asyncckpt.engine._jobs import SaveJob, StageFn
-from asyncckpt.engine.budget import staging_budget
-from asyncckpt.engine.metrics import SaveStats, WriteTimeEstimator
-from asyncckpt.engine.slots import Slot, StagingPool
 from asyncckpt.errors import EngineClosedError
 from asyncckpt.options import AsyncOptions
 
@@ -126,8 +127,8 @@ def _clear_frames(error: BaseException) -> None:
 class AsyncEngine(ClosingContext):
     """Stages saves into host slots and writes them on a background thread.
 
-    Errors: a background failure is raised by every ``sync()``/``close()``
-    waiting when it happens, and by every later ``save()``, ``sync()``,
+    Errors: a background failure is raised by every ``wait_until_finished()``/``close()``
+    waiting when it happens, and by every later ``save()``, ``wait_until_finished()``,
     ``close()`` or ``raise_pending_error()`` on any thread, until it has been
     raised on the *owner* thread: the thread that last called ``save()`` (the
     training loop; before any save, the thread that made the engine). Once
@@ -171,7 +172,7 @@ class AsyncEngine(ClosingContext):
         self._finalizer: weakref.finalize | None = None
         # Errors: (sequence number, error), oldest first. The owner thread
         # has seen every error numbered below _owner_seen; _waiters holds the
-        # error count at the start of each sync()/close() still waiting.
+        # error count at the start of each wait_until_finished()/close() still waiting.
         self._errors: list[tuple[int, BaseException]] = []
         self._error_count = 0
         self._owner_seen = 0
@@ -208,9 +209,12 @@ class AsyncEngine(ClosingContext):
         return self._estimator
 
     @property
-    def estimated_write_seconds(self) -> float | None:
+    def estimated_write_s(self) -> float | None:
         """Smoothed background seconds (write + commit) of recent saves."""
         return self._estimator.seconds
+
+    estimated_write_seconds = _deprecation.renamed_property(
+        "estimated_write_s", "estimated_write_seconds", "AsyncEngine")
 
     @property
     def writer_thread_id(self) -> int | None:
@@ -539,7 +543,7 @@ class AsyncEngine(ClosingContext):
         with self._cond:
             return self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout)
 
-    def sync(self, timeout: float | None = None) -> None:
+    def wait_until_finished(self, timeout: float | None = None) -> None:
         """Waits until every staged save is durable.
 
         Raises:
@@ -553,6 +557,8 @@ class AsyncEngine(ClosingContext):
                 f"{self.name}: {self.pending} save(s) still in flight after {timeout} s"
             )
         self._deliver(since)
+
+    sync = _deprecation.renamed_method("wait_until_finished", "sync", "AsyncEngine")
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes in-flight saves, stops the writer and frees host buffers.

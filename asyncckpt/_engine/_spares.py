@@ -12,7 +12,7 @@ of it is built, so no save ever copies into pages still being faulted.
 This module holds the part without pool state: the build itself, which
 stops between 8 MiB pieces once the pool is closed and pauses there while a
 save copies. Whether a spare fits in host memory is the pool's budget's call
-(``asyncckpt.engine.budget``).
+(``asyncckpt._engine.budget``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from asyncckpt.engine._pages import aligned_empty
+from asyncckpt._engine._pages import aligned_empty
 
 logger = logging.getLogger(__name__)
 

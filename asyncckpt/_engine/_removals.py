@@ -15,8 +15,8 @@ import logging
 import threading
 from collections import deque
 
+from asyncckpt._engine import commit as commit_lib
 from asyncckpt._threads import lower_thread_priority
-from asyncckpt.engine import commit as commit_lib
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
-from asyncckpt.engine.files import fsync_path
+from asyncckpt._engine.files import fsync_path
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncckpt.engine import fastcrc
+from asyncckpt._engine import fastcrc
+from asyncckpt.errors import AsyncCkptError
 
 PIECE = 8 << 20  # bytes per read call: large enough for the disk, small enough to spread
 DIRECT_ALIGN = 4096  # O_DIRECT: file offsets, lengths and addresses aligned like this
@@ -344,7 +345,7 @@ def resident_fraction(fd: int, size: int) -> float:
     return counted[0] / counted[1] if counted and counted[1] else 0.0
 
 
-class ShortReadError(OSError):
+class ShortReadError(AsyncCkptError, OSError):
     """A file ended before the bytes its manifest records (truncated under us).
 
     Attributes:

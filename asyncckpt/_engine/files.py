@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from asyncckpt.engine import fastcrc
+from asyncckpt._engine import fastcrc
 
 logger = logging.getLogger(__name__)
 

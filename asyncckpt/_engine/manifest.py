@@ -18,8 +18,8 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from asyncckpt._engine.files import FileRecord
 from asyncckpt._version import __version__
-from asyncckpt.engine.files import FileRecord
 from asyncckpt.errors import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def record_owned(directory: str, name: str, *, marker_suffix: str, fsync: bool) 
             is recorded.
         fsync: Whether to make the record durable.
     """
-    from asyncckpt.engine.commit import write_text_atomic
+    from asyncckpt._engine.commit import write_text_atomic
 
     with _owned_lock:
         owned = _read_owned(directory)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from asyncckpt.engine._pages import touch_pages
+from asyncckpt._engine._pages import touch_pages
 
 __all__ = ["copy_arrays", "prefault_all"]
 

@@ -34,11 +34,11 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
+from asyncckpt._engine import _spares
+from asyncckpt._engine._copy import prefault_all
+from asyncckpt._engine._pages import aligned_empty, touch_pages
+from asyncckpt._engine.budget import Budget
 from asyncckpt._threads import lower_thread_priority
-from asyncckpt.engine import _spares
-from asyncckpt.engine._copy import prefault_all
-from asyncckpt.engine._pages import aligned_empty, touch_pages
-from asyncckpt.engine.budget import Budget
 from asyncckpt.errors import HostMemoryError
 
 __all__ = ["Slot", "StagingPool"]
@@ -212,7 +212,7 @@ class StagingPool:
         pause: Called by a spare build between its 8 MiB pieces; the engine
             passes its ``SaveGate.wait``, so a build yields to a save's copy.
         budget: Given the bytes staging holds now, the host memory budget
-            (``asyncckpt.engine.budget.staging_budget``). With one, the pool
+            (``asyncckpt._engine.budget.staging_budget``). With one, the pool
             keeps only as many slots (spares included) as copies of the
             state fit, fewer than ``num_slots`` if need be (saves then wait
             for a slot), and ``Slot.reserve`` refuses a state of which not

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from asyncckpt.engine.metrics import SaveStats
-from asyncckpt.engine.slots import Slot
+from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.slots import Slot
 
 
 class SaveJob(Protocol):

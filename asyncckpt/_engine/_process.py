@@ -34,7 +34,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncckpt.engine.writer import AsyncEngine
+    from asyncckpt._engine.writer import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
