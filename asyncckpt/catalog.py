@@ -120,20 +120,46 @@ def _is_array_store(step_dir: str) -> bool:
     return all(os.path.isfile(os.path.join(step_dir, n)) for n in _ARRAYS_FILES)
 
 
-def select(directory: str, which: str | None) -> list[CheckpointInfo]:
-    """All checkpoints, or the one named by ``which`` (a step or a name).
+def checkpoint_at(path: str) -> CheckpointInfo | None:
+    """The checkpoint ``path`` names itself, or None when it is not one.
+
+    A TensorFlow prefix (``path.index`` exists), or a directory with an
+    asyncckpt manifest: a manager's step directory, or the path a JAX
+    checkpointer (``asyncckpt.jax.StandardCheckpointer``) saved to.
+    """
+    if os.path.isfile(path + layout.TF_INDEX_SUFFIX):
+        return CheckpointInfo(name=os.path.basename(path), path=path, framework="tensorflow",
+                              step=layout.tf_step_of(path),
+                              manifest_path=layout.tf_manifest_path(path))
+    manifest_path = layout.jax_manifest_path(path)
+    if os.path.isdir(path) and os.path.isfile(manifest_path):
+        name = os.path.basename(os.path.normpath(path))
+        digits = re.search(r"(\d+)$", name)
+        return CheckpointInfo(name=name, path=path,
+                              framework=ARRAYS if _is_array_store(path) else "jax",
+                              step=int(digits.group(1)) if digits else None,
+                              manifest_path=manifest_path)
+    return None
+
+
+def select(path: str, which: str | None) -> list[CheckpointInfo]:
+    """The checkpoints of a directory, or the one named by ``which`` (a step or a name).
+
+    ``path`` may also name one checkpoint itself (``checkpoint_at``): then
+    that one is selected, and ``which``, if given, must name it.
 
     Raises:
         CheckpointNotFoundError: nothing matches.
     """
-    found = list_checkpoints(directory)
+    one = checkpoint_at(path)
+    found = [one] if one is not None else list_checkpoints(path)
     if which is None:
         return found
     chosen = [c for c in found if c.name == which or (which.isdigit() and c.step == int(which))]
     if not chosen:
         names = ", ".join(c.name for c in found) or "none"
         raise CheckpointNotFoundError(
-            f"no checkpoint {which!r} in {directory!r} (checkpoints there: {names})"
+            f"no checkpoint {which!r} in {path!r} (checkpoints there: {names})"
         )
     return chosen
 
@@ -209,17 +235,32 @@ def _zarr_metadata(item_dir: str) -> list[tuple[str, dict]]:
     return out
 
 
+def _is_zarr_item(directory: str) -> bool:
+    """An item's own directory: an OCDBT database, or leaf directories holding ``.zarray``."""
+    if os.path.isfile(os.path.join(directory, "manifest.ocdbt")):
+        return True
+    return any(os.path.isfile(os.path.join(directory, leaf, ".zarray"))
+               for leaf in os.listdir(directory))
+
+
 def _describe_zarr_tree(step_dir: str) -> list[ArrayInfo]:
+    """The arrays of a manager's step (one item per subdirectory) or of a checkpointer's path.
+
+    A checkpointer writes its pytree at the path itself (orbax's item at the
+    root), so the path is then the one item and leaves keep their own names.
+    """
+    if _is_zarr_item(step_dir):
+        items = [("", step_dir)]
+    else:
+        items = [(item, os.path.join(step_dir, item)) for item in sorted(os.listdir(step_dir))
+                 if os.path.isdir(os.path.join(step_dir, item))]
     arrays = []
-    for item in sorted(os.listdir(step_dir)):
-        item_dir = os.path.join(step_dir, item)
-        if not os.path.isdir(item_dir):
-            continue
+    for item, item_dir in items:
         for leaf, meta in _zarr_metadata(item_dir):
             shape = tuple(int(d) for d in meta["shape"])
             dtype = str(meta["dtype"])
             itemsize = _itemsize(dtype)
-            name = leaf if item == "default" else f"{item}/{leaf}"
+            name = leaf if item in ("", "default") else f"{item}/{leaf}"
             arrays.append(ArrayInfo(name, shape, dtype, math.prod(shape) * itemsize))
     return arrays
 

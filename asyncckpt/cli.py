@@ -4,9 +4,12 @@
 ``asyncckpt verify DIR [STEP]`` work on TensorFlow and JAX checkpoint
 directories alike, local or ``s3://`` / ``gs://`` URLs (only committed
 checkpoints are listed; ``inspect`` and ``verify`` download the checkpoints
-they look at into a temporary directory). ``verify`` exits with 0 only if
-every checked checkpoint matches its manifest. ``asyncckpt bench`` runs the
-benchmarks of a source checkout (``benchmarks/suite``, not installed with the wheel).
+they look at into a temporary directory). Locally, ``inspect`` and
+``verify`` also take one checkpoint's own path: a TensorFlow prefix, a step
+directory, or the path a JAX checkpointer saved to. ``verify`` exits with 0
+only if every checked checkpoint matches its manifest, and both exit with 1
+where there is no checkpoint. ``asyncckpt bench`` runs the benchmarks of a
+source checkout (``benchmarks/suite``, not installed with the wheel).
 """
 
 from __future__ import annotations
@@ -100,7 +103,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _inspect(directory: str, args: argparse.Namespace) -> int:
     chosen = catalog.select(directory, args.step)
-    if args.step is None and chosen:
+    if not chosen:
+        print(f"no checkpoints in {args.dir}")
+        return 1
+    if args.step is None:
         chosen = chosen[-1:]  # the newest
     for c in chosen:
         m = c.manifest()
@@ -196,12 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_list)
 
     p = sub.add_parser("inspect", help="arrays, shapes, dtypes, bytes and save stats")
-    p.add_argument("dir")
+    p.add_argument("dir", help="a checkpoint directory, or one checkpoint's own path")
     p.add_argument("step", nargs="?", help="step or name (default: the newest)")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("verify", help="check files against manifests; exit 1 on any failure")
-    p.add_argument("dir")
+    p.add_argument("dir", help="a checkpoint directory, or one checkpoint's own path")
     p.add_argument("step", nargs="?", help="step or name (default: every checkpoint)")
     p.add_argument("--sizes-only", action="store_true", help="skip the CRC32 pass")
     p.set_defaults(func=_cmd_verify)
