@@ -107,7 +107,7 @@ from collections.abc import Callable, Iterator
 
 from asyncckpt._coordination import Coordinator, JaxCoordinator
 from asyncckpt.errors import CoordinationError, CoordinationTimeoutError
-from asyncckpt.jax._verdicts import ABORT, LastRound, RestoreVerdicts
+from asyncckpt.jax._verdicts import ABORT, LastRound, RestoreVerdicts, wait_for
 from asyncckpt.storage.url import is_url
 
 __all__ = ["CommitCoordinator", "DistributedSaveError", "Saves", "manager_key"]
@@ -217,13 +217,8 @@ class CommitCoordinator:
     # -- helpers --------------------------------------------------------------
 
     def _get(self, key: str, deadline: float, what: str) -> str:
-        value = self._store.get(key, max(0.001, deadline - time.monotonic()))
-        if value is None:
-            raise CoordinationTimeoutError(
-                f"[process {self.process_index}] no answer for {what} within "
-                f"{self.timeout_s:.0f} s (key {key!r})"
-            )
-        return value
+        return wait_for(self._store, key, deadline, process_index=self.process_index,
+                        timeout_s=self.timeout_s, what=what)
 
     def _set(self, key: str, value: str) -> None:
         self._store.set(key, value)

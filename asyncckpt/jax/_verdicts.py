@@ -38,6 +38,23 @@ def _peer_failed(text: str) -> PeerFailedError:
     return PeerFailedError(int(info["process"]), f"restore failed there: {info['error']}")
 
 
+def wait_for(store: Coordinator, key: str, deadline: float, *, process_index: int,
+             timeout_s: float, what: str) -> str:
+    """The value of ``key``, in one blocking read that ends at ``deadline`` (monotonic).
+
+    Raises:
+        CoordinationTimeoutError: No value by the deadline; the message names
+            this process, ``what`` was awaited, the protocol's timeout and the key.
+    """
+    value = store.get(key, max(0.001, deadline - time.monotonic()))
+    if value is None:
+        raise CoordinationTimeoutError(
+            f"[process {process_index}] no answer for {what} within {timeout_s:.0f} s "
+            f"(key {key!r})"
+        )
+    return value
+
+
 class LastRound:
     """Process 0's keys of the newest combined verdict, one per manager's coordinator.
 
@@ -123,13 +140,8 @@ class RestoreVerdicts:
 
     def _wait(self, key: str, deadline: float, what: str) -> str:
         """The value of ``key`` (maybe an abort), in one blocking read."""
-        value = self._store.get(key, max(0.001, deadline - time.monotonic()))
-        if value is None:
-            raise CoordinationTimeoutError(
-                f"[process {self.process_index}] no answer for {what} within "
-                f"{self.timeout_s:.0f} s (key {key!r})"
-            )
-        return value
+        return wait_for(self._store, key, deadline, process_index=self.process_index,
+                        timeout_s=self.timeout_s, what=what)
 
     def abort(self, error: BaseException) -> None:
         """Tells the other processes that this restore failed here, so none waits for it.

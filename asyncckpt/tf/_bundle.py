@@ -67,7 +67,14 @@ class BundleIndex:
     slices: dict[str, tuple[StoredSlice, ...]] = field(default_factory=dict)
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """The unsigned LEB128 varint at ``buf[pos]`` and the position after it.
+
+    TensorFlow's encoding of lengths in SSTables, string tensors and variant lists.
+
+    Raises:
+        BundleFormatError: ``buf`` ends inside it, or it is over 64 bits.
+    """
     result = shift = 0
     while True:
         if pos >= len(buf):
@@ -98,9 +105,9 @@ def _block(data: bytes, offset: int, size: int) -> list[tuple[bytes, bytes]]:
     pos = 0
     key = b""
     while pos < limit:
-        shared, pos = _varint(block, pos)
-        unshared, pos = _varint(block, pos)
-        vlen, pos = _varint(block, pos)
+        shared, pos = read_varint(block, pos)
+        unshared, pos = read_varint(block, pos)
+        vlen, pos = read_varint(block, pos)
         if shared > len(key) or pos + unshared + vlen > limit:
             raise BundleFormatError("bad block entry")
         key = key[:shared] + block[pos:pos + unshared]
@@ -124,16 +131,16 @@ def parse_index(data: bytes) -> BundleIndex:
     (magic,) = struct.unpack_from("<Q", footer, _FOOTER - 8)
     if magic != _MAGIC:
         raise BundleFormatError("not an SSTable (bad magic number)")
-    _, pos = _varint(footer, 0)  # metaindex offset
-    _, pos = _varint(footer, pos)  # metaindex size
-    index_offset, pos = _varint(footer, pos)
-    index_size, _ = _varint(footer, pos)
+    _, pos = read_varint(footer, 0)  # metaindex offset
+    _, pos = read_varint(footer, pos)  # metaindex size
+    index_offset, pos = read_varint(footer, pos)
+    index_size, _ = read_varint(footer, pos)
     header = None
     entries = {}
     stored: dict[str, dict[tuple, object]] = {}  # key -> (starts, lengths) -> entry
     for _, handle in _block(data, index_offset, index_size):
-        offset, p = _varint(handle, 0)
-        size, _ = _varint(handle, p)
+        offset, p = read_varint(handle, 0)
+        size, _ = read_varint(handle, p)
         for key, value in _block(data, offset, size):
             if key == b"":
                 header = tensor_bundle_pb2.BundleHeaderProto.FromString(value)
@@ -227,7 +234,7 @@ def string_tensor_crc32c(encoded: bytes, count: int) -> int:
     pos = 0
     lengths = []
     for _ in range(count):
-        n, pos = _varint(encoded, pos)
+        n, pos = read_varint(encoded, pos)
         lengths.append(n)
     if pos + 4 + sum(lengths) != len(encoded):
         raise BundleFormatError("string tensor encoding does not match its lengths")

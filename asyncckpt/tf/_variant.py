@@ -28,22 +28,10 @@ import logging
 import numpy as np
 
 from asyncckpt.tf import _compat
+from asyncckpt.tf._bundle import read_varint
 from asyncckpt.tf._compat import tf
 
 logger = logging.getLogger(__name__)
-
-
-def _uvarint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
 
 
 def split_variant_list(content: bytes, count: int) -> list[memoryview]:
@@ -56,7 +44,7 @@ def split_variant_list(content: bytes, count: int) -> list[memoryview]:
     pos = 0
     lengths = []
     for _ in range(count):
-        n, pos = _uvarint(buf, pos)
+        n, pos = read_varint(buf, pos)
         lengths.append(n)
     if pos + sum(lengths) != len(buf):
         raise ValueError(f"{len(buf)} bytes do not hold {count} elements of the lengths listed")
