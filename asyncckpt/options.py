@@ -40,8 +40,9 @@ class AsyncOptions:
             more state of host memory from the first save on, whether or not
             the run ever saves in bursts. Off by default: with it, host
             memory is ``num_slots + 1`` states from the first save.
-        host_memory_limit: Bytes that staging (slots and spares together)
-            may hold in host memory. None (the default) allows
+        host_memory_limit: Bytes that staging (slots and spares together,
+            and the copy the JAX OCDBT writer hands TensorStore while it
+            writes) may hold in host memory. None (the default) allows
             ``host_memory_fraction`` of the memory the process could still
             take (the smallest of ``MemAvailable``, its memory cgroup's
             headroom and its ``RLIMIT_AS``/``RLIMIT_DATA`` headroom, read at

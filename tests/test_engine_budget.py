@@ -245,6 +245,70 @@ def test_framework_saves_say_their_size_before_allocating(tmp_path):
         assert mgr.engine.staging_bytes == 0 and mgr.all_steps() == []
 
 
+class _ReservingBeside(_Recorder):
+    """Says the state's size and a writer's copy beside the slots, as the OCDBT writer does."""
+
+    def __init__(self, directory, gate, beside: int):
+        super().__init__(directory, gate)
+        self.beside = beside
+
+    def stage(self, name, state):
+        inner = super().stage(name, state)
+
+        def stage(slot):
+            slot.reserve(_nbytes(state), beside=self.beside)
+            return inner(slot)
+
+        return stage
+
+
+def test_the_writers_copy_beside_the_slots_counts_once_in_the_budget(tmp_path, caplog):
+    gate = threading.Event()  # holds the writer: the first save keeps its slot
+    state = _state(1, _LAYOUT)
+    nbytes = _nbytes(state)
+    # Two copies fit the budget; two copies and the writer's copy of half a state do not.
+    opts = AsyncOptions(num_slots=2, host_memory_limit=2 * nbytes + nbytes // 4)
+    with AsyncEngine(options=opts) as engine:
+        rec = _ReservingBeside(str(tmp_path), gate, beside=nbytes // 2)
+        engine.save(rec.stage("a", state), label="a")
+        try:
+            assert engine._pool.slot_cap == 1 and engine._pool.num_slots == 1
+        finally:
+            gate.set()  # a failed check must not leave close() waiting on the writer
+        engine.wait_until_finished()
+    assert rec.read("a") == _bytes_of(state)
+    with AsyncEngine(options=opts) as engine:  # the same state without a writer's copy
+        rec = _ReservingBeside(str(tmp_path / "plain"), gate, beside=0)
+        engine.save(rec.stage("a", state), label="a")
+        assert engine._pool.slot_cap == 2
+        engine.wait_until_finished()
+    # One copy and the writer's copy over the budget: refused, naming both, nothing allocated.
+    with AsyncEngine(options=AsyncOptions(host_memory_limit=nbytes + nbytes // 4)) as engine:
+        rec = _ReservingBeside(str(tmp_path / "over"), gate, beside=nbytes // 2)
+        with pytest.raises(HostMemoryError, match="OCDBT transaction") as info:
+            engine.save(rec.stage("a", state), label="a")
+        assert info.value.state_nbytes == nbytes and engine.staging_bytes == 0
+
+
+def test_an_ocdbt_save_counts_tensorstores_copy_and_a_file_save_does_not(tmp_path):
+    jax = pytest.importorskip("jax")
+    import asyncckpt.jax as aj
+    from asyncckpt.jax._ocdbt import held_copy_bytes
+
+    state = {"w": jax.numpy.ones((1024, 1024), jax.numpy.float32)}  # 4 MiB, one chunk
+    assert held_copy_bytes(4 << 20, 4 << 20) == 4 << 20  # the whole state, held once more
+    limit = AsyncOptions(host_memory_limit=6 << 20)  # one copy fits; one and TensorStore's not
+    with aj.CheckpointManager(str(tmp_path / "ocdbt"), async_options=limit) as mgr:
+        with pytest.raises(HostMemoryError, match="OCDBT transaction"):
+            mgr.save(1, state)
+        assert mgr.engine.staging_bytes == 0 and mgr.all_steps() == []
+    with aj.CheckpointManager(str(tmp_path / "zarr"), async_options=limit,
+                              format_options=aj.FormatOptions(use_ocdbt=False)) as mgr:
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+
+
 def test_a_restore_makes_room_by_freeing_idle_staging(tmp_path):
     """Staging plus a restore's memory stay within the budget: idle slots give way."""
     gate = threading.Event()
@@ -287,7 +351,9 @@ def test_framework_restores_make_room(tmp_path):
         assert mgr.restore_or_initialize() is not None
         assert mgr.engine.staging_bytes // nbytes == 1 and float(v.numpy()[0, 0]) == 1.0
     state = {"w": jax.numpy.ones((1024, 1024), jax.numpy.float32)}
-    with aj.CheckpointManager(str(tmp_path / "jax"), async_options=limit) as mgr:
+    # Zarr files: no TensorStore copy beside the slots, so two slots fit this budget.
+    with aj.CheckpointManager(str(tmp_path / "jax"), async_options=limit,
+                              format_options=aj.FormatOptions(use_ocdbt=False)) as mgr:
         mgr.save(1, state)
         mgr.wait_until_finished()
         assert mgr.engine.staging_bytes == 2 * nbytes

@@ -170,11 +170,15 @@ class Budget:
     nbytes: int | None
     why: str
 
-    def slots_for(self, state_nbytes: int) -> int | None:
-        """How many slots of ``state_nbytes`` fit (None: any number)."""
+    def slots_for(self, state_nbytes: int, *, beside: int = 0) -> int | None:
+        """How many slots of ``state_nbytes`` fit beside ``beside`` bytes (None: any number).
+
+        ``beside``: memory the writer holds outside the slots while it writes
+        (TensorStore's copy of an OCDBT transaction), once whatever the slots.
+        """
         if self.nbytes is None or state_nbytes <= 0:
             return None
-        return self.nbytes // state_nbytes
+        return max(0, self.nbytes - beside) // state_nbytes
 
 
 def staging_budget(limit: int | None, fraction: float, held: int) -> Budget:

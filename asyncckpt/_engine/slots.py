@@ -72,10 +72,11 @@ class Slot:
         # neither hand out a stale view nor keep a dropped buffer alive).
         self._batch: tuple[tuple, tuple, tuple, list[np.ndarray]] | None = None
         # The pool's admission check of a state's size (see reserve); None: no budget.
-        self._admit: Callable[[int], None] | None = None
+        self._admit: Callable[[int, int], None] | None = None
         self._reserved = 0  # bytes the save being staged said it will ask for
+        self._beside = 0  # bytes its writer will hold copied beside the slots
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, *, beside: int = 0) -> None:
         """Says how many more bytes the save being staged will ask for, before it asks.
 
         Adapters call it after planning and before their ``buffer`` calls
@@ -84,19 +85,27 @@ class Slot:
         ``HostMemoryError`` before its buffers are allocated. Costs one
         comparison for sizes the pool has let through before.
 
+        Args:
+            nbytes: Bytes of staging buffers this part will ask for.
+            beside: Bytes its writer will hold copied outside the slots while
+                it writes (TensorStore's copy of an OCDBT transaction), which
+                the budget counts once beside the slots.
+
         Raises:
             HostMemoryError: Not even one staging copy of the state fits.
         """
         self._reserved += nbytes
+        self._beside += beside
         admit = self._admit
         if admit is not None:
-            admit(self._reserved)
+            admit(self._reserved, self._beside)
 
     def begin(self) -> None:
         """Starts filling the slot for a new save."""
         self._used.clear()
         self.allocations = 0
         self._reserved = 0
+        self._beside = 0
 
     def buffer(self, key: str, shape: Iterable[int], dtype: np.dtype | type) -> np.ndarray:
         """Returns a writable C-contiguous host buffer for one array.
@@ -237,6 +246,8 @@ class StagingPool:
             raise ValueError(f"max_slots must be >= num_slots ({num_slots}), got {max_slots}")
         self._budget = budget
         self._admitted = -1  # the state size reserve() last let through
+        self._admitted_beside = 0  # and its writer's copy beside the slots
+        self._beside = 0  # the writer's copy of the latest state admitted, held once
         self._slot_cap: int | None = None  # slots the budget allows for the layout
         self._cap_logged = False
         self._slots = [self._new_slot(i) for i in range(num_slots)]
@@ -275,20 +286,28 @@ class StagingPool:
         """Slots the host memory budget allows for the current layout (None: no cap)."""
         return self._slot_cap
 
-    def _admit(self, nbytes: int) -> None:
-        """``Slot.reserve``: refuses a state of which not even one copy fits the budget."""
-        if nbytes <= self._admitted:
+    def _admit(self, nbytes: int, beside: int = 0) -> None:
+        """``Slot.reserve``: refuses a state of which not even one copy fits the budget.
+
+        ``beside``: what the state's writer holds copied outside the slots,
+        counted once with the one copy.
+        """
+        if nbytes <= self._admitted and beside <= self._admitted_beside:
             return
         assert self._budget is not None
         budget = self._budget(self.nbytes)
-        if budget.nbytes is not None and nbytes > budget.nbytes:
+        if budget.nbytes is not None and nbytes + beside > budget.nbytes:
+            writer = (f" and its writer {beside / 2**20:.1f} MiB more while it writes "
+                      "(TensorStore's copy of an OCDBT transaction)" if beside else "")
             raise HostMemoryError(
-                f"a staging copy of this state needs {nbytes / 2**20:.1f} MiB, over the host "
-                f"memory budget for staging of {budget.nbytes / 2**20:.1f} MiB ({budget.why}); "
-                "nothing was allocated. Raise AsyncOptions.host_memory_limit (or "
-                "host_memory_fraction) if the host has the memory, or save less state.",
+                f"a staging copy of this state needs {nbytes / 2**20:.1f} MiB{writer}, over the "
+                f"host memory budget for staging of {budget.nbytes / 2**20:.1f} MiB "
+                f"({budget.why}); nothing was allocated. Raise AsyncOptions.host_memory_limit "
+                "(or host_memory_fraction) if the host has the memory, or save less state.",
                 state_nbytes=nbytes, budget_nbytes=budget.nbytes)
-        self._admitted = nbytes
+        self._admitted = max(self._admitted, nbytes)
+        self._admitted_beside = max(self._admitted_beside, beside)
+        self._beside = beside
 
     def _apply_budget(self, state_nbytes: int) -> int | None:
         """Caps the slots at the copies of the state the budget allows; ``_cond`` held.
@@ -300,7 +319,7 @@ class StagingPool:
         if self._budget is None or state_nbytes <= 0:
             return None
         budget = self._budget(self.nbytes)
-        fits = budget.slots_for(state_nbytes)
+        fits = budget.slots_for(state_nbytes, beside=self._beside)
         self._slot_cap = None if fits is None else max(1, fits)
         if self._slot_cap is None:
             return None

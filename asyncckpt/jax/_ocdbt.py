@@ -60,7 +60,7 @@ DEFAULT_TARGET_DATA_FILE_SIZE = 2**31
 GCS_TARGET_DATA_FILE_SIZE = 400 * 2**20
 # A process's database is committed every this many bytes: TensorStore holds a
 # copy of the values of a transaction until it commits, so this bounds that copy.
-_WINDOW = 256 << 20
+TRANSACTION_BYTES = 256 << 20
 # orbax's OCDBT configuration: small values (the .zarray keys) inline in the
 # B-tree, one root node for fast traversal, a single-file manifest.
 _CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000,
@@ -248,11 +248,24 @@ def process_dir_name(process_index: int) -> str:
     return f"{PROCESS_PREFIX}{process_index}"
 
 
+def held_copy_bytes(total: int, largest: int) -> int:
+    """Most bytes a ``DatabaseWriter`` holds copied for one item's values.
+
+    A transaction is committed once it holds ``TRANSACTION_BYTES``, so the
+    copy stays under that plus the value that crossed it, and never exceeds
+    the item's ``total``. The host memory budget counts it beside the
+    staging slots (``Slot.reserve(beside=...)``): it is held while the slot
+    is written and, for the last transaction, until the commit.
+    """
+    return min(total, TRANSACTION_BYTES + largest)
+
+
 class DatabaseWriter:
     """One process's OCDBT database of one item, written from staged buffers.
 
     Values are copied into TensorStore (it takes ``bytes``) and committed every
-    ``_WINDOW`` bytes, so at most that much is held twice. ``finish`` commits
+    ``TRANSACTION_BYTES``, so about that much (plus one value) is held twice
+    (``held_copy_bytes``). ``finish`` commits
     the rest and records every file TensorStore wrote with ``files`` (which
     checksums and fsyncs it).
 
@@ -299,7 +312,7 @@ class DatabaseWriter:
         self._pending.append(self._view.write(key, value))
         self._bytes += len(value)
         self.keys += 1
-        if self._bytes >= _WINDOW:
+        if self._bytes >= TRANSACTION_BYTES:
             self._commit()
 
     def _commit(self) -> None:

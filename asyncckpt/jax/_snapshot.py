@@ -39,6 +39,7 @@ from asyncckpt._engine.slots import Slot
 from asyncckpt.errors import UnsupportedObjectError
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _tree
+from asyncckpt.jax._ocdbt import held_copy_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class Plan:
         transfers: Indices of the leaves copied to host by an explicit
             device-to-host transfer (neither host memory already nor pinned).
         nbytes: Bytes of a save staged with this plan (chunks and metadata files).
+        ocdbt_copy: Bytes an OCDBT writer holds copied beside the slot while it
+            writes this plan's chunks (``_ocdbt.held_copy_bytes``).
     """
 
     leaves: tuple[LeafPlan, ...]
@@ -133,6 +136,7 @@ class Plan:
     pinned: tuple[int, ...] = field(init=False, compare=False, repr=False)
     transfers: tuple[int, ...] = field(init=False, compare=False, repr=False)
     nbytes: int = field(init=False, compare=False, repr=False)
+    ocdbt_copy: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         chunked = tuple(i for i, lp in enumerate(self.leaves) if lp.chunks)
@@ -140,11 +144,13 @@ class Plan:
         pinned = tuple(i for i in live if self.leaves[i].pinned is not None)
         transfers = tuple(i for i in live
                           if self.leaves[i].pinned is None and not self.leaves[i].host_view)
-        nbytes = sum(math.prod(c.shape) * lp.dtype.itemsize  # type: ignore[union-attr]
-                     for lp in self.leaves for c in lp.chunks)
-        nbytes += sum(len(data) for _, data in self.metadata_files)
+        sizes = [math.prod(c.shape) * lp.dtype.itemsize  # type: ignore[union-attr]
+                 for lp in self.leaves for c in lp.chunks]
+        ocdbt_copy = held_copy_bytes(sum(sizes), max(sizes, default=0))
+        nbytes = sum(sizes) + sum(len(data) for _, data in self.metadata_files)
         for name, value in (("chunked", chunked), ("live", live), ("pinned", pinned),
-                            ("transfers", transfers), ("nbytes", nbytes)):
+                            ("transfers", transfers), ("nbytes", nbytes),
+                            ("ocdbt_copy", ocdbt_copy)):
             object.__setattr__(self, name, value)
 
     @property
@@ -638,7 +644,8 @@ class Snapshotter:
             ocdbt: The layout (None: plain zarr; else OCDBT, see ``build_plan``).
         """
         plan, leaves = self.plan(tree, layout, ocdbt)
-        slot.reserve(plan.nbytes)  # over the host memory budget: raises, nothing allocated
+        # Over the host memory budget: raises, nothing allocated.
+        slot.reserve(plan.nbytes, beside=0 if ocdbt is None else plan.ocdbt_copy)
         plan_leaves = plan.leaves
         live = plan.live
         if live and any(map(_is_deleted, map(leaves.__getitem__, live))):
