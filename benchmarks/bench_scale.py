@@ -57,7 +57,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -237,32 +236,20 @@ def _strace_works(strace: str) -> bool:
         return False
 
 
-def _machine() -> str:
-    model = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                         model)
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{os.cpu_count()} CPUs ({model}), {mem:.0f} GiB RAM, "
-            f"Python {platform.python_version()}")
-
-
 # -- running (parent) ------------------------------------------------------------------------
 
 
 def run(plan: dict) -> dict:
     """Runs every process count of ``plan`` (``make_plan``); returns the results."""
     import asyncckpt
+    from benchmarks.suite.report import machine
 
     def progress(msg: str) -> None:
         if not plan["quiet"]:
             print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     results = {
-        "machine": _machine(), "command": plan["command"],
+        "machine": machine(), "command": plan["command"],
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "config": {k: plan[k] for k in ("processes", "leaves", "leaf_bytes", "devices", "saves")},
         "fsync_method": ("strace -f (every fsync/fdatasync/sync_file_range, C++ included)"

@@ -157,7 +157,10 @@ def apply(
         kept_ids = {id(c) for c in _by_metric(with_metric, policy.best_mode)[:n]}
         if policy.keep_checkpoints_without_metrics:
             kept_ids |= {id(c) for c in candidates if c.metric is None}
-    kept_ids.add(id(newest))
+    if keep_none:  # the newest too stays only if a preserving rule (below) says so
+        kept_ids.discard(id(newest))
+    else:
+        kept_ids.add(id(newest))
 
     keep, delete, preserve = [], [], []
     last = last_preserved_timestamp
@@ -173,15 +176,4 @@ def apply(
             last = c.timestamp
         else:
             delete.append(c)
-    if keep_none:  # the newest, kept above as any newest is, only if a preserving rule says so
-        keep = [c for c in keep if c is not newest]
-        if _on_period(newest, policy.keep_period):
-            preserve.append(newest)
-        elif policy.keep_every_n_hours is not None and (
-            newest.timestamp - policy.keep_every_n_hours * 3600.0 >= last
-        ):
-            preserve.append(newest)
-            last = newest.timestamp
-        else:
-            delete.append(newest)
     return Decision(keep, delete, preserve, last)
