@@ -4,9 +4,9 @@
 ``asyncckpt verify DIR [STEP]`` work on TensorFlow and JAX checkpoint
 directories alike, local or ``s3://`` / ``gs://`` URLs (only committed
 checkpoints are listed; ``inspect`` and ``verify`` download the checkpoints
-they look at into a temporary directory). Locally, ``inspect`` and
-``verify`` also take one checkpoint's own path: a TensorFlow prefix, a step
-directory, or the path a JAX checkpointer saved to. ``verify`` exits with 0
+they look at into a temporary directory). ``inspect`` and ``verify`` also
+take one checkpoint's own path or URL: a TensorFlow prefix, a step
+directory, or (locally) the path a JAX checkpointer saved to. ``verify`` exits with 0
 only if every checked checkpoint matches its manifest, and both exit with 1
 where there is no checkpoint. ``asyncckpt bench`` runs the benchmarks of a
 source checkout (``benchmarks/suite``, not installed with the wheel).
@@ -49,6 +49,15 @@ def _local_view(args: argparse.Namespace):
     from asyncckpt.storage.protocol import download_checkpoint
 
     store, found = _remote_list(args.dir)
+    if not found and args.step is None:
+        # Not a directory of checkpoints: perhaps one checkpoint's own URL
+        # (``s3://bucket/run/ckpt-3``, ``gs://bucket/run/20``), as locally.
+        parent, _, name = args.dir.rstrip("/").rpartition("/")
+        if name and "://" in parent:  # not the bucket itself
+            parent_store, siblings = _remote_list(parent)
+            one = [c for c in siblings if c.name == name]
+            if one:
+                store, found = parent_store, one
     which = args.step
     if which is not None:
         found = [c for c in found if c.name == which or (which.isdigit() and c.step == int(which))]

@@ -42,6 +42,36 @@ def test_list_inspect_verify_urls(remote_url, capsys):
     assert main(["verify", remote_url, "20"]) == 0
 
 
+def test_inspect_and_verify_take_one_checkpoints_own_url(remote_url, capsys):
+    with aj.CheckpointManager(remote_url) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": np.full((2, step), step, np.float32)})
+
+    assert main(["inspect", f"{remote_url}/10"]) == 0
+    out = capsys.readouterr().out
+    assert "step 10" in out and "[2, 10]" in out and "step 20" not in out
+    assert main(["verify", f"{remote_url}/10/"]) == 0  # a trailing slash as well
+    assert "OK    10" in capsys.readouterr().out
+
+    assert main(["inspect", f"{remote_url}/30"]) == 1  # no such checkpoint: as locally
+    assert "no checkpoints" in capsys.readouterr().out
+
+    tf = pytest.importorskip("tensorflow")
+    import asyncckpt.tf as at
+
+    v = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+    with at.CheckpointManager(at.Checkpoint(v=v), f"{remote_url}/tf", max_to_keep=3) as mgr:
+        first = mgr.save()
+        v.assign_add(tf.ones_like(v))
+        mgr.save()
+    assert first == f"{remote_url}/tf/ckpt-1"
+    assert main(["inspect", first]) == 0
+    out = capsys.readouterr().out
+    assert "tensorflow, step 1" in out and "[2, 3]" in out
+    assert main(["verify", first]) == 0
+    assert "1/1 checkpoint(s) verified" in capsys.readouterr().out
+
+
 def test_unsupported_url_is_a_clear_error(capsys):
     assert main(["list", "hdfs://nn/run"]) == 2
     assert "s3://" in capsys.readouterr().err
