@@ -215,15 +215,20 @@ _POOL_BYTES = sum(_POOL_LAYOUT.values())
 
 def test_no_spare_is_built_beyond_the_memory_budget():
     budget = _SetBudget(_POOL_BYTES)  # one copy of the state: no memory to spare at all
-    pool = StagingPool(1, max_slots=3, budget=budget)
+    pool = _GatedPool(1, max_slots=3, budget=budget)
     _first_save(pool, _POOL_LAYOUT)
     for _ in range(2):  # refused each time a save waits: it waits as with fixed slots
         with pytest.raises(TimeoutError):
             pool.acquire(timeout=0.01)
         assert pool._spare is None and pool.num_slots == 1
     budget.nbytes = 3 * _POOL_BYTES
+    # Memory again: this wait starts a spare. The gate holds the spare's build,
+    # which could otherwise finish within even a zero timeout on a loaded machine
+    # (the wait lets the builder take the lock) and be handed to this very call.
     with pytest.raises(TimeoutError):
-        pool.acquire(timeout=0.0)  # memory again: this wait starts a spare
+        pool.acquire(timeout=0.0)
+    assert pool.entered.wait(30)
+    pool.gate.set()
     assert _spare_done(pool) and pool.num_slots == 2
     slot, _ = pool.acquire(timeout=60)
     assert slot.index == 1 and slot.layout() == _POOL_LAYOUT
@@ -289,11 +294,13 @@ def test_engine_early_spare_option(tmp_path, early):
 
 def test_no_early_spare_beyond_the_memory_budget():
     budget = _SetBudget(_POOL_BYTES)
-    pool = StagingPool(1, max_slots=2, early_spare=True, budget=budget)
+    pool = _GatedPool(1, max_slots=2, early_spare=True, budget=budget)
     _first_save(pool, _POOL_LAYOUT)
     assert pool._spare is None and pool.num_slots == 1
     budget.nbytes = 2 * _POOL_BYTES
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError):  # gated: see test_no_spare_is_built_beyond_the_memory_budget
         pool.acquire(timeout=0.0)  # memory again: a save that waits still starts one
+    assert pool.entered.wait(30)
+    pool.gate.set()
     assert _spare_done(pool) and pool.num_slots == 2
     pool.close()
