@@ -57,9 +57,12 @@ def test_gate_is_counted_and_releases_its_waiters_when_the_last_save_is_done():
 
 
 def test_gate_wait_is_bounded_per_closing():
-    gate = SaveGate(max_wait_s=0.05)
+    # The bound runs from the closing, not from the wait: 1 s leaves a loaded
+    # machine time to start the waiting thread inside it.
+    gate = SaveGate(max_wait_s=1.0)
     gate.close()  # a staging that never ends
     t = _wait_in_thread(gate)
+    _until(lambda: gate.waiting == 1, "the first wait")
     t.join(30)
     assert not t.is_alive() and gate.is_closed  # the bound let it go
     gate.wait()  # past the bound: no more pauses for this closing
@@ -67,7 +70,7 @@ def test_gate_wait_is_bounded_per_closing():
     gate.open()
     gate.close()  # a new closing holds waiters again
     t = _wait_in_thread(gate)
-    _until(lambda: gate.waiting == 1 or not t.is_alive(), "the second wait")
+    _until(lambda: gate.waiting == 1, "the second wait")
     gate.open()
     t.join(30)
     assert not t.is_alive() and gate.pauses == 2

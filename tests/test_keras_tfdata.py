@@ -4,9 +4,11 @@ A child trains on ``from_tensor_slices(...).shuffle(seed).batch().prefetch()``
 (reshuffled every epoch) with ``BackupAndRestore(save_freq=4)``: backups fall
 mid-epoch and on epoch boundaries (8 batches per epoch). The parent SIGKILLs
 it after random batches (seed printed; ``ASYNCCKPT_KILL_SEED`` replays it) and
-restarts it until it finishes (each kill comes once a backup of that run is
-durable, so every restart resumes from a newer one); the final weights must be bit-identical to an
-uninterrupted run's (made after the resumed one, in the same process), which
+restarts it until it finishes (the child parks at that batch once a backup of
+that run is durable, so every restart resumes from a newer one, and the kill
+lands there however the machine's load paces the two processes); the final
+weights must be bit-identical to an uninterrupted run's (made after the
+resumed one, in the same process), which
 only holds if every resumed epoch continues the saved iterator (its position,
 its buffers and the dataset's reshuffle seeds).
 """
@@ -21,11 +23,15 @@ import signal
 from tests.helpers import start_python, subprocess_env, write_script
 
 WORKER = r'''
-import hashlib, json, os, sys
+import hashlib, json, os, sys, threading
 import numpy as np
 import keras
 import tensorflow as tf
 import asyncckpt.keras as ak
+
+
+KILL_AT = int(os.environ.get("KILL_AT", "0"))  # this run's batch to park at, 0: none
+durable = threading.Event()  # a backup of this run is durable
 
 
 class Backup(ak.BackupAndRestore):
@@ -35,7 +41,7 @@ class Backup(ak.BackupAndRestore):
 
         def on_commit(step, stats):
             retention(step, stats)
-            print("C", step, flush=True)  # durable
+            durable.set()
 
         store._on_commit = on_commit
         return store
@@ -57,12 +63,27 @@ def train(backup_dir):
     model.compile(optimizer=keras.optimizers.Adam(3e-3), loss="mse")
     backup = Backup(backup_dir, save_freq=4)
 
-    class Report(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            sys.stdout.write("B\n")
-            sys.stdout.flush()
+    class Park(keras.callbacks.Callback):
+        """Holds training at the kill point, once a backup of this run is durable.
 
-    model.fit(data, epochs=3, callbacks=[backup, Report()], verbose=0, shuffle=False)
+        The parent's SIGKILL then lands there however far the child would
+        otherwise have run ahead of the parent's reading (a loaded machine).
+        It parks as a batch begins: by the 5th, every run has issued a backup
+        (save_freq=4; one due at an epoch's end is taken as the next epoch's
+        first batch begins, by the callback listed before this one).
+        """
+        done = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            Park.done += 1
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if KILL_AT and Park.done >= max(KILL_AT, 4):
+                assert durable.wait(120), "no backup became durable"
+                print("PARK", flush=True)
+                sys.stdin.readline()  # until the parent's SIGKILL
+
+    model.fit(data, epochs=3, callbacks=[backup, Park()], verbose=0, shuffle=False)
     digest = hashlib.sha256(b"".join(
         np.ascontiguousarray(w).tobytes() for w in model.get_weights())).hexdigest()
     return digest, backup.restored_position, int(np.asarray(model.optimizer.iterations.value))
@@ -88,21 +109,20 @@ def test_sigkill_at_random_batches_resumes_a_shuffled_tf_data_fit_bit_identical(
     backup_dir, out = tmp_path / "backup", tmp_path / "out.json"
     restored = []
     for kill_at in [*plan, None]:
-        proc = start_python(script, str(backup_dir), str(out), env=env)
-        batches, committed = 0, False
+        run_env = dict(env, KILL_AT=str(kill_at or 0))
+        proc = start_python(script, str(backup_dir), str(out), env=run_env,
+                            stdin=kill_at is not None)
         for line in proc.stdout:
             if line.startswith("RESTORED"):
                 restored.append(json.loads(line.split(None, 1)[1]))
-            committed = committed or line.startswith("C")
-            if line.startswith("B"):
-                batches += 1
-                if kill_at is not None and batches >= kill_at and committed:
-                    proc.send_signal(signal.SIGKILL)
-                    break
+            if line.startswith("PARK"):
+                proc.send_signal(signal.SIGKILL)
+                break
         rc = proc.wait(timeout=240)
         err = proc.stderr.read()
-        proc.stdout.close()
-        proc.stderr.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
         assert rc == (0 if kill_at is None else -signal.SIGKILL), err[-3000:]
     got = json.loads(out.read_text())
     assert got["iterations"] == got["ref_iterations"] == 24
