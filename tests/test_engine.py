@@ -58,8 +58,14 @@ def test_pool_blocks_until_a_slot_is_released():
     slot, _ = pool.acquire()
     with pytest.raises(TimeoutError):
         pool.acquire(timeout=0.05)
-    threading.Timer(0.05, pool.release, args=(slot,)).start()
-    again, waited = pool.acquire(timeout=30)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=30)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # blocked while the only slot is out
+    pool.release(slot)
+    waiter.join(30)
+    ((again, waited),) = got
     assert again is slot and waited > 0
     with pytest.raises(RuntimeError, match="twice"):
         pool.release(again)
