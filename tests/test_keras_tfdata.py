@@ -8,9 +8,9 @@ restarts it until it finishes (the child parks at that batch once a backup of
 that run is durable, so every restart resumes from a newer one, and the kill
 lands there however the machine's load paces the two processes); the final
 weights must be bit-identical to an uninterrupted run's (made after the
-resumed one, in the same process), which
-only holds if every resumed epoch continues the saved iterator (its position,
-its buffers and the dataset's reshuffle seeds).
+resumed one, in the same process), which only holds if every resumed epoch
+continues the saved iterator (its position, its buffers and the dataset's
+reshuffle seeds).
 """
 
 from __future__ import annotations
@@ -72,13 +72,15 @@ def train(backup_dir):
         (save_freq=4; one due at an epoch's end is taken as the next epoch's
         first batch begins, by the callback listed before this one).
         """
-        done = 0
+        def __init__(self):
+            super().__init__()
+            self.done = 0  # batches this run has trained
 
         def on_train_batch_end(self, batch, logs=None):
-            Park.done += 1
+            self.done += 1
 
         def on_train_batch_begin(self, batch, logs=None):
-            if KILL_AT and Park.done >= max(KILL_AT, 4):
+            if KILL_AT and self.done >= max(KILL_AT, 4):
                 assert durable.wait(120), "no backup became durable"
                 print("PARK", flush=True)
                 sys.stdin.readline()  # until the parent's SIGKILL
