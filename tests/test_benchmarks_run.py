@@ -33,6 +33,8 @@ CASES = [
      "jax-arrays floor"),
     ("bench_jax_blocking.py", ["--mib", "4", "--tensors", "4", "--reps", "2", "--phases"],
      "phases: copy into the slot"),
+    ("bench_jax_ocdbt_gil.py", ["--mib", "4", "--values", "4", "--reps", "1"],
+     "KvStore.write(bytes), commit"),
     ("bench_preemption_deadline.py",
      ["--trials", "1", "--grace", "2", "--step", "0.05", "--write", "0.25", "--noise", "none",
       "--warmup", "2", "--warmup-preemptions", "1"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError  # noqa: E402
 from asyncckpt._engine import fastcrc  # noqa: E402
+from asyncckpt.jax import _ocdbt  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
 
 PLAIN = aj.FormatOptions(use_ocdbt=False)
@@ -228,3 +230,89 @@ def test_asyncckpt_reads_orbaxs_own_ocdbt_partially_and_resharded(ckpt_dir):
                                       np.asarray(state["params"]["w"]))
         assert got["params"]["w"].sharding == w.sharding
         _same(state, mgr.restore(5, target=_abstract(state)))
+
+
+def test_chunk_keys_name_their_grid_indices():
+    assert _ocdbt.chunk_grid("w/0") == (0,)
+    assert _ocdbt.chunk_grid("params.w/3.1") == (3, 1)
+    assert _ocdbt.chunk_grid("0.0.12") == (0, 0, 12)
+    for key in ("w/.zarray", "w/", "w/1.", "w/1.x", "w/-1", "w/\u0661"):
+        assert _ocdbt.chunk_grid(key) is None, key
+
+
+def _counting_references(monkeypatch) -> list[tuple[str, int]]:
+    """The real by-reference write, recording each (key, bytes) it is given."""
+    seen: list[tuple[str, int]] = []
+    real = _ocdbt.DatabaseWriter._write_by_reference
+
+    def recording(self, key, grid, view):
+        seen.append((key, len(view)))
+        return real(self, key, grid, view)
+
+    monkeypatch.setattr(_ocdbt.DatabaseWriter, "_write_by_reference", recording)
+    return seen
+
+
+def test_large_values_go_to_tensorstore_uncopied_under_the_same_keys_and_bytes(
+        ckpt_dir, monkeypatch):
+    seen = _counting_references(monkeypatch)
+    big = np.random.default_rng(0).random((512, 1024), dtype=np.float32)  # 2 MiB
+    mesh = _mesh((2,), ("d",))
+    state = {"big": jax.device_put(big, NamedSharding(mesh, P("d"))),  # two 1 MiB shards
+             "scalar": np.float64(2.5), "small": jnp.arange(100.0),
+             "bf": jnp.asarray(big, dtype=jnp.bfloat16)}  # 1 MiB, an extension dtype
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+    # The shards of 1 MiB and more; the bfloat16 one through a uint8 view.
+    assert sorted(seen) == [("bf/0.0", 1 << 20), ("big/0.0", 1 << 20),
+                            ("big/1.0", 1 << 20)], seen
+    item = ckpt_dir / "1" / "default"
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result()
+    assert kv.read("big/1.0").result().value == big[256:].tobytes()
+    assert kv.read("bf/0.0").result().value == np.asarray(state["bf"]).tobytes()
+    assert _zarray(item, "big")["chunks"] == [256, 1024]  # the array's own metadata
+    assert _zarray(item, "big")["dtype"] == "<f4"
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        _same(state, mgr.restore(1, target=_abstract(state)))
+    with ocp.CheckpointManager(str(ckpt_dir)) as orbax_mgr:
+        _same(state, orbax_mgr.restore(1, args=ocp.args.StandardRestore(_abstract(state))))
+
+
+def test_a_slot_is_reused_only_after_its_values_are_committed(ckpt_dir, monkeypatch):
+    """TensorStore reads a large value from the staging slot until its transaction commits.
+
+    One slot. Step 1's database is held open (the real ``finish``, called late) until
+    step 2 has been staged into that slot: had the slot been given back before step 1's
+    values were committed, step 1 would hold step 2's values.
+    """
+    from asyncckpt import AsyncOptions
+
+    seen = _counting_references(monkeypatch)
+    second_staged = threading.Event()
+    real_finish = _ocdbt.DatabaseWriter.finish
+    held: list[bool] = []
+
+    def late_finish(self):
+        if not held:
+            held.append(second_staged.wait(timeout=20))
+        real_finish(self)
+
+    monkeypatch.setattr(_ocdbt.DatabaseWriter, "finish", late_finish)
+
+    def state(step):
+        return {"w": jnp.full((512, 1024), step, dtype=jnp.float32)}  # one 2 MiB chunk
+
+    one_slot = AsyncOptions(num_slots=1, max_slots=1)
+    with aj.CheckpointManager(ckpt_dir, async_options=one_slot) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))  # returns once step 1's write has given the slot back
+        second_staged.set()
+        mgr.wait_until_finished()
+        assert held == [True]  # step 2 was staged before step 1 was committed
+        assert len(seen) == 2
+        for step in (1, 2):
+            _same(state(step), mgr.restore(step, target=_abstract(state(step))))
+    with ocp.CheckpointManager(str(ckpt_dir)) as orbax_mgr:
+        for step in (1, 2):
+            _same(state(step), orbax_mgr.restore(
+                step, args=ocp.args.StandardRestore(_abstract(state(step)))))

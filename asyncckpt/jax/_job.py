@@ -217,6 +217,8 @@ class JaxSaveJob:
                     writer.write(name, (data,))
                 else:
                     db.put(name[db.strip:], data)
+            for db in self._dbs.values():  # they read the slot's buffers until committed
+                db.flush()
             if self._primary:
                 step_meta = fmt.step_metadata_json(
                     metrics=self._metrics,
