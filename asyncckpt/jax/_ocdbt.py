@@ -61,7 +61,8 @@ DATA_PREFIX = "ocdbt_data/"
 DEFAULT_TARGET_DATA_FILE_SIZE = 2**31
 GCS_TARGET_DATA_FILE_SIZE = 400 * 2**20
 # A process's database is committed every this many bytes: TensorStore holds a
-# copy of the values of a transaction until it commits, so this bounds that copy.
+# copy of a transaction's small values, and references to its large ones, until
+# it commits, so this bounds both.
 TRANSACTION_BYTES = 256 << 20
 # Chunk values from this size go to TensorStore uncopied (``DatabaseWriter``):
 # below it the copy costs less than opening TensorStore's zarr driver for the value.
@@ -326,16 +327,16 @@ class DatabaseWriter:
         if self._txn is None:
             self._txn = self._ts.Transaction()
             self._view = self._kv.with_transaction(self._txn)
-        grid = None if isinstance(data, bytes) else chunk_grid(key)
-        view = memoryview(data).cast("B") if not isinstance(data, bytes) else None
-        if grid is not None and view is not None and len(view) >= BY_REFERENCE_BYTES:
+        view = memoryview(data).cast("B")
+        grid = None
+        if not isinstance(data, bytes) and len(view) >= BY_REFERENCE_BYTES:
+            grid = chunk_grid(key)
+        if grid is not None:
             self._pending.append(self._write_by_reference(key, grid, view))
-            size = len(view)
         else:
-            value = data if view is None else view.tobytes()
+            value = data if isinstance(data, bytes) else view.tobytes()
             self._pending.append(self._view.write(key, value))
-            size = len(value)
-        self._bytes += size
+        self._bytes += len(view)
         self.keys += 1
         if self._bytes >= TRANSACTION_BYTES:
             self.flush()
