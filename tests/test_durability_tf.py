@@ -20,7 +20,7 @@ from asyncckpt import (  # noqa: E402
     DirectoryLockedError,
 )
 from asyncckpt._engine import files as files_lib  # noqa: E402
-from asyncckpt.tf import _job  # noqa: E402
+from asyncckpt._engine import transaction as transaction_lib  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LineWatcher,
     check_crash_campaign,
@@ -58,7 +58,7 @@ def test_io_error_during_commit_keeps_earlier_checkpoints(ckpt_dir, monkeypatch)
     mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=1)
     good = mgr.save()
     mgr.sync()
-    monkeypatch.setattr(_job, "DurableWriter", _FailingDurableWriter)
+    monkeypatch.setattr(transaction_lib, "DurableWriter", _FailingDurableWriter)
     v.assign(tf.zeros(10))
     mgr.save()
     with pytest.raises(OSError) as err:

@@ -22,6 +22,7 @@ from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
 from asyncckpt._engine.retention import Candidate, RetentionPolicy
 from asyncckpt._engine.slots import StagingPool
 from asyncckpt._engine.writer import AsyncEngine
+from tests.jobs import DirJob
 
 
 def test_engine_package_imports_no_framework():
@@ -211,38 +212,12 @@ def test_staging_buffers_are_aligned_writable_and_on_huge_pages_where_little_is_
             assert float(view.sum()) == nbytes / 4
 
 
-class _Job:
-    """A minimal SaveJob writing one file into a directory checkpoint."""
-
-    def __init__(self, root, name, data, *, fail_in=None, gate=None):
-        self.label, self.step, self.nbytes = name, None, len(data)
-        self._root, self._data, self._fail_in, self._gate = root, data, fail_in, gate
-        self.tmp = None
-
-    def write(self):
-        if self._gate is not None:
-            assert self._gate.wait(30)
-        self.tmp = make_temp_dir(self._root, self.label)
-        self._writer = DurableWriter(self.tmp, fsync=True, checksums=True)
-        self._writer.write("data.bin", [self._data])
-        if self._fail_in == "write":
-            raise OSError(28, "No space left on device")
-
-    def commit(self, stats):
-        records = self._writer.finish()
-        if self._fail_in == "commit":
-            raise RuntimeError("commit failed")
-        manifest = Manifest(framework="test", label=self.label, step=None, files=tuple(records),
-                            stats=stats.to_dict())
-        with open(os.path.join(self.tmp, "manifest.json"), "w") as f:
-            f.write(manifest.to_json())
-        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=True)
-
-    def abort(self):
-        if self.tmp and os.path.exists(self.tmp):
-            import shutil
-
-            shutil.rmtree(self.tmp)
+def _Job(root, name, data, *, fail_in=None, gate=None):
+    """One file as a directory checkpoint; ``fail_in`` "write" or "commit" injects a failure."""
+    return DirJob(root, name, [data], gate=gate, fsync=True,
+                  fail_after_write=OSError(28, "No space left on device")
+                  if fail_in == "write" else None,
+                  fail_in_commit=RuntimeError("commit failed") if fail_in == "commit" else None)
 
 
 def test_engine_saves_commits_and_reports_stats(tmp_path):
@@ -523,7 +498,7 @@ def _niceness() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-class _PriorityProbe(_Job):
+class _PriorityProbe(DirJob):
     """Records the niceness of the writer thread and of a thread it starts (as the fsync one is)."""
 
     def write(self):
@@ -543,7 +518,7 @@ def test_writer_runs_below_the_training_threads_priority(tmp_path, nice):
     jobs = []
 
     def stage(slot):
-        jobs.append(_PriorityProbe(str(tmp_path), f"n{nice}", b"x" * 100))
+        jobs.append(_PriorityProbe(str(tmp_path), f"n{nice}", [b"x" * 100]))
         return jobs[-1]
 
     with AsyncEngine(options=AsyncOptions(writer_nice=nice)) as engine:

@@ -8,53 +8,14 @@ import threading
 import pytest
 
 from asyncckpt import AsyncOptions, EngineClosedError
-from asyncckpt._engine.commit import make_temp_dir, publish_dir
-from asyncckpt._engine.files import DurableWriter
-from asyncckpt._engine.manifest import Manifest
 from asyncckpt._engine.slots import StagingPool
 from asyncckpt._engine.writer import AsyncEngine
+from tests.jobs import DirJob
 
 
-class _Job:
-    """A SaveJob writing one file as a directory checkpoint.
-
-    Args:
-        root: Directory the checkpoint is published in.
-        name: Checkpoint name.
-        fail: Raise this from ``write`` (after the gate opens).
-        gate: ``write`` waits for this event first.
-        after: Raise this from ``after_commit``.
-    """
-
-    def __init__(self, root, name, *, fail=None, gate=None, after=None):
-        self.label, self.step, self.nbytes = name, None, 8
-        self._root, self._fail, self._gate, self._after = root, fail, gate, after
-        self.tmp = None
-        self.writer_thread = None
-
-    def write(self):
-        self.writer_thread = threading.current_thread()
-        if self._gate is not None:
-            assert self._gate.wait(60)
-        if self._fail is not None:
-            raise self._fail
-        self.tmp = make_temp_dir(self._root, self.label)
-        self._writer = DurableWriter(self.tmp, fsync=False, checksums=True)
-        self._writer.write("data.bin", [b"12345678"])
-
-    def commit(self, stats):
-        records = self._writer.finish()
-        m = Manifest(framework="test", label=self.label, step=None, files=tuple(records))
-        with open(os.path.join(self.tmp, "manifest.json"), "w") as f:
-            f.write(m.to_json())
-        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=False)
-
-    def after_commit(self, stats):
-        if self._after is not None:
-            raise self._after
-
-    def abort(self):
-        pass
+def _Job(root, name, *, fail=None, gate=None, after=None):
+    """A directory checkpoint; ``fail`` raised by its write, ``after`` after its commit."""
+    return DirJob(root, name, fail=fail, gate=gate, after=after)
 
 
 class _Waiting(threading.Thread):

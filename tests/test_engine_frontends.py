@@ -52,7 +52,7 @@ class _IndexTurnsIntoDirectory(TFSaveJob):
 
     def write(self):
         super().write()
-        index = os.path.join(self._tmp, self.label + ".index")
+        index = os.path.join(self.transaction.workdir, self.label + ".index")
         os.unlink(index)
         os.mkdir(index)
 

@@ -14,9 +14,9 @@ from asyncckpt import AsyncOptions
 from asyncckpt._engine import _spares
 from asyncckpt._engine import writer as writer_mod
 from asyncckpt._engine._gate import SaveGate
-from asyncckpt._engine.commit import make_temp_dir, publish_dir
 from asyncckpt._engine.files import _PAUSE_CHUNK, DurableWriter
 from asyncckpt._engine.writer import AsyncEngine
+from tests.jobs import DirJob
 
 _MB = 1 << 20
 
@@ -124,7 +124,7 @@ def test_spare_build_pauses_between_pieces():
 # -- the engine: the writer pauses while a save stages ---------------------------------
 
 
-class _StreamJob:
+class _StreamJob(DirJob):
     """A SaveJob writing ``pieces`` MiB through ``DurableWriter``, one MiB at a time.
 
     After ``hold_after`` pieces it waits for ``go``, so a test can start
@@ -133,35 +133,18 @@ class _StreamJob:
     """
 
     def __init__(self, root: str, label: str, pieces: int, hold_after: int | None = None):
-        self.label, self.step, self.nbytes = label, None, pieces * _MB
-        self._root, self._pieces, self._hold_after = root, pieces, hold_after
+        super().__init__(root, label, self._pieces, nbytes=pieces * _MB)
+        self._count, self._hold_after = pieces, hold_after
         self.go, self.holding = threading.Event(), threading.Event()
         self.written = 0
-        self.tmp: str | None = None
-        self._pause = None
 
-    def set_pause(self, pause) -> None:
-        self._pause = pause
-
-    def _chunks(self):
-        for i in range(self._pieces):
+    def _pieces(self):
+        for i in range(self._count):
             if i == self._hold_after:
                 self.holding.set()
                 assert self.go.wait(60), "the test never let the write go on"
             self.written += 1
             yield np.full(_MB, i % 251, np.uint8)
-
-    def write(self) -> None:
-        self.tmp = make_temp_dir(self._root, self.label)
-        self._writer = DurableWriter(self.tmp, fsync=False, checksums=True, pause=self._pause)
-        self._writer.write("data.bin", self._chunks())
-
-    def commit(self, stats) -> None:
-        self._writer.finish()
-        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=False)
-
-    def abort(self) -> None:
-        pass
 
 
 def _stage_in_thread(engine: AsyncEngine, job, release: threading.Event,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import tracemalloc
 import weakref
 
@@ -11,34 +10,17 @@ import numpy as np
 import pytest
 
 from asyncckpt import AsyncOptions, DirectoryLockedError
-from asyncckpt._engine.commit import make_temp_dir, publish_dir
-from asyncckpt._engine.files import DurableWriter
 from asyncckpt._engine.lock import DirectoryLock
 from asyncckpt._engine.writer import AsyncEngine
 from tests.helpers import run_python, start_python, write_script
+from tests.jobs import DirJob
 
 _MB = 1 << 20
 
 
-class _SlotJob:
+def _SlotJob(root, name, buf):
     """Writes the slot's staged buffer as a directory checkpoint."""
-
-    def __init__(self, root, name, buf):
-        self.label, self.step, self.nbytes = name, None, buf.nbytes
-        self._root, self._buf = root, buf
-
-    def write(self):
-        self.tmp = make_temp_dir(self._root, self.label)
-        self._writer = DurableWriter(self.tmp, fsync=False, checksums=True)
-        self._writer.write("data.bin", [self._buf])
-        self._buf = None
-
-    def commit(self, stats):
-        self._writer.finish()
-        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=False)
-
-    def abort(self):
-        pass
+    return DirJob(root, name, [buf])
 
 
 def _stage(root, name, state):
@@ -164,26 +146,14 @@ def test_another_process_is_refused_with_the_holder_named(tmp_path):
 _FORK = """
 import os, sys, threading
 from asyncckpt import AsyncOptions, EngineClosedError
-from asyncckpt._engine.commit import make_temp_dir, publish_dir
-from asyncckpt._engine.files import DurableWriter
 from asyncckpt._engine.writer import AsyncEngine
+from tests.jobs import DirJob
 
 root = sys.argv[1]
 gate = threading.Event()
 
-class GatedJob:
-    def __init__(self, name):
-        self.label, self.step, self.nbytes = name, None, 1
-    def write(self):
-        assert gate.wait(600)
-        self.tmp = make_temp_dir(root, self.label)
-        self.w = DurableWriter(self.tmp, fsync=True, checksums=True)
-        self.w.write("data.bin", [b"x"])
-    def commit(self, stats):
-        self.w.finish()
-        publish_dir(self.tmp, os.path.join(root, self.label), fsync=True)
-    def abort(self):
-        pass
+def GatedJob(name):
+    return DirJob(root, name, [b"x"], gate=gate, fsync=True)
 
 engine = AsyncEngine(options=AsyncOptions(exit_timeout_s=600))
 engine.save(lambda slot: GatedJob("parent"), label="parent")
@@ -295,12 +265,8 @@ def test_a_finished_save_holds_no_reference_to_its_job(tmp_path):
 
     bad_jobs = []
 
-    class _Failing(_SlotJob):
-        def write(self):
-            raise OSError(5, "Input/output error")
-
     def failing(slot):
-        job = _Failing(str(tmp_path), "bad", state)
+        job = DirJob(str(tmp_path), "bad", [state], fail=OSError(5, "Input/output error"))
         bad_jobs.append(weakref.ref(job))
         return job
 
@@ -320,8 +286,8 @@ def test_a_finished_save_holds_no_reference_to_its_job(tmp_path):
 
 _EXIT_BEFORE_ATEXIT = """
 import atexit, os, sys, threading
-from asyncckpt._engine.commit import make_temp_dir, publish_dir
 from asyncckpt._engine.writer import AsyncEngine
+from tests.jobs import DirJob
 
 def refuse(*args):
     raise RuntimeError("threading._register_atexit is private CPython API")
@@ -331,19 +297,15 @@ threading._register_atexit = refuse  # the exit flush must not need it
 root = sys.argv[1]
 torn_down = []
 
-class AfterMainJob:
+class AfterMainJob(DirJob):
     def __init__(self):
-        self.label, self.step, self.nbytes = "late", None, 1
+        super().__init__(root, "late", [b"x"], fsync=True)
     def write(self):
         threading.main_thread().join()
         # Like a framework's own exit hook (jax.distributed.shutdown), registered
         # after the engine was made: it must not have run yet.
         assert not torn_down, "atexit hooks ran before the exit flush"
-        self.tmp = make_temp_dir(root, self.label)
-    def commit(self, stats):
-        publish_dir(self.tmp, os.path.join(root, self.label), fsync=True)
-    def abort(self):
-        pass
+        super().write()
 
 engine = AsyncEngine()
 engine.save(lambda slot: AfterMainJob(), label="late")

@@ -14,11 +14,12 @@ import threading
 import pytest
 
 from asyncckpt._engine import commit
-from asyncckpt._engine.commit import cleanup_stale_temps, make_temp_dir, publish_dir, publish_files
+from asyncckpt._engine.commit import cleanup_stale_temps, make_temp_dir, publish_files
 from asyncckpt._engine.files import DurableWriter
 from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
 from asyncckpt._engine.writer import AsyncEngine
 from tests.helpers import run_python, write_script
+from tests.jobs import DirJob
 
 
 def _write_checkpoint(directory, name, payload: bytes):
@@ -86,25 +87,16 @@ def test_resave_replaces_the_old_checkpoint_and_leaves_no_backup(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ck.data", "ck.index", "ck.manifest"]
 
 
-class _GatedDirJob:
+class _GatedDirJob(DirJob):
     """Writes its temporary directory, then waits for the test before committing."""
 
     def __init__(self, root, name, written, gate):
-        self.label, self.step, self.nbytes = name, None, 1
-        self._root, self._written, self._gate = root, written, gate
+        super().__init__(root, name, [b"x"], written=written)
+        self._hold = gate
 
     def write(self):
-        self.tmp = make_temp_dir(self._root, self.label)
-        with open(os.path.join(self.tmp, "data.bin"), "wb") as f:
-            f.write(b"x")
-        self._written.set()
-        assert self._gate.wait(60)
-
-    def commit(self, stats):
-        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=False)
-
-    def abort(self):
-        pass
+        super().write()
+        assert self._hold.wait(60)
 
 
 def test_cleanup_leaves_temporaries_this_process_is_writing(tmp_path):

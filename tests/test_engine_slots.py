@@ -8,35 +8,16 @@ import threading
 import numpy as np
 
 from asyncckpt import AsyncOptions
-from asyncckpt._engine.commit import make_temp_dir, publish_dir
-from asyncckpt._engine.files import DurableWriter
 from asyncckpt._engine.slots import Slot, StagingPool
 from asyncckpt._engine.writer import AsyncEngine
+from tests.jobs import DirJob
 
 _MB = 1 << 20
 
 
-class _GatedJob:
+def _GatedJob(root: str, name: str, bufs: dict[str, np.ndarray], gate: threading.Event):
     """Writes the staged buffers, in key order, into one file; waits for a gate first."""
-
-    def __init__(self, root: str, name: str, bufs: dict[str, np.ndarray], gate: threading.Event):
-        self.label, self.step = name, None
-        self.nbytes = sum(b.nbytes for b in bufs.values())
-        self._root, self._bufs, self._gate = root, bufs, gate
-
-    def write(self):
-        assert self._gate.wait(60)
-        self.tmp = make_temp_dir(self._root, self.label)
-        self._writer = DurableWriter(self.tmp, fsync=False, checksums=True)
-        self._writer.write("data.bin", [self._bufs[k] for k in sorted(self._bufs)])
-        self._bufs = {}
-
-    def commit(self, stats):
-        self._writer.finish()
-        publish_dir(self.tmp, os.path.join(self._root, self.label), fsync=False)
-
-    def abort(self):
-        pass
+    return DirJob(root, name, [bufs[k] for k in sorted(bufs)], gate=gate)
 
 
 class _Recorder:

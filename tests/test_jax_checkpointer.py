@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError, layout  # noqa: E402
 from asyncckpt._engine import files as files_lib  # noqa: E402
+from asyncckpt._engine import transaction as transaction_lib  # noqa: E402
 from asyncckpt._engine.manifest import OWNER_MARKER  # noqa: E402
 from asyncckpt.jax import _job, _ocdbt  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
@@ -296,7 +297,7 @@ def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkey
     if ocdbt:
         monkeypatch.setattr(_ocdbt, "DatabaseWriter", _DiskFullDatabase)
     else:
-        monkeypatch.setattr(_job, "DurableWriter", _DiskFullWriter)
+        monkeypatch.setattr(transaction_lib, "DurableWriter", _DiskFullWriter)
     ckptr = aj.StandardCheckpointer(use_ocdbt=ocdbt)
     ckptr.save(tmp_path / "ckpt", {"w": jnp.arange(64.0), "n": 1})  # staging succeeds
     with pytest.raises(OSError) as err:

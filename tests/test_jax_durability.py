@@ -25,7 +25,8 @@ from asyncckpt import (  # noqa: E402
 )
 from asyncckpt._engine import fastcrc  # noqa: E402
 from asyncckpt._engine import files as files_lib  # noqa: E402
-from asyncckpt.jax import _job, _ocdbt  # noqa: E402
+from asyncckpt._engine import transaction as transaction_lib  # noqa: E402
+from asyncckpt.jax import _ocdbt  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LineWatcher,
     check_crash_campaign,
@@ -89,7 +90,7 @@ def test_io_error_raises_on_the_next_call_and_keeps_earlier_checkpoints(
     if writer is _DiskFullDatabase:
         monkeypatch.setattr(_ocdbt, "DatabaseWriter", writer)
     else:
-        monkeypatch.setattr(_job, "DurableWriter", writer)
+        monkeypatch.setattr(transaction_lib, "DurableWriter", writer)
     assert mgr.save(2, {"w": jnp.zeros(64), "step": 2})  # staging succeeds; the write fails
     assert mgr.last_save.committed.exception(60) is not None  # the failure has happened
     with pytest.raises(OSError) as err:

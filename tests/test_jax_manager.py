@@ -158,8 +158,8 @@ def test_a_save_behind_a_write_in_flight_does_not_list_the_directory(ckpt_dir, m
     import threading
     import time
 
+    from asyncckpt._engine import transaction as transaction_lib
     from asyncckpt._engine.files import DurableWriter
-    from asyncckpt.jax import _job
 
     made, release = threading.Event(), threading.Event()
 
@@ -181,7 +181,7 @@ def test_a_save_behind_a_write_in_flight_does_not_list_the_directory(ckpt_dir, m
     with aj.CheckpointManager(ckpt_dir) as mgr:
         _save_all(mgr, [0])
         time.sleep(0.02)  # the temporary directory's mtime lands in a later clock tick
-        monkeypatch.setattr(_job, "DurableWriter", HeldWriter)
+        monkeypatch.setattr(transaction_lib, "DurableWriter", HeldWriter)
         monkeypatch.setattr(os, "scandir", counting_scandir)
         try:
             assert mgr.save(1, _state(1), force=True)

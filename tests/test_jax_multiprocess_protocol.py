@@ -37,6 +37,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
 from jax._src import distributed
 import asyncckpt.jax as aj
 from asyncckpt._engine import files as files_lib
+from asyncckpt._engine import transaction as transaction_lib
 from asyncckpt.jax import _job, manager as manager_lib
 from asyncckpt.options import AsyncOptions
 
@@ -134,10 +135,10 @@ ma.wait_until_finished()
 
 # A write failure on process 1: the same error on both processes.
 if pid == 1:
-    _job.DurableWriter = FailingWriter
+    transaction_lib.DurableWriter = FailingWriter
 ma.save(3, state(3))
 out["write_failure"] = error_of(ma.wait_until_finished)
-_job.DurableWriter = files_lib.DurableWriter
+transaction_lib.DurableWriter = files_lib.DurableWriter
 
 # A commit failure on process 0 reaches process 1 as the same error.
 manager_lib.JaxSaveJob = FailingPublish
@@ -148,11 +149,11 @@ manager_lib.JaxSaveJob = _job.JaxSaveJob
 # Process 1's save of step 5 fails, and process 1 has seen it fail before its
 # next save(): that save() raises it. User code catches and goes on.
 if pid == 1:
-    _job.DurableWriter = FailingWriter
+    transaction_lib.DurableWriter = FailingWriter
 ma.save(5, state(5))
 if pid == 1:
     concurrent.futures.wait([ma.last_save.committed])
-_job.DurableWriter = files_lib.DurableWriter
+transaction_lib.DurableWriter = files_lib.DurableWriter
 raised = []
 for step in (6, 7, 8):
     err = error_of(lambda: ma.save(step, state(step)))

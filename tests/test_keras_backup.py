@@ -28,6 +28,7 @@ import hashlib, json, os, sys
 import numpy as np
 import keras
 import asyncckpt.keras as ak
+from asyncckpt._engine.destinations import RenamedDirectory
 from asyncckpt.jobrunner.store import ArrayStore, _ArraysJob
 from asyncckpt.keras import _state
 
@@ -58,35 +59,45 @@ def state_hash(model):
     return h.hexdigest()[:16]
 
 
+def die(phase):
+    if crash and crash == f"{phase}:{FaultyJob.count}":
+        # One write, on a line of its own: the training thread may be
+        # half-way through printing its own line when this thread dies.
+        sys.stdout.write(f"\nCRASH {phase}\n")
+        sys.stdout.flush()
+        os.kill(os.getpid(), 9)
+
+
 class FaultyJob(_ArraysJob):
     count = 0
 
-    def _die(self, phase):
-        if crash and crash == f"{phase}:{FaultyJob.count}":
-            # One write, on a line of its own: the training thread may be
-            # half-way through printing its own line when this thread dies.
-            sys.stdout.write(f"\nCRASH {phase}\n")
-            sys.stdout.flush()
-            os.kill(os.getpid(), 9)
-
     def write(self):
         FaultyJob.count += 1
-        self._die("before_write")
+        die("before_write")
         super().write()
-        self._die("after_write")
+        die("after_write")
 
     def _write_index(self, index):
-        self._die("after_data")
+        die("after_data")
         super()._write_index(index)
 
-    def _publish(self):
-        self._die("after_manifest")
-        super()._publish()
-        self._die("after_publish")
+
+class DyingRename(RenamedDirectory):
+    """The real publish, with a kill just before it (the manifest written) and after it."""
+
+    def publish(self, workdir, names):
+        die("after_manifest")
+        super().publish(workdir, names)
+        die("after_publish")
 
 
 class FaultyStore(ArrayStore):
     job_class = FaultyJob
+
+    def transaction(self, step):
+        txn = super().transaction(step)
+        txn.destination = DyingRename(txn.destination.path, fsync=self.options.fsync)
+        return txn
 
 
 class Backup(ak.BackupAndRestore):

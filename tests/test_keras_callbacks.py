@@ -9,6 +9,8 @@ import threading
 import numpy as np
 import pytest
 
+from asyncckpt._engine.manifest import read_manifest, verify_files
+
 keras = pytest.importorskip("keras")
 ak = pytest.importorskip("asyncckpt.keras")
 
@@ -206,6 +208,11 @@ def test_model_checkpoint_files_are_keras_files(tmp_path):
     assert _same(loaded.get_weights(), model.get_weights())
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".asyncckpt-tmp")]
+    # Each file committed through the engine's transaction: a manifest beside it.
+    for name in ("w-3.weights.h5", "m.keras"):
+        manifest = read_manifest(str(tmp_path / (name + ".asyncckpt-manifest.json")))
+        assert [r.name for r in manifest.files] == [name] and manifest.framework == "keras"
+        verify_files(str(tmp_path), manifest.files, checksums=True, checkpoint=name)
 
 
 def test_model_checkpoint_writes_the_snapshot_not_later_values(tmp_path):

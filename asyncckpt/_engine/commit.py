@@ -97,7 +97,27 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(TEMP_PREFIX)
 
 
-def make_temp_dir(parent: str, name: str, *, token: str | None = None) -> str:
+def make_dirs(path: str, *, mode: int | None = None, exist_ok: bool = True) -> None:
+    """``os.makedirs``; a directory it creates gets exactly ``mode`` (not masked by the umask).
+
+    orbax's ``FileOptions.path_permission_mode`` asks for that mode; None
+    leaves the umask's default. An existing directory is left as it is.
+    """
+    if mode is None:
+        os.makedirs(path, exist_ok=exist_ok)
+        return
+    missing = []
+    head = os.path.abspath(path)
+    while not os.path.isdir(head):
+        missing.append(head)
+        head = os.path.dirname(head)
+    os.makedirs(path, exist_ok=exist_ok)
+    for d in missing:
+        os.chmod(d, mode)
+
+
+def make_temp_dir(parent: str, name: str, *, token: str | None = None,
+                  mode: int | None = None) -> str:
     """Creates (or reuses, with a shared ``token``) a temporary directory.
 
     Args:
@@ -106,10 +126,11 @@ def make_temp_dir(parent: str, name: str, *, token: str | None = None) -> str:
             name readable).
         token: A name shared by all processes writing the same checkpoint; a
             random one is used when None.
+        mode: Permission bits of the directory (``make_dirs``).
     """
     token = token or uuid.uuid4().hex[:12]
     path = _claim(os.path.join(parent, f"{TEMP_PREFIX}{name}-{token}"))
-    os.makedirs(path, exist_ok=True)
+    make_dirs(path, mode=mode)
     return path
 
 
@@ -162,7 +183,7 @@ def publish_dir(tmp_dir: str, final_dir: str, *, fsync: bool, replace: bool = Fa
         remove_tree(aside)
 
 
-def make_dir_in_place(final_dir: str, *, replace_stale: bool) -> str:
+def make_dir_in_place(final_dir: str, *, replace_stale: bool, mode: int | None = None) -> str:
     """Creates a directory checkpoint at its final name, to be committed by a marker.
 
     Args:
@@ -170,13 +191,14 @@ def make_dir_in_place(final_dir: str, *, replace_stale: bool) -> str:
         replace_stale: Remove what is there first (an uncommitted directory a
             killed save left: the caller has checked it holds no marker). False
             when several processes write into it: it is then only created.
+        mode: Permission bits of the directory (``make_dirs``).
     """
     with directory_guard(os.path.dirname(os.path.abspath(final_dir))):
         if replace_stale and os.path.lexists(final_dir):
             logger.warning("removing %s: a save of it was interrupted before its commit",
                            final_dir)
             remove_tree(final_dir)
-        os.makedirs(final_dir, exist_ok=not replace_stale)
+        make_dirs(final_dir, mode=mode, exist_ok=not replace_stale)
         return _claim(final_dir)
 
 
@@ -370,8 +392,11 @@ def _recover_backup(backup: str, dest_dir: str) -> None:
         _finish_replacement(backup, dest_dir, fsync=True)
 
 
-def write_text_atomic(path: str, text: str, *, fsync: bool) -> None:
-    """Replaces a small text file atomically (write, fsync, rename)."""
+def write_text_atomic(path: str, text: str, *, fsync: bool, mode: int | None = None) -> None:
+    """Replaces a small text file atomically (write, fsync, rename).
+
+    ``mode``: the file's permission bits (less execute bits); None: the umask's.
+    """
     parent = os.path.dirname(os.path.abspath(path))
     tmp = _claim(
         os.path.join(parent, f"{TEMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:8]}")
@@ -380,6 +405,8 @@ def write_text_atomic(path: str, text: str, *, fsync: bool) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
+            if mode is not None:
+                os.fchmod(f.fileno(), mode & 0o666)
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)

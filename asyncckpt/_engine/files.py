@@ -116,10 +116,14 @@ class DurableWriter:
             bytes and each fsync: the engine's ``SaveGate.wait``, which holds
             the writer while a save copies (see ``engine._gate``). None
             writes in ``_CHUNK`` pieces without pausing.
+        mode: Permission bits of the files and directories it creates
+            (orbax's ``FileOptions.path_permission_mode``; files without the
+            execute bits); None: the umask's default.
     """
 
     def __init__(self, root: str, *, fsync: bool, checksums: bool,
-                 algorithm: str | None = None, pause: Callable[[], None] | None = None):
+                 algorithm: str | None = None, pause: Callable[[], None] | None = None,
+                 mode: int | None = None):
         self.root = root
         self._fsync = fsync
         self._checksums = checksums
@@ -129,14 +133,27 @@ class DurableWriter:
         self._dirs: set[str] = {root}
         self._flusher = _Flusher(pause) if fsync else None
         self._pause = pause
+        self._mode = mode
 
     def _path(self, name: str) -> str:
         path = os.path.join(self.root, *name.split("/"))
         parent = os.path.dirname(path)
         if parent not in self._dirs:
-            os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
+            self._make_dirs(parent)
         return path
+
+    def _make_dirs(self, path: str) -> None:
+        """Creates ``path`` and missing parents (with ``mode``); ``finish`` fsyncs each."""
+        below = []  # path and its parents up to one already known
+        while path not in self._dirs and len(path) > len(self.root):
+            below.append(path)
+            path = os.path.dirname(path)
+        for d in reversed(below):
+            if not os.path.isdir(d):
+                os.makedirs(d, exist_ok=True)
+                if self._mode is not None:
+                    os.chmod(d, self._mode)
+        self._dirs.update(below)
 
     def write(self, name: str, chunks: Iterable[object]) -> FileRecord:
         """Writes ``chunks`` to a new file.
@@ -153,6 +170,8 @@ class DurableWriter:
         size = 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            if self._mode is not None:
+                os.fchmod(fd, self._mode & 0o666)
             for chunk in chunks:
                 known = isinstance(chunk, Checksummed)
                 view = memoryview(chunk.data if known else chunk).cast("B")

@@ -3,7 +3,7 @@
 ``AsyncEngine.save`` runs on the caller's thread only for as long as it takes
 to copy the state into a free staging slot; a single background thread then
 writes, commits and releases each save in order. Framework adapters supply the
-format-specific parts as a ``SaveJob`` (``engine/_jobs.py``); the engine owns
+format-specific parts as a ``SaveJob`` (``_engine/_jobs.py``); the engine owns
 threading, ordering, timings and error delivery. While a save copies, the
 writer and spare builds pause between pieces (``engine/_gate.py``). The flush
 at exit and ``fork()`` are handled in ``engine/_process.py``.
@@ -334,9 +334,8 @@ class AsyncEngine(ClosingContext):
                     # buffers; the other slots are then built in the background.
                     self._pool.learn(slot)
             except BaseException:
-                discard = getattr(job, "discard", None)
-                if discard is not None:
-                    discard()  # no background work on the slot once it is free
+                if job is not None:
+                    job.discard()  # no background work on the slot once it is free
                 self._pool.release(slot)
                 raise
             blocking_s = time.perf_counter() - t0
@@ -350,9 +349,7 @@ class AsyncEngine(ClosingContext):
                 self._ensure_thread()
                 self._queue.put(work)
             del work
-            start = getattr(job, "start_background", None)
-            if start is not None:
-                start()
+            job.start_background()
         finally:
             with self._cond:
                 self._staging -= 1
@@ -403,9 +400,8 @@ class AsyncEngine(ClosingContext):
             t1 = time.perf_counter()
             with self._cond:
                 self._busy_since = t1
-            set_pause = getattr(job, "set_pause", None)
-            if set_pause is not None and self._gate.enabled:  # else: written as before
-                set_pause(self._gate.wait)
+            if self._gate.enabled:  # else: written as before, without pauses
+                job.set_pause(self._gate.wait)
             self._gate.wait()  # a save copying now: its Python needs the GIL too
             job.write()
             write_s = time.perf_counter() - t1
@@ -456,11 +452,8 @@ class AsyncEngine(ClosingContext):
         return error
 
     def _after_commit(self, job: SaveJob, stats: SaveStats) -> SaveStats:
-        after = getattr(job, "after_commit", None)
-        if after is None:
-            return stats
         try:
-            after(stats)
+            job.after_commit(stats)
         except Exception as e:
             with self._cond:
                 self._post_commit_errors += 1

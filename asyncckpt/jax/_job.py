@@ -1,16 +1,14 @@
-"""The background half of a JAX save: write chunks, agree, commit by rename.
+"""The background half of a JAX save: the format writer of orbax's layout.
 
 Runs on the engine's writer thread. ``write`` puts this process's chunk files
-(and, on the primary, the metadata files) into the shared temporary
-directory, straight from the slot's buffers, with CRC32s computed as they are
-written; items stored as OCDBT instead go into this process's OCDBT database
-(``_ocdbt.DatabaseWriter``). ``commit`` waits for the files to be durable,
-lets the processes agree (see ``_distributed``), merges the OCDBT databases
-(primary), writes the manifest and publishes the step directory with one
-rename (or, in orbax's commit-file mode, writes the step directory in place
-and commits it by creating ``commit_success.txt`` last); ``after_commit``
-then runs the manager's callback (retention) and tells the other processes,
-where an error no longer fails the save.
+(and, on the primary, the step's metadata files) into the transaction's
+directory, straight from the slot's buffers, checksummed as they are
+written; items stored as OCDBT go into this process's OCDBT database
+(``_ocdbt.DatabaseWriter``) instead. ``commit`` seals the files; with
+several processes the others hand their records to the primary (see
+``_distributed``), which merges the OCDBT databases and publishes every
+process's files in one transaction. ``after_commit`` then runs the
+manager's callback and tells the other processes.
 """
 
 from __future__ import annotations
@@ -19,15 +17,23 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt._engine import commit as commit_lib
-from asyncckpt._engine.files import DurableWriter
-from asyncckpt._engine.manifest import OWNER_MARKER, Manifest, owner_marker_bytes
+from asyncckpt._engine._jobs import SaveJob
+from asyncckpt._engine.destinations import (
+    Destination,
+    MarkedDirectory,
+    RenamedDirectory,
+    Uploaded,
+)
+from asyncckpt._engine.files import FileRecord
+from asyncckpt._engine.manifest import OWNER_MARKER, owner_marker_bytes
 from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.transaction import Transaction
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _ocdbt, _parts
 from asyncckpt.jax._distributed import ABSENT, CommitCoordinator, DistributedSaveError
@@ -43,114 +49,120 @@ logger = logging.getLogger(__name__)
 CommitCallback = Callable[[int, SaveStats, dict], None]
 
 
-class JaxSaveJob:
-    """Writes one staged pytree as ``<directory>/<step>/`` in the orbax layout.
+@dataclass(frozen=True)
+class StepInfo:
+    """What a step records besides its arrays (``_CHECKPOINT_METADATA``, the manifest).
 
-    Args:
-        directory: The manager's directory (a checkpointer's: the path's parent).
-        step: Step number; the checkpoint's directory name (None: a
-            checkpointer's save to a path, named by ``dir_name``).
-        staged: The staged bytes (slot buffers).
-        options: fsync and checksums.
-        temp_token: Names the temporary directory; the same on every process.
-        coordinator: Multi-process coordination, or None for one process.
-        save_key: This save's key prefix in the key-value store.
-        metrics: Saved in ``_CHECKPOINT_METADATA`` (orbax reads them there).
-        custom_metadata: Likewise; also copied into the manifest.
-        on_committed: Called after the publish (the manager's retention).
-        on_published: Called with the step right after the publish, as part of
-            the commit: if it raises, the save fails (a URL directory's
-            upload, which is what makes such a save durable).
-        dir_name: The step directory's name (default: the step).
-        item_handlers: orbax's handler of each item, for ``_CHECKPOINT_METADATA``
-            (a checkpointer's: the one handler's name, as orbax records it).
-        shards: Several processes and a remote directory: each process has its
-            own temporary directory and uploads its own files; the primary
-            checks them all before the manifest (``asyncckpt.storage.shards``).
-        on_temp_made: Called on the writer thread once the temporary directory
-            exists (the manager lists the directory again there, so the next
-            ``save()`` does not).
-        replace: Publish over an existing checkpoint of the same name (orbax's
-            ``force=True``); it is removed once the new one is in place.
-        commit_marker: Write the step directory in place and commit it by
-            creating this file in it last (orbax's ``CommitFileTemporaryPath``);
-            None: write a temporary directory and rename it.
-        deadline: ``time.monotonic()`` after which the save is not committed
-            but fails with ``TimeoutError`` (orbax's ``AsyncOptions.timeout_secs``).
-        make_dir_now: Create the (temporary or in-place) directory in the
-            constructor, on the saving thread (orbax's
-            ``create_directories_asynchronously=False``).
-        ocdbt: Items stored as OCDBT -> their target data file size (0: no limit).
+    Attributes:
+        metrics: The save's metrics (orbax reads them there; ``best_fn``).
+        custom_metadata: The save's ``custom_metadata``.
+        item_handlers: orbax's handler of each item (a checkpointer's: the
+            one handler's name), as orbax records them.
     """
 
-    def __init__(
-        self,
-        *,
-        directory: str,
-        step: int | None,
-        staged: StagedTree,
-        options: AsyncOptions,
-        temp_token: str,
-        coordinator: CommitCoordinator | None,
-        save_key: str | None,
-        metrics: dict | None,
-        custom_metadata: dict | None,
-        on_committed: CommitCallback | None,
-        on_published: Callable[[int], None] | None = None,
-        dir_name: str | None = None,
-        item_handlers: dict[str, str] | str | None = None,
-        shards: ShardUploader | None = None,
-        on_temp_made: Callable[[], None] | None = None,
-        replace: bool = False,
-        commit_marker: str | None = None,
-        deadline: float | None = None,
-        make_dir_now: bool = False,
-        ocdbt: Mapping[str, int] | None = None,
-    ):
-        self.label = dir_name or str(step)
-        self.step = step
-        self.nbytes = staged.nbytes
-        self._directory = directory
-        self._staged: StagedTree | None = staged
-        self._options = options
-        self._token = temp_token
-        self._coord = coordinator
-        self._save_key = save_key
-        self._metrics = metrics
-        self._custom = custom_metadata
-        self._on_committed = on_committed
-        self._on_published = on_published
-        self._item_handlers = item_handlers
-        self._shards = shards
-        self._on_temp_made = on_temp_made
-        self._replace = replace
-        self._ocdbt = dict(ocdbt or {})
-        self._dbs: dict[str, _ocdbt.DatabaseWriter] = {}
-        self._primary = coordinator is None or coordinator.primary
-        self._init_ns = time.time_ns()
-        self._tmp: str | None = None
-        self._writer: DurableWriter | None = None
-        self._reported = False
-        self._announced = False
-        self._published = False
-        self._extra: dict = {}
-        self._error: BaseException | None = None
-        self._pause: Callable[[], None] | None = None
-        self._marker = commit_marker
-        self._deadline = deadline
-        self._timeout_s = None if deadline is None else deadline - time.monotonic()
-        if make_dir_now:
-            self._tmp = self._make_dir()
+    metrics: Any = None
+    custom_metadata: Any = None
+    item_handlers: dict[str, str] | str | None = None
 
-    def set_pause(self, pause: Callable[[], None]) -> None:
-        """The engine's gate: ``write`` pauses between write pieces while a save copies."""
-        self._pause = pause
+
+@dataclass(frozen=True)
+class Peers:
+    """The other processes of a multi-process save.
+
+    Attributes:
+        coordinator: The commit protocol over JAX's key-value store.
+        save_key: This save's key prefix in the store.
+        shards: No shared directory (a URL directory): each process has its
+            own temporary directory and uploads its own files; the primary
+            checks them all before the manifest (``asyncckpt.storage.shards``).
+    """
+
+    coordinator: CommitCoordinator
+    save_key: str
+    shards: ShardUploader | None = None
 
     @property
-    def final_dir(self) -> str:
-        return os.path.join(self._directory, self.label)
+    def primary(self) -> bool:
+        return self.coordinator.primary
 
-    # -- write: from the slot's buffers into the temporary directory ------------
+
+def step_transaction(path: str, *, options: AsyncOptions, step: int | None, token: str,
+                     commit_marker: str | None = None, shared: bool = False,
+                     replace: bool = False, then: Callable[[], None] | None = None,
+                     mode: int | None = None) -> Transaction:
+    """The transaction of a step (or a checkpointer's path) in orbax's layout.
+
+    Args:
+        path: The step's directory.
+        options: fsync and checksums.
+        step: The step, recorded in the manifest.
+        token: Names the temporary directory; the same on every process.
+        commit_marker: Write the directory in place and commit it by creating
+            this file last (orbax's ``CommitFileTemporaryPath``); None: a
+            temporary directory renamed into place.
+        shared: Several processes write into the directory (an interrupted
+            in-place step is then not removed first).
+        replace: Publish over an existing checkpoint (orbax's ``force=True``).
+        then: Completes the commit after the local publish (a URL
+            directory's upload); if it raises, the save fails.
+        mode: Permission bits of what is created (orbax's ``path_permission_mode``).
+    """
+    destination: Destination
+    if commit_marker is not None:
+        destination = MarkedDirectory(path, commit_marker, replace_stale=not shared,
+                                      fsync=options.fsync, mode=mode)
+    else:
+        destination = RenamedDirectory(path, token=token, replace=replace,
+                                       fsync=options.fsync, mode=mode)
+    if then is not None:
+        destination = Uploaded(destination, then)
+    return Transaction(destination, framework="jax", label=os.path.basename(path), step=step,
+                       manifest_name=layout.JAX_MANIFEST_NAME, options=options, mode=mode)
+
+
+class JaxSaveJob(SaveJob):
+    """Writes one staged pytree as a step in the orbax layout, through ``transaction``.
+
+    Args:
+        transaction: The step's commit (its destination: a renamed temporary,
+            or the step's directory committed by a marker).
+        step: Step number (None: a checkpointer's save to a path).
+        staged: The staged bytes (slot buffers).
+        info: Metrics, custom metadata and handler names of the step.
+        peers: The other processes, or None for a save of one process.
+        ocdbt: Items stored as OCDBT -> their target data file size (0: no limit).
+        deadline: ``time.monotonic()`` after which the save is not committed
+            but fails with ``TimeoutError`` (orbax's ``AsyncOptions.timeout_secs``).
+        on_committed: Called after the publish (the manager's post-commit work).
+        on_begin: Called on the writer thread once the directory exists (the
+            manager lists the directory again there, so the next ``save()``
+            does not).
+    """
+
+    def __init__(self, *, transaction: Transaction, step: int | None, staged: StagedTree,
+                 info: StepInfo, peers: Peers | None = None,
+                 ocdbt: Mapping[str, int] | None = None, deadline: float | None = None,
+                 on_committed: CommitCallback | None = None,
+                 on_begin: Callable[[], None] | None = None):
+        super().__init__(label=transaction.label, step=step, nbytes=staged.nbytes,
+                         transaction=transaction)
+        self._staged: StagedTree | None = staged
+        self._info = info
+        self._peers = peers
+        self._primary = peers is None or peers.primary
+        self._ocdbt = dict(ocdbt or {})
+        self._dbs: dict[str, _ocdbt.DatabaseWriter] = {}
+        self._deadline = deadline
+        self._timeout_s = None if deadline is None else deadline - time.monotonic()
+        self._on_committed = on_committed
+        self._on_begin = on_begin
+        self._init_ns = time.time_ns()
+        self._reported = False  # this process's part was reported to the primary
+        self._announced = False  # the outcome was announced (or agreed) to every process
+        self._extra: dict = {}
+        self._error: BaseException | None = None
+
+    # -- write: from the slot's buffers into the transaction's directory --------------
 
     def write(self) -> None:
         try:
@@ -164,20 +176,14 @@ class JaxSaveJob:
     def _failed(self, error: BaseException) -> BaseException:
         """This process's part failed: the error to raise (multi-process: the agreed one)."""
         self._error = error
-        if self._coord is None or self._save_key is None or self._reported or self._announced:
+        peers = self._peers
+        if peers is None or self._reported or self._announced:
             return error
-        agreed = self._coord.agree_failure(self._save_key, self.step, error)
+        agreed = peers.coordinator.agree_failure(peers.save_key, self.step, error)
         self._reported = self._announced = True
         if agreed is not error:
             self._error = agreed
         return agreed
-
-    def _make_dir(self) -> str:
-        """The directory the files go in: a temporary, or the step itself (commit-file)."""
-        if self._marker is not None:
-            return commit_lib.make_dir_in_place(self.final_dir,
-                                                replace_stale=self._coord is None)
-        return commit_lib.make_temp_dir(self._directory, self.label, token=self._token)
 
     def _check_deadline(self) -> None:
         if self._deadline is not None and time.monotonic() > self._deadline:
@@ -190,21 +196,16 @@ class JaxSaveJob:
         assert staged is not None
         try:
             self._check_deadline()
-            if self._tmp is None:
-                self._tmp = self._make_dir()
-            if self._on_temp_made is not None:
-                self._on_temp_made()
-            writer = DurableWriter(
-                self._tmp, fsync=self._options.fsync, checksums=self._options.checksums,
-                pause=self._pause,
-            )
-            self._writer = writer
+            self.transaction.begin()
+            if self._on_begin is not None:
+                self._on_begin()
+            files = self.transaction.files
             splits = staged.splits
             for name, buf in staged.chunks:  # names are relative to the step directory
                 # A byte view: extension dtypes (bfloat16) have no buffer format.
                 data = buf.reshape(-1).view(np.uint8)
                 if (db := self._database(name)) is None:
-                    writer.write(name, (data,))
+                    files.write(name, (data,))
                 elif (pieces := splits.get(name)) is None:
                     db.put(name[db.strip:], data)
                 else:  # equal, contiguous runs of the chunk's bytes
@@ -214,22 +215,20 @@ class JaxSaveJob:
                             db.put(piece[db.strip:], data[k * size:(k + 1) * size])
             for name, data in staged.metadata_files:
                 if (db := self._database(name)) is None:
-                    writer.write(name, (data,))
+                    files.write(name, (data,))
                 else:
                     db.put(name[db.strip:], data)
             for db in self._dbs.values():  # they read the slot's buffers until committed
                 db.flush()
             if self._primary:
+                info = self._info
                 step_meta = fmt.step_metadata_json(
-                    metrics=self._metrics,
-                    custom_metadata=self._custom,
-                    init_ns=self._init_ns,
-                    commit_ns=time.time_ns(),
-                    item_handlers=self._item_handlers,
-                )
-                writer.write(fmt.STEP_METADATA, (step_meta.encode(),))
+                    metrics=info.metrics, custom_metadata=info.custom_metadata,
+                    init_ns=self._init_ns, commit_ns=time.time_ns(),
+                    item_handlers=info.item_handlers)
+                files.write(fmt.STEP_METADATA, (step_meta.encode(),))
                 # Says "asyncckpt wrote this": without its manifest it is corrupt.
-                writer.write(OWNER_MARKER, (owner_marker_bytes(),))
+                files.write(OWNER_MARKER, (owner_marker_bytes(),))
         finally:
             self._staged = None  # the slot is reused once this returns
 
@@ -252,11 +251,10 @@ class JaxSaveJob:
                 return None
         db = self._dbs.get(item)
         if db is None:
-            assert self._tmp is not None and self._writer is not None
-            index = 0 if self._coord is None else self._coord.process_index
+            index = 0 if self._peers is None else self._peers.coordinator.process_index
             db = self._dbs[item] = _ocdbt.DatabaseWriter(
-                self._tmp, item, index, target=self._ocdbt[item], files=self._writer,
-                pause=self._pause)
+                self.transaction.workdir, item, index, target=self._ocdbt[item],
+                files=self.transaction.files, pause=self.pause)
         return db
 
     # -- commit: durable, agreed, published ----------------------------------------
@@ -274,158 +272,135 @@ class JaxSaveJob:
             raise agreed from e
 
     def _commit(self, stats: SaveStats) -> None:
-        assert self._writer is not None and self._tmp is not None
+        txn = self.transaction
         for db in self._dbs.values():  # the last values, and the files TensorStore wrote
             db.finish()
-        records = self._writer.finish()
+        records = txn.seal()
         if not self._primary:
-            assert self._coord is not None and self._save_key is not None
-            # This process's records go into its manifest part, next to its files;
-            # process 0 is told only the part's digest.
-            part, digest = _parts.write(self._tmp, self._coord.process_index, records,
-                                        fsync=self._options.fsync)
-            if self._shards is not None:  # no shared directory: this process's files go up
-                self._shards.upload(self.label, self._tmp, [*records, part])
-            self._coord.report_done(self._save_key, digest)
-            self._reported = True
-            error = self._coord.verdict(self._save_key, self.step)
-            if error is not None:
-                raise error
-            if self._shards is not None:
-                self._shards.committed_elsewhere()  # [storage] the new step in its listing
-            self._release_tmp()  # published (and owned) by the primary
+            self._hand_over(records)
             return
-        if self._shards is not None:
-            self._shards.upload(self.label, self._tmp, records)
-        if self._coord is not None:
+        peers = self._peers
+        shards = None if peers is None else peers.shards
+        if shards is not None:
+            shards.upload(self.label, txn.workdir, records)
+        if peers is not None:
             records = records + self._others_records()
-        if self._shards is not None:  # every process's objects, before the manifest
-            self._shards.check(self.label, records)
+        if shards is not None:  # every process's objects, before the manifest
+            shards.check(self.label, records)
         if self._ocdbt:
             records = records + self._merge(records)
         self._extra = {
-            "num_processes": 1 if self._coord is None else self._coord.process_count,
-            "metrics": self._metrics,
-            "custom_metadata": self._custom or {},
+            "num_processes": 1 if peers is None else peers.coordinator.process_count,
+            "metrics": self._info.metrics,
+            "custom_metadata": self._info.custom_metadata or {},
         }
-        manifest = Manifest(
-            framework="jax",
-            label=self.label,
-            step=self.step,
-            files=tuple(sorted(records, key=lambda r: r.name)),
-            stats=stats.to_dict(),
-            extra=self._extra,
-        )
-        commit_lib.write_text_atomic(
-            os.path.join(self._tmp, layout.JAX_MANIFEST_NAME),
-            manifest.to_json(),
-            fsync=self._options.fsync,
-        )
         self._check_deadline()
-        if self._marker is not None:
-            commit_lib.commit_in_place(self._tmp, self._marker,
-                                       f"committed by asyncckpt: {self.final_dir}",
-                                       fsync=self._options.fsync)
-        else:
-            commit_lib.publish_dir(self._tmp, self.final_dir, fsync=self._options.fsync,
-                                   replace=self._replace)
-        self._tmp = None
-        self._published = True
-        if self._on_published is not None:
-            self._on_published(self.step)
+        txn.publish(records, stats, self._extra)
 
-    def _others_records(self) -> list:
+    def _hand_over(self, records: list[FileRecord]) -> None:
+        """Not the primary: this process's records go to the primary, which publishes."""
+        peers = self._peers
+        assert peers is not None
+        txn, coordinator = self.transaction, peers.coordinator
+        # Into this process's manifest part, next to its files; process 0 is
+        # told only the part's digest.
+        part, digest = _parts.write(txn.workdir, coordinator.process_index, records,
+                                    fsync=txn.fsync)
+        if peers.shards is not None:  # no shared directory: this process's files go up
+            peers.shards.upload(self.label, txn.workdir, [*records, part])
+        coordinator.report_done(peers.save_key, digest)
+        self._reported = True
+        error = coordinator.verdict(peers.save_key, self.step)
+        if error is not None:
+            raise error
+        if peers.shards is not None:
+            peers.shards.committed_elsewhere()  # [storage] the new step in its listing
+        # Published (and owned) by the primary; a private temporary is removed.
+        txn.release(remove=peers.shards is not None)
+
+    def _others_records(self) -> list[FileRecord]:
         """Primary: every other process's file records, from their manifest parts.
 
         Raises:
             DistributedSaveError: a process failed, did not answer, or its part
                 is not where the primary commits (a directory not shared).
         """
-        assert self._coord is not None and self._save_key is not None and self._tmp is not None
-        digests, failures = self._coord.collect(self._save_key)
+        peers = self._peers
+        assert peers is not None
+        workdir, coordinator = self.transaction.workdir, peers.coordinator
+        digests, failures = coordinator.collect(peers.save_key)
         parts: dict = {}
         if not failures:
-            if self._shards is None:
-                reader, where = _parts.local_reader(self._tmp), repr(self._tmp)
+            if peers.shards is None:
+                reader, where = _parts.local_reader(workdir), repr(workdir)
             else:
-                reader, where = self._shards.reader(self.label), f"{self._shards.url}/{self.label}/"
+                reader = peers.shards.reader(self.label)
+                where = f"{peers.shards.url}/{self.label}/"
             parts, failures = _parts.read_all(digests, reader, where=where)
         if failures:
             self._announced = True
             raise DistributedSaveError(
-                self.step, self._coord.announce(self._save_key, failures=failures))
-        if self._shards is None:
-            _parts.remove(self._tmp, list(parts))  # not part of the published checkpoint
+                self.step, coordinator.announce(peers.save_key, failures=failures))
+        if peers.shards is None:
+            _parts.remove(workdir, list(parts))  # not part of the published checkpoint
         return [r for i in sorted(parts) for r in parts[i]]
 
-    def _merge(self, records: list) -> list:
+    def _merge(self, records: list[FileRecord]) -> list[FileRecord]:
         """Primary: one OCDBT database per item over every process's; the new files' records.
 
         Without a shared directory (``shards``), the other processes' B-tree
         nodes are fetched first (their data files are not: the merged tree
         only refers to them), and the merged root is uploaded after.
         """
-        assert self._tmp is not None
-        if self._shards is not None:
+        txn = self.transaction
+        workdir = txn.workdir
+        shards = None if self._peers is None else self._peers.shards
+        if shards is not None:
             wanted = set(_ocdbt.merge_inputs([r.name for r in records]))
-            here = os.path.join(self._tmp, "")
-            self._shards.download(self.label, self._tmp, [
+            here = os.path.join(workdir, "")
+            shards.download(self.label, workdir, [
                 r for r in records if r.name in wanted
                 and not os.path.exists(here + r.name)])
-        merged = DurableWriter(self._tmp, fsync=self._options.fsync,
-                               checksums=self._options.checksums, pause=self._pause)
+        merged = txn.writer()
         for item in sorted(self._ocdbt):
-            if os.path.isdir(os.path.join(self._tmp, item)):
-                _ocdbt.merge(self._tmp, item, files=merged)
+            if os.path.isdir(os.path.join(workdir, item)):
+                _ocdbt.merge(workdir, item, files=merged)
         new = merged.finish()
-        if self._shards is not None:
-            self._shards.upload(self.label, self._tmp, new)
+        if shards is not None:
+            shards.upload(self.label, workdir, new)
         return new
 
     def after_commit(self, stats: SaveStats) -> None:
-        """Published: the manager's callback (retention), then tell the others."""
+        """Published: the manager's callback, then tell the others."""
         try:
             # Retention first, so every process sees the same steps once told.
             if self._on_committed is not None:
                 self._on_committed(self.step, stats, self._extra)
         finally:
-            if self._published and self._coord is not None:
-                assert self._save_key is not None
+            peers = self._peers
+            if self.transaction.published and peers is not None:
                 self._announced = True  # published: committed either way
-                self._coord.announce(self._save_key)
-
-    def _release_tmp(self) -> None:
-        """Non-primary: a shared temporary is the primary's; a private one is removed."""
-        assert self._tmp is not None
-        if self._shards is not None:
-            commit_lib.remove_tree(self._tmp)
-        else:
-            commit_lib.forget_temp(self._tmp)
-        self._tmp = None
+                peers.coordinator.announce(peers.save_key)
 
     # -- abort: leave no temporary behind, and let the other processes know --------
 
     def abort(self) -> None:
         self._staged = None
+        txn, peers = self.transaction, self._peers
+        if peers is None:
+            txn.abort()
+            return
         error = self._error or RuntimeError(f"save of step {self.step} failed")
-        if self._writer is not None:
-            self._writer.abort()
-        if self._coord is not None and self._save_key is not None:
-            if not (self._reported or self._announced):
-                self._failed(error)  # not agreed yet (an error outside write/commit)
-            if not self._primary:
-                if self._tmp is not None:
-                    if _primary_absent(self._error):
-                        commit_lib.remove_tree(self._tmp)  # no one else will
-                        self._tmp = None
-                    else:
-                        self._release_tmp()
-                return  # the primary removes the shared temporary directory
+        if not (self._reported or self._announced):
+            self._failed(error)  # not agreed yet (an error outside write/commit)
+        if self._primary:
             # The primary announced only after every process answered (or timed
             # out): none writes into the temporary directory any more.
-        if self._tmp is not None:
-            commit_lib.remove_tree(self._tmp)
-            self._tmp = None
+            txn.abort()
+        elif _primary_absent(self._error) or peers.shards is not None:
+            txn.release(remove=True)  # no one else will remove it
+        else:
+            txn.release()  # the primary removes the shared temporary directory
 
 
 def _primary_absent(error: BaseException | None) -> bool:

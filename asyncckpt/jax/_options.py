@@ -39,7 +39,7 @@ _HONOURED = frozenset({
     "create", "save_on_steps", "todelete_subdir", "read_only", "enable_async_checkpointing",
     "should_save_fn", "save_root_metadata", "prevent_write_metrics", "save_decision_policy",
     "preservation_policy", "enable_should_save_is_saving_in_progress_check", "async_options",
-    "temporary_path_class", "atomicity_options", "cleanup_tmp_directories",
+    "temporary_path_class", "atomicity_options", "cleanup_tmp_directories", "file_options",
 })
 
 # Why the others are refused when set, and what to use instead.
@@ -48,7 +48,6 @@ _REFUSED = {
     "todelete_full_path": "soft deletion to a bucket path (GCS only; use todelete_subdir)",
     "multiprocessing_options": "orbax's MultiprocessingOptions (asyncckpt coordinates all "
                                "JAX processes itself, process 0 as primary: leave it default)",
-    "file_options": "orbax's FileOptions (path permissions, sync validations: leave it default)",
     "enable_per_process_directory_creation": "per-process step directories (leave it False)",
 }
 
@@ -135,6 +134,10 @@ class ManagerConfig:
             thread once each save is committed (orbax's ``AsyncOptions``).
         create_directories_asynchronously: False makes ``save()`` create the
             step's directory before it returns (orbax's ``AsyncOptions``).
+        path_permission_mode: Permission bits of the directories the manager
+            creates (its own, each step's and everything in it) and, less the
+            execute bits, of its files (orbax's ``FileOptions``); None: the
+            umask's default.
     """
 
     max_to_keep: int | None = None
@@ -163,6 +166,7 @@ class ManagerConfig:
     save_timeout_s: float | None = None
     post_finalization_callback: Callable[[], Any] | None = None
     create_directories_asynchronously: bool = True
+    path_permission_mode: int | None = None
 
     def __post_init__(self) -> None:
         retention.check_max_to_keep(self.max_to_keep, allow_zero=True)  # orbax keeps none at 0
@@ -189,6 +193,11 @@ class ManagerConfig:
                             "should_preserve(checkpoints, *, context) method")
         if self.save_timeout_s is not None and self.save_timeout_s <= 0:
             raise ValueError(f"the save timeout must be positive, got {self.save_timeout_s} s")
+        if self.path_permission_mode is not None and not (
+                isinstance(self.path_permission_mode, int)
+                and 0 <= self.path_permission_mode <= 0o7777):
+            raise ValueError(f"path_permission_mode must be a permission mode such as 0o750, "
+                             f"got {self.path_permission_mode!r}")
         if self.post_finalization_callback is not None and not callable(
                 self.post_finalization_callback):
             raise TypeError(f"post_finalization_callback {self.post_finalization_callback!r} "
@@ -288,7 +297,26 @@ def from_orbax(options: Any) -> ManagerConfig:
         save_timeout_s=timeout_s,
         post_finalization_callback=callback,
         create_directories_asynchronously=dirs_async,
+        path_permission_mode=_file_options(options.file_options),
     )
+
+
+def _file_options(file_options: Any) -> int | None:
+    """orbax's ``FileOptions``: the permission mode (None: the umask's default).
+
+    Raises:
+        ValueError: ``skip_sync_file_validations`` is set (asyncckpt's checks
+            before a save read its in-memory listing; there is nothing to skip).
+    """
+    if file_options is None:
+        return None
+    if getattr(file_options, "skip_sync_file_validations", False):
+        raise ValueError(
+            "FileOptions.skip_sync_file_validations=True is not supported by "
+            "asyncckpt.jax.CheckpointManager: its checks before a save read the listing it "
+            "keeps in memory (a stat of the directory), so there is no file system check to "
+            "skip; leave it False")
+    return getattr(file_options, "path_permission_mode", None)
 
 
 def with_checkpointers(config: ManagerConfig, *, use_async: bool | None,

@@ -36,7 +36,7 @@ from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError, PeerFai
 from asyncckpt.jax import _args, _compat, _metadata
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import CommitCoordinator, Saves
-from asyncckpt.jax._job import JaxSaveJob
+from asyncckpt.jax._job import JaxSaveJob, Peers, StepInfo, step_transaction
 from asyncckpt.jax._metadata import StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt
 from asyncckpt.jax._restore import restore_tree, shared_verdicts
@@ -123,14 +123,10 @@ def _check_orbax_options(*, multiprocessing_options: Any, file_options: Any,
                           "every JAX process takes part in each save")
         # barrier_sync_key_prefix keeps orbax's barriers of several checkpointers
         # apart; asyncckpt's keys are per checkpointer already.
-    fo = file_options
-    if fo is not None:
-        if getattr(fo, "path_permission_mode", None) is not None:
-            raise _refuse("FileOptions(path_permission_mode=...)",
-                          "directories get the process's umask; chmod them after the save")
-        if getattr(fo, "skip_sync_file_validations", False):
-            raise _refuse("FileOptions(skip_sync_file_validations=True)",
-                          "the destination is always checked (force=True replaces it)")
+    # FileOptions.path_permission_mode is honoured (the checkpointer's mode).
+    if getattr(file_options, "skip_sync_file_validations", False):
+        raise _refuse("FileOptions(skip_sync_file_validations=True)",
+                      "the destination is always checked (force=True replaces it)")
     if checkpoint_metadata_store is not None:
         raise _refuse("checkpoint_metadata_store",
                       "asyncckpt writes _CHECKPOINT_METADATA itself, with the checkpoint")
@@ -225,6 +221,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                              checkpoint_metadata_store=checkpoint_metadata_store,
                              temporary_path_class=temporary_path_class)
         del atomicity_options  # every mode is met (see _check_orbax_options)
+        # orbax's FileOptions.path_permission_mode: of the directories and files made.
+        self._mode = getattr(file_options, "path_permission_mode", None)
         self._options, timeout_s, self._post_commit = _engine_settings(
             async_options, coordination_timeout_s)
         self._handler = handler
@@ -233,6 +231,9 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         self._coord = CommitCoordinator.for_this_run(timeout_s=timeout_s,
                                                      directory=_COORDINATION_NAME)
         self._primary = self._coord is None or self._coord.primary
+        # orbax's post_finalization_callback: after each commit, by the primary.
+        self._finalized = (_compat.PostFinalization(self._post_commit)
+                           if self._post_commit is not None and self._primary else None)
         name = "asyncckpt.jax.checkpointer" if self._coord is None else (
             f"asyncckpt.jax.checkpointer[p{self._coord.process_index}]")
         self._engine = AsyncEngine(options=self._options, name=name)
@@ -240,8 +241,6 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         self._saves = Saves(self._coord, lambda: None)  # no directory of its own to lock
         self._extra = ((COMMIT_FILE, _COMMIT_TEXT),) if self._primary else ()
         self._joined: tuple[tuple, tuple] | None = None  # (a plan's metadata, + commit file)
-        self._on_published = (None if self._post_commit is None
-                              else lambda _step, cb=self._post_commit: cb())
         self._lock = threading.Lock()
         self._in_flight: dict[str, SaveHandle] = {}
         self._last_save: SaveHandle | None = None
@@ -372,29 +371,22 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
     def _start_save(self, path: str, item: _args.SaveItem, ocdbt: int | None, custom: Any,
                     force: bool, seq: int, save_key: str | None) -> None:
         token = self._saves.token()
-        parent, name = os.path.split(path)
         value, chunking = item.value, item.layout
         databases = None if ocdbt is None else {ROOT: ocdbt}
 
         def stage(slot):
             staged = self._with_commit_file(self._snapshotter.stage(
                 value, slot, item=ROOT, layout=chunking, ocdbt=ocdbt))
+            txn = step_transaction(path, options=self._options, step=None,
+                                   token=f"{token}-{seq}", replace=force, mode=self._mode)
             return JaxSaveJob(
-                directory=parent,
+                transaction=txn,
                 step=None,
                 staged=staged,
-                options=self._options,
-                temp_token=f"{token}-{seq}",
-                coordinator=self._coord,
-                save_key=save_key,
-                metrics=None,
-                custom_metadata=custom,
-                on_committed=None,
-                on_published=self._on_published,
-                dir_name=name,
-                item_handlers=self._typestr,
-                replace=force,
+                info=StepInfo(custom_metadata=custom, item_handlers=self._typestr),
+                peers=None if self._coord is None else Peers(self._coord, save_key),
                 ocdbt=databases,
+                on_committed=self._finalized,
             )
 
         handle = self._engine.save(stage, label=path, raise_pending=self._coord is None)
@@ -446,10 +438,14 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             Exception: a background failure not yet reported.
         """
         self._engine.wait_until_finished()
+        if self._finalized is not None:
+            self._finalized.raise_pending()
 
     def check_for_errors(self) -> None:
         """Raises the failure of a background save not yet reported, if any."""
         self._engine.raise_pending_error()
+        if self._finalized is not None:
+            self._finalized.raise_pending()
 
     def _wait_for(self, path: str) -> None:
         """Waits for a save of ``path`` still in flight; raises its failure."""

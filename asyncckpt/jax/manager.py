@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from asyncckpt._closing import ClosingContext
+from asyncckpt._engine.commit import make_dirs
 from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import (
     CheckpointNotFoundError,
@@ -21,7 +22,7 @@ from asyncckpt.errors import (
 from asyncckpt.jax import _args, _compat, _metadata, _options, _policies, _view
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import CommitCoordinator, Saves
-from asyncckpt.jax._job import JaxSaveJob
+from asyncckpt.jax._job import JaxSaveJob, Peers, StepInfo, step_transaction
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, ItemFormats
 from asyncckpt.jax._restore import restore_listed, shared_verdicts
@@ -209,7 +210,7 @@ class CheckpointManager(ClosingContext):
         # [ocdbt] Which items are stored as OCDBT (handlers' use_ocdbt, format_options).
         self._formats = ItemFormats(format_options, setup.handlers, os.fspath(directory))
         if self._config.create and not self._config.read_only:
-            os.makedirs(self._directory, exist_ok=True)
+            make_dirs(self._directory, mode=self._config.path_permission_mode)
         self._view = _view.view_for(self._directory, self._config.names,
                                     self._config.commit_marker, self._config.legacy_rename_ok)
         name = "asyncckpt.jax" if self._coord is None else (
@@ -568,33 +569,33 @@ class CheckpointManager(ClosingContext):
         timeout = config.save_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
 
+        peers = None if self._coord is None else Peers(self._coord, save_key, self._shards)
+        path = view.step_dir(step)
+        then = (None if self._on_published is None
+                else functools.partial(self._on_published, step))
+
         def stage(slot):
             trees = [self._snapshotter.stage(i.value, slot, item=i.name, layout=i.layout,
                                              ocdbt=layouts[i.name])
                      for i in items if i.kind == "pytree"]
             if extra or not trees:  # one pytree alone is staged as it is, not re-joined
                 trees.append(StagedTree((), tuple(extra)))
+            txn = step_transaction(path, options=self._options, step=step,
+                                   token=f"{token}-{seq}", commit_marker=config.commit_marker,
+                                   shared=self._coord is not None, then=then,
+                                   mode=config.path_permission_mode)
+            if not config.create_directories_asynchronously:
+                txn.begin()  # on this thread, as orbax makes it
             return JaxSaveJob(
-                directory=self._directory,
+                transaction=txn,
                 step=step,
                 staged=StagedTree.combine(trees),
-                options=self._options,
-                temp_token=f"{token}-{seq}",
-                coordinator=self._coord,
-                save_key=save_key,
-                metrics=metrics,
-                custom_metadata=custom_metadata,
-                on_committed=self._finalized,
-                # Upload as part of the commit (a URL directory: before it is durable).
-                on_published=self._on_published,
-                dir_name=view.names.name(step),
-                item_handlers=handlers,
-                shards=self._shards,
-                on_temp_made=view.refresh,
-                commit_marker=config.commit_marker,
-                deadline=deadline,
-                make_dir_now=not config.create_directories_asynchronously,
+                info=StepInfo(metrics, custom_metadata, handlers),
+                peers=peers,
                 ocdbt={n: t for n, t in layouts.items() if t is not None},
+                deadline=deadline,
+                on_committed=self._finalized,
+                on_begin=view.refresh,
             )
 
         handle = self._engine.save(stage, label=str(step), step=step,

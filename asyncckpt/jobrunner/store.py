@@ -36,11 +36,14 @@ from asyncckpt import _deprecation, layout
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine import fastcrc, retention
 from asyncckpt._engine._copy import copy_arrays
-from asyncckpt._engine.files import Checksummed, DurableWriter
+from asyncckpt._engine._jobs import SaveJob
+from asyncckpt._engine.destinations import RenamedDirectory
+from asyncckpt._engine.files import Checksummed
 from asyncckpt._engine.lock import DirectoryLock
-from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
+from asyncckpt._engine.manifest import read_manifest, verify_files
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt._engine.slots import Slot
+from asyncckpt._engine.transaction import Transaction
 from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions
@@ -111,40 +114,28 @@ class _Entry:
     shape: tuple[int, ...]
 
 
-class _ArraysJob:
-    """Writes one staged checkpoint, then publishes it (runs on the writer thread)."""
+class _ArraysJob(SaveJob):
+    """The format writer of one staged checkpoint: ``arrays.bin`` and ``index.json``."""
 
     def __init__(self, store: ArrayStore, step: int, entries: list[_Entry], metadata: dict):
+        super().__init__(label=str(step), step=step,
+                         nbytes=sum(e.buf.nbytes for e in entries),
+                         transaction=store.transaction(step))
         self._store = store
-        self.step = step
-        self.label = str(step)
         self._entries = entries
         self._metadata = metadata
-        self.nbytes = sum(e.buf.nbytes for e in entries)
-        self._tmp: str | None = None
-        self._writer: DurableWriter | None = None
-        self._records = ()
-        self._pause: Callable[[], None] | None = None
-
-    def set_pause(self, pause: Callable[[], None]) -> None:
-        """The engine's gate: writes pause between pieces while a save copies."""
-        self._pause = pause
 
     def write(self) -> None:
-        opts = self._store.options
-        self._tmp = commit_lib.make_temp_dir(self._store.directory, self.label)
-        self._writer = DurableWriter(self._tmp, fsync=opts.fsync, checksums=opts.checksums,
-                                     pause=self._pause)
+        self.transaction.begin()
         index = self._write_data()
         self._write_index(index)
-        self._records = tuple(self._writer.finish())
         self._entries = []  # the slot is released after this returns
 
     def _write_data(self) -> dict[str, dict]:
         index: dict[str, dict] = {}
         pad = bytes(_ALIGN)
-
-        algorithm = self._writer.algorithm
+        files = self.transaction.files
+        algorithm = files.algorithm
         update = fastcrc.updater(algorithm)
 
         def chunks():
@@ -168,44 +159,16 @@ class _ArraysJob:
                 yield Checksummed(data, crc) if data.nbytes >= _COMBINE_MIN else data
                 offset += data.nbytes
 
-        self._writer.write(DATA_NAME, chunks())
+        files.write(DATA_NAME, chunks())
         return index
 
     def _write_index(self, index: dict[str, dict]) -> None:
         body = {"format": _FORMAT, "arrays": index, "metadata": self._metadata}
-        self._writer.write(INDEX_NAME, [json.dumps(body, sort_keys=True).encode()])
+        self.transaction.files.write(INDEX_NAME, [json.dumps(body, sort_keys=True).encode()])
 
-    def commit(self, stats: SaveStats) -> None:
-        self._write_manifest(stats)
-        self._publish()
+    def after_commit(self, stats: SaveStats) -> None:
+        """Published: retention, then the store's ``on_commit``."""
         self._store._after_commit(self.step, stats)
-
-    def _write_manifest(self, stats: SaveStats) -> None:
-        assert self._tmp is not None
-        manifest = Manifest(
-            framework=FRAMEWORK,
-            label=self.label,
-            step=self.step,
-            files=self._records,
-            stats=stats.to_dict(),
-        )
-        commit_lib.write_text_atomic(
-            os.path.join(self._tmp, layout.JAX_MANIFEST_NAME), manifest.to_json(),
-            fsync=self._store.options.fsync,
-        )
-
-    def _publish(self) -> None:
-        assert self._tmp is not None
-        commit_lib.publish_dir(self._tmp, self._store.step_dir(self.step),
-                               fsync=self._store.options.fsync)
-        self._tmp = None
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
-        if self._tmp is not None:
-            commit_lib.remove_tree(self._tmp)
-            self._tmp = None
 
 
 def dropped_by_retention(steps: list[int], max_to_keep: int | None) -> list[int]:
@@ -295,6 +258,13 @@ class ArrayStore:
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(int(step)))
+
+    def transaction(self, step: int) -> Transaction:
+        """The commit of a save of ``step``: its directory, renamed into place."""
+        return Transaction(
+            RenamedDirectory(self.step_dir(step), fsync=self.options.fsync),
+            framework=FRAMEWORK, label=str(step), step=step,
+            manifest_name=layout.JAX_MANIFEST_NAME, options=self.options)
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (temporaries are never listed)."""

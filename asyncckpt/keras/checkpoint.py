@@ -15,8 +15,10 @@ runs on the training thread into a stand-in writer that only copies each
 value into a host staging slot and records where it goes; the background
 writer then replays the same calls into a real ``H5IOStore`` or
 ``h5py.File``. The files are therefore Keras's own (``model.load_weights``
-and ``keras.models.load_model`` read them), written under a temporary name,
-fsynced and renamed into place.
+and ``keras.models.load_model`` read them), committed through the engine's
+transaction: written into a temporary directory, checksummed in a manifest
+(``<file>.asyncckpt-manifest.json``, beside the file), fsynced and renamed
+into place, the file last.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import functools
 import json
 import logging
 import os
-import uuid
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,12 +37,14 @@ import keras
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
 
-from asyncckpt import _deprecation
+from asyncckpt import _deprecation, layout
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine._copy import copy_arrays
-from asyncckpt._engine.files import fsync_path
+from asyncckpt._engine._jobs import SaveJob
+from asyncckpt._engine.destinations import PrefixFiles
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt._engine.slots import Slot
+from asyncckpt._engine.transaction import Transaction
 from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.jobrunner.store import host_view
 from asyncckpt.keras import _callbacks
@@ -213,47 +216,41 @@ class _CaptureLegacyFile(h5py.File, _CaptureH5):
                     data[()] = op[2]
 
 
-class _FileJob:
-    """Writes one staged file under a temporary name, then renames it into place."""
+class _FileJob(SaveJob):
+    """The format writer of one Keras file; its transaction publishes it beside its manifest.
+
+    The file is written into a temporary directory, then its manifest and it
+    (last) are moved into place (``PrefixFiles``): an older file of the same
+    name stays until the new one replaces it in one rename.
+    """
 
     def __init__(self, owner: ModelCheckpoint, filepath: str,
                  write_file: Callable[[str], None], nbytes: int, best: dict | None):
-        self.label = os.path.basename(filepath)
-        self.step = None
-        self.nbytes = nbytes
+        label = os.path.basename(filepath)
+        directory = os.path.dirname(os.path.abspath(filepath))
+        manifest = os.path.basename(layout.tf_manifest_path(filepath))
+        super().__init__(label=label, step=None, nbytes=nbytes, transaction=Transaction(
+            PrefixFiles(directory, label, fsync=owner.async_options.fsync,
+                        replaces=lambda: [n for n in (label, manifest)
+                                          if os.path.lexists(os.path.join(directory, n))]),
+            framework="keras", label=label, step=None, manifest_name=manifest,
+            options=owner.async_options))
         self._owner = owner
-        self._filepath = filepath
         self._write_file: Callable[[str], None] | None = write_file
         self._best = best
-        self._tmp: str | None = None
 
     def write(self) -> None:
-        parent = os.path.dirname(os.path.abspath(self._filepath))
-        os.makedirs(parent, exist_ok=True)
-        self._tmp = os.path.join(
-            parent, f"{commit_lib.TEMP_PREFIX}{self.label}-{uuid.uuid4().hex[:8]}"
-        )
+        workdir = self.transaction.begin()
         write_file, self._write_file = self._write_file, None  # the slot is released after
-        write_file(self._tmp)
-        if self._owner.async_options.fsync:
-            fsync_path(self._tmp)
+        write_file(os.path.join(workdir, self.label))
+        self.transaction.adopt([self.label])  # Keras's writer wrote it: read back for its CRC
 
-    def commit(self, stats: SaveStats) -> None:
-        assert self._tmp is not None
-        fsync = self._owner.async_options.fsync
-        os.replace(self._tmp, self._filepath)
-        self._tmp = None
-        if fsync:
-            fsync_path(os.path.dirname(os.path.abspath(self._filepath)))
+    def after_commit(self, stats: SaveStats) -> None:
+        """Published: ``best`` recorded beside it, for the next run."""
         if self._best is not None:
             commit_lib.write_text_atomic(
-                self._owner.state_path, json.dumps(self._best), fsync=fsync
-            )
-
-    def abort(self) -> None:
-        if self._tmp is not None:
-            commit_lib.remove_tree(self._tmp)
-            self._tmp = None
+                self._owner.state_path, json.dumps(self._best),
+                fsync=self._owner.async_options.fsync)
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):

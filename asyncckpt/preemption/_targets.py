@@ -15,6 +15,7 @@ import os
 import shutil
 from typing import Any
 
+from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.preemption._estimates import decode_estimates, encode_estimates
 from asyncckpt.storage.url import is_url
@@ -109,13 +110,8 @@ class Target:
         if is_url(self.directory):
             return
         path = os.path.join(self.directory, TIMINGS_FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump(timings, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            commit_lib.write_text_atomic(path, json.dumps(timings), fsync=True)
         except OSError as e:
             logger.warning("could not store the final save's time in %s: %s", path, e)
 

@@ -12,6 +12,7 @@ runs in ``after_commit``, where an error no longer fails the save.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import logging
 import os
@@ -20,10 +21,11 @@ from collections.abc import Callable
 import numpy as np
 
 from asyncckpt import layout
-from asyncckpt._engine import commit as commit_lib
-from asyncckpt._engine.files import DurableWriter
-from asyncckpt._engine.manifest import Manifest, record_owned
+from asyncckpt._engine._jobs import SaveJob
+from asyncckpt._engine.destinations import Destination, PrefixFiles, Uploaded
+from asyncckpt._engine.manifest import record_owned
 from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.transaction import Transaction
 from asyncckpt.options import AsyncOptions
 from asyncckpt.tf import _bundlewrite, _compat
 from asyncckpt.tf._compat import tf
@@ -107,8 +109,12 @@ def save_v2_bundle(prefix: str, state: StagedState) -> None:
         _compat.save_v2(prefix, names, slices, tensors, io_device=state.io_device)
 
 
-class TFSaveJob:
+class TFSaveJob(SaveJob):
     """Writes one staged TensorFlow state as ``<prefix>.index`` + data + manifest.
+
+    The format writer of a TensorFlow save: its transaction publishes the
+    files with the index last (``PrefixFiles``), after the data file and
+    the manifest.
 
     Args:
         prefix: Final checkpoint prefix (``dir/ckpt-3``).
@@ -133,32 +139,34 @@ class TFSaveJob:
         extra: dict | None = None,
         on_published: Callable[[str], None] | None = None,
     ):
+        label = os.path.basename(prefix)
+        directory = os.path.dirname(os.path.abspath(prefix))
+        destination: Destination = PrefixFiles(
+            directory, label + layout.TF_INDEX_SUFFIX, fsync=options.fsync,
+            # Writing again under an existing prefix: the old checkpoint stays
+            # (backed up) until the new index is in place; see publish_files.
+            replaces=lambda: [os.path.basename(p)
+                              for p in checkpoint_files(os.path.join(directory, label))])
+        if on_published is not None:
+            destination = Uploaded(destination, functools.partial(on_published, prefix))
+        super().__init__(label=label, step=step, nbytes=state.nbytes, transaction=Transaction(
+            destination, framework="tensorflow", label=label, step=step,
+            manifest_name=os.path.basename(manifest_path(prefix)), options=options))
         self.prefix = prefix
-        self.label = os.path.basename(prefix)
-        self.step = step
-        self.nbytes = state.nbytes
         self._state: StagedState | None = state
-        self._options = options
         self._on_committed = on_committed
-        self._on_published = on_published
         self._extra = extra or {}
-        self._dir = os.path.dirname(os.path.abspath(prefix))
-        self._tmp: str | None = None
-        self._writer: DurableWriter | None = None
+        self._dir = directory
+        self._fsync = options.fsync
         self._sums: dict[str, tuple[int, int, str]] = {}  # file -> (size, crc, algorithm)
-        self._pause: Callable[[], None] | None = None
-
-    def set_pause(self, pause: Callable[[], None]) -> None:
-        """The engine's gate: the bundle writer pauses between ranges while a save copies."""
-        self._pause = pause
 
     def write(self) -> None:
         try:
             if self._state.copy is not None:
                 self._state.copy.wait()  # the background copy into the slot
-            self._tmp = commit_lib.make_temp_dir(self._dir, self.label)
-            self._sums = write_bundle(os.path.join(self._tmp, self.label), self._state,
-                                      pause=self._pause) or {}
+            workdir = self.transaction.begin()
+            self._sums = write_bundle(os.path.join(workdir, self.label), self._state,
+                                      pause=self.pause) or {}
             self.nbytes = self._state.nbytes  # with the variants (iterator state) encoded
         finally:
             self._state = None  # the slot is reused once this returns
@@ -175,55 +183,20 @@ class TFSaveJob:
         if state is not None and state.copy is not None:
             state.copy.cancel()
 
+    def manifest_extra(self) -> dict:
+        return self._extra
+
     def commit(self, stats: SaveStats) -> None:
-        assert self._tmp is not None
-        writer = DurableWriter(
-            self._tmp, fsync=self._options.fsync, checksums=self._options.checksums
-        )
-        self._writer = writer  # abort() stops its fsync thread if anything below fails
-        names = sorted(os.listdir(self._tmp))
-        for name in names:
-            writer.add_existing(name, known=self._sums.get(name))
-        records = writer.finish()
-        self._writer = None
-        manifest = Manifest(
-            framework="tensorflow",
-            label=self.label,
-            step=self.step,
-            files=tuple(records),
-            stats=stats.to_dict(),
-            extra=self._extra,
-        )
-        mname = os.path.basename(manifest_path(self.prefix))
-        commit_lib.write_text_atomic(
-            os.path.join(self._tmp, mname), manifest.to_json(), fsync=self._options.fsync
-        )
-        index = self.label + layout.TF_INDEX_SUFFIX
-        data = [n for n in names if n != index]
-        # Writing again under an existing prefix: the old checkpoint stays
-        # (backed up) until the new index is in place; see publish_files.
-        old = [os.path.basename(p) for p in checkpoint_files(os.path.join(self._dir, self.label))]
-        commit_lib.publish_files(
-            self._tmp, self._dir, [*data, mname, index], fsync=self._options.fsync, replaces=old
-        )
-        self._tmp = None
-        if self._on_published is not None:
-            self._on_published(self.prefix)
+        txn = self.transaction
+        # The bundle's files: checksummed as written, or (SaveV2) read back now.
+        txn.adopt(sorted(os.listdir(txn.workdir)), known=self._sums)
+        super().commit(stats)
 
     def after_commit(self, stats: SaveStats) -> None:
         """Published: record it as asyncckpt's, then run the callback."""
         try:
             record_owned(self._dir, self.label, marker_suffix=layout.TF_INDEX_SUFFIX,
-                         fsync=self._options.fsync)
+                         fsync=self._fsync)
         finally:
             if self._on_committed is not None:
                 self._on_committed(self.prefix, stats)
-
-    def abort(self) -> None:
-        self.discard()
-        if self._writer is not None:
-            self._writer.abort()
-            self._writer = None
-        if self._tmp is not None:
-            commit_lib.remove_tree(self._tmp)
-            self._tmp = None

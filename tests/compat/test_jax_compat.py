@@ -112,6 +112,42 @@ def test_metrics_custom_metadata_and_force(ckpt_dir):
         assert dict(theirs.metadata(0).custom_metadata) == {"run": "x"}
 
 
+def _modes(root) -> set[tuple[str, int]]:
+    """(kind, permission bits) of everything below ``root``."""
+    found = set()
+    for parent, dirs, files in os.walk(root):
+        found |= {("dir", os.stat(os.path.join(parent, d)).st_mode & 0o7777) for d in dirs}
+        found |= {("file", os.stat(os.path.join(parent, f)).st_mode & 0o7777) for f in files}
+    return found
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False])
+def test_path_permission_mode_is_honoured(tmp_path, use_ocdbt):
+    """kauldron's FileOptions(path_permission_mode=0o770): every directory made gets it."""
+    old = os.umask(0o022)  # would give 0o755 / 0o644 otherwise
+    try:
+        fo = ocp.options.FileOptions(path_permission_mode=0o770)
+        fmt = aj.FormatOptions(use_ocdbt=use_ocdbt)
+        with aj.CheckpointManager(tmp_path / "run", options=_opts(file_options=fo),
+                                  format_options=fmt) as mgr:
+            mgr.save(1, args=ocp.args.StandardSave(_state(1)))
+        with aj.StandardCheckpointer(file_options=fo, use_ocdbt=use_ocdbt) as c:
+            c.save(tmp_path / "one" / "state", _state(2))
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "run").st_mode & 0o777 == 0o770
+    for root in (tmp_path / "run" / "1", tmp_path / "one" / "state"):
+        assert os.stat(root).st_mode & 0o777 == 0o770
+        assert _modes(root) <= {("dir", 0o770), ("file", 0o660)}, _modes(root)
+        assert ("file", 0o660) in _modes(root)
+    with aj.CheckpointManager(tmp_path / "run") as mgr:
+        _same(mgr.restore(1, args=ocp.args.StandardRestore(_abstract())), _state(1))
+    with ocp.CheckpointManager(tmp_path / "run") as theirs:
+        _same(theirs.restore(1, args=ocp.args.StandardRestore(_abstract())), _state(1))
+    with ocp.StandardCheckpointer() as theirs:
+        _same(theirs.restore(tmp_path / "one" / "state", _abstract()), _state(2))
+
+
 # -- CheckpointManagerOptions -----------------------------------------------------------
 
 
@@ -123,9 +159,9 @@ def test_options_object_and_refused_fields(ckpt_dir):
     with pytest.raises(ValueError, match=r"step_name_format.*use step_prefix"):
         aj.CheckpointManager(ckpt_dir, options=_opts(
             step_name_format=ocp.step.standard_name_format(step_prefix="x")))
-    with pytest.raises(ValueError, match="file_options"):
+    with pytest.raises(ValueError, match="skip_sync_file_validations"):
         aj.CheckpointManager(ckpt_dir, options=_opts(
-            file_options=ocp.options.FileOptions(path_permission_mode=0o700)))
+            file_options=ocp.options.FileOptions(skip_sync_file_validations=True)))
     with pytest.raises(ValueError, match="mutually exclusive"):  # as orbax
         aj.CheckpointManager(ckpt_dir, options=_opts(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=1), max_to_keep=2))
