@@ -4,9 +4,11 @@
 ``default`` directory, as orbax); ``ocp.args.Composite(a=..., b=...)`` saves
 named items side by side (``<step>/a``, ``<step>/b``). Pytree items
 (``StandardSave``/``PyTreeSave``) are written by asyncckpt's snapshot path,
-JSON items (``JsonSave``) as orbax's ``JsonCheckpointHandler`` writes them.
-orbax is never imported here: its argument objects are recognised by class
-name and read by attribute, so the short forms work without orbax installed.
+JSON items (``JsonSave``) as orbax's ``JsonCheckpointHandler`` writes them;
+every other item by its own handler (``_handlers``: the one given for the
+item, or the one orbax registered for its args' type). orbax's own argument
+objects are recognised by class name and read by attribute, so the short
+forms work without orbax installed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax import _tree
+from asyncckpt.jax import _handlers, _tree
 from asyncckpt.jax._ocdbt import check_target_size
 
 PLACEHOLDER = ...  # orbax's PLACEHOLDER: a target leaf that is not restored
@@ -37,7 +39,8 @@ _PLAIN_TREES = frozenset((dict, list, tuple))
 
 @dataclass(frozen=True)
 class SaveItem:
-    """One item of a save: a pytree (``kind="pytree"``) or a JSON value (``"json"``).
+    """One item of a save: a pytree (``kind="pytree"``), a JSON value (``"json"``), or
+    one saved by its own handler (``"handler"``: ``value`` is its save args).
 
     ``layout``: for a pytree saved with ``SaveArgs(chunk_byte_size=...)`` or
     ``shard_axes``, one ``(chunk_byte_size, shard_axes, itemsize)`` (or None)
@@ -50,10 +53,11 @@ class SaveItem:
     """
 
     name: str
-    kind: Literal["pytree", "json"]
+    kind: Literal["pytree", "json", "handler"]
     value: Any
     layout: tuple | None = None
     ocdbt_target_data_file_size: int | None = None
+    handler: Any = None
 
 
 # SaveArgs fields asyncckpt honours; any other one set is refused.
@@ -120,17 +124,21 @@ class RestoreItem:
 
     Attributes:
         name: The item's directory in the step.
-        kind: ``pytree``, ``json``, or ``auto`` (decided by what is on disk).
+        kind: ``pytree``, ``json``, ``handler`` (restored by ``handler`` with
+            ``target`` as its restore args), or ``auto`` (decided by what is
+            on disk).
         target: The pytree's target (None: rebuilt from the checkpoint).
         restore_args: orbax ``RestoreArgs`` tree, used when given.
         partial: The target may name a subset of the saved leaves.
+        handler: The item's handler (``handler`` items).
     """
 
     name: str
-    kind: Literal["pytree", "json", "auto"]
+    kind: Literal["pytree", "json", "handler", "auto"]
     target: Any = None
     restore_args: Any = None
     partial: bool = False
+    handler: Any = None
 
 
 def _orbax_name(obj: Any) -> str | None:
@@ -161,9 +169,10 @@ def _unsupported(what: Any, why: str) -> TypeError:
     return TypeError(f"{type(what).__module__}.{type(what).__qualname__}: {why}")
 
 
-def _one_save(name: str, arg: Any) -> SaveItem:
+def _one_save(name: str, arg: Any, handler: Any = None) -> SaveItem:
+    """One item from its orbax args; ``handler``: the one given for the item, if any."""
     kind = _orbax_name(arg)
-    if kind in _PYTREE_SAVE:
+    if handler is None and kind in _PYTREE_SAVE:
         target = getattr(arg, "ocdbt_target_data_file_size", None)
         try:
             check_target_size(target)
@@ -177,14 +186,22 @@ def _one_save(name: str, arg: Any) -> SaveItem:
             return SaveItem(name, "pytree", arg.item, ocdbt_target_data_file_size=target)
         tree, layout = _apply_save_args(name, arg.item, save_args)
         return SaveItem(name, "pytree", tree, layout=layout, ocdbt_target_data_file_size=target)
-    if kind in _JSON_SAVE:
+    if handler is None and kind in _JSON_SAVE:
         return _json_item(name, arg.item)
-    raise _unsupported(arg, "asyncckpt.jax saves StandardSave, PyTreeSave and JsonSave items "
-                            "(alone or in a Composite)")
+    if not is_orbax_args(arg):
+        raise _unsupported(arg, "args= takes orbax.checkpoint.args objects (and those "
+                                "registered with ocp.args.register_with_handler)")
+    # Any other item is saved by its own handler: given, or registered for its args.
+    return SaveItem(name, "handler", arg,
+                    handler=handler if handler is not None else _handlers.handler_for_args(arg))
 
 
-def _legacy_save(name: str, value: Any, kind: str | None, kwargs: Any) -> SaveItem:
+def _legacy_save(name: str, value: Any, kind: str | None, kwargs: Any,
+                 handler: Any = None) -> SaveItem:
     """One item of orbax's older ``save(step, items, save_kwargs)`` spelling."""
+    if kind == "handler":
+        return SaveItem(name, "handler", _handlers.save_args(handler, value, **(kwargs or {})),
+                        handler=handler)
     kwargs = dict(kwargs or {})
     save_args = kwargs.pop("save_args", None)
     if kwargs:
@@ -208,7 +225,9 @@ def _json_item(name: str, value: Any) -> SaveItem:
 
 
 def save_items(state: Any, args: Any, *, save_kwargs: Any = None, named_items: bool = False,
-               kinds: Mapping[str, str] | None = None) -> tuple[list[SaveItem], bool]:
+               kinds: Mapping[str, str] | None = None,
+               handlers: _handlers.ItemHandlers | None = None
+               ) -> tuple[list[SaveItem], bool]:
     """The items of a save and whether they were named (a ``Composite``).
 
     Args:
@@ -219,6 +238,8 @@ def save_items(state: Any, args: Any, *, save_kwargs: Any = None, named_items: b
         named_items: ``state`` is a dict of items by name (a manager made
             with a dict of checkpointers, orbax's older spelling).
         kinds: The handler kind of each item whose handler was given.
+        handlers: By item name, the handlers that save their items themselves
+            (kind ``"handler"``: given, or learned from an earlier save's args).
 
     Raises:
         TypeError: neither or both of ``state`` and ``args``, or an argument
@@ -226,10 +247,11 @@ def save_items(state: Any, args: Any, *, save_kwargs: Any = None, named_items: b
         ValueError: an option of the arguments that asyncckpt cannot honour,
             or an item saved with arguments its handler does not take.
     """
-    items, named = _save_items(state, args, save_kwargs, named_items, kinds or {})
+    own = handlers if handlers is not None else _handlers.ItemHandlers()
+    items, named = _save_items(state, args, save_kwargs, named_items, kinds or {}, own)
     for item in items:
         want = (kinds or {}).get(item.name)
-        if want is not None and want != item.kind:
+        if want is not None and want != item.kind and want != "handler":
             spelling = "StandardSave/PyTreeSave" if want == "pytree" else "JsonSave"
             raise ValueError(f"item {item.name!r} has a {want} handler: save it with "
                              f"ocp.args.{spelling}")
@@ -237,7 +259,8 @@ def save_items(state: Any, args: Any, *, save_kwargs: Any = None, named_items: b
 
 
 def _save_items(state: Any, args: Any, save_kwargs: Any, named_items: bool,
-                kinds: Mapping[str, str]) -> tuple[list[SaveItem], bool]:
+                kinds: Mapping[str, str], own: _handlers.ItemHandlers
+                ) -> tuple[list[SaveItem], bool]:
     if state is not None and args is not None:
         raise TypeError("give either the state or args=, not both")
     if state is None and args is None:
@@ -250,22 +273,25 @@ def _save_items(state: Any, args: Any, save_kwargs: Any, named_items: bool,
             raise TypeError("this manager was given a dict of checkpointers: save a dict of "
                             "its items by name")
         per_item = save_kwargs or {}
-        return [_legacy_save(check_item_name(str(k)), v, kinds.get(str(k)), per_item.get(k))
+        return [_legacy_save(check_item_name(str(k)), v, kinds.get(str(k)), per_item.get(k),
+                             own.get(str(k)))
                 for k, v in state.items()], True
-    if args is None and save_kwargs is not None:
-        return [_legacy_save(fmt.ITEM, state, kinds.get(fmt.ITEM), save_kwargs)], False
+    if args is None and (save_kwargs is not None or fmt.ITEM in own):
+        return [_legacy_save(fmt.ITEM, state, kinds.get(fmt.ITEM), save_kwargs,
+                             own.get(fmt.ITEM))], False
     if args is None:
         if type(state) in _PLAIN_TREES or not is_orbax_args(state):
             return [SaveItem(fmt.ITEM, "pytree", state)], False
         args = state  # save(step, ocp.args.StandardSave(x)): the keyword was forgotten
     if is_composite(args):
-        items = [_one_save(check_item_name(k), v) for k, v in args.items()]
+        items = [_one_save(check_item_name(k), v, own.get(k) or own.for_args(v))
+                 for k, v in args.items()]
         if not items:
             raise ValueError("a Composite with no items saves nothing")
         return items, True
     if not is_orbax_args(args):
         raise _unsupported(args, "args= takes orbax.checkpoint.args objects")
-    return [_one_save(fmt.ITEM, args)], False
+    return [_one_save(fmt.ITEM, args, own.get(fmt.ITEM) or own.for_args(args))], False
 
 
 def check_items(items: list[SaveItem], named: bool, item_names: tuple[str, ...]) -> None:
@@ -282,11 +308,12 @@ def check_items(items: list[SaveItem], named: bool, item_names: tuple[str, ...])
         raise ValueError(f"items {unknown} are not among item_names {list(item_names)}")
 
 
-def _one_restore(name: str, arg: Any) -> RestoreItem:
+def _one_restore(name: str, arg: Any, handler: Any = None) -> RestoreItem:
+    """One item to restore from its orbax args; ``handler``: the one given for the item."""
     if arg is None:
-        return RestoreItem(name, "auto")
+        return RestoreItem(name, "auto", handler=handler)
     kind = _orbax_name(arg)
-    if kind in _PYTREE_RESTORE:
+    if handler is None and kind in _PYTREE_RESTORE:
         for field, default in (("transforms", None), ("legacy_transform_fn", None),
                                ("fallback_sharding", None), ("support_layout", False)):
             if getattr(arg, field, default) not in (default,):
@@ -296,18 +323,23 @@ def _one_restore(name: str, arg: Any) -> RestoreItem:
                              "supported; shapes must match the checkpoint")
         return RestoreItem(name, "pytree", arg.item, getattr(arg, "restore_args", None),
                            bool(getattr(arg, "partial_restore", False)))
-    if kind in _JSON_RESTORE:
+    if handler is None and kind in _JSON_RESTORE:
         return RestoreItem(name, "json")
-    raise _unsupported(arg, "asyncckpt.jax restores StandardRestore, PyTreeRestore and "
-                            "JsonRestore items (alone or in a Composite)")
+    if not is_orbax_args(arg):
+        raise _unsupported(arg, "args= takes orbax.checkpoint.args objects (and those "
+                                "registered with ocp.args.register_with_handler)")
+    return RestoreItem(name, "handler", arg,
+                       handler=handler if handler is not None else _handlers.handler_for_args(arg))
 
 
-def restore_items(target: Any, args: Any, restore_kwargs: Any = None
+def restore_items(target: Any, args: Any, restore_kwargs: Any = None,
+                  handlers: _handlers.ItemHandlers | None = None
                   ) -> tuple[list[RestoreItem] | None, bool]:
     """What to restore: items (None: every item on disk) and whether a Composite was asked.
 
     ``restore_kwargs`` is orbax's older spelling, ``{"restore_args": tree}``
-    with ``target`` as ``items``.
+    with ``target`` as ``items``. ``handlers``: the items' own handlers (those
+    not written by asyncckpt itself), by item name: they restore their items.
 
     Raises:
         TypeError: both ``target`` and ``args``, or an unknown argument type.
@@ -325,6 +357,11 @@ def restore_items(target: Any, args: Any, restore_kwargs: Any = None
             raise TypeError(f"restore_kwargs {sorted(kwargs)} are not supported "
                             "(restore_args is)")
         return [RestoreItem(fmt.ITEM, "pytree", target, restore_args)], False
+    own = handlers if handlers is not None else _handlers.ItemHandlers()
+    if args is None and target is not None and fmt.ITEM in own and not is_orbax_args(target):
+        handler = own[fmt.ITEM]  # orbax's older restore(step, items): the handler's args
+        return [RestoreItem(fmt.ITEM, "handler", _handlers.restore_args(handler, target),
+                            handler=handler)], False
     if args is None:
         if target is not None and is_orbax_args(target):
             args = target
@@ -332,10 +369,11 @@ def restore_items(target: Any, args: Any, restore_kwargs: Any = None
             return ([RestoreItem(fmt.ITEM, "pytree", target)] if target is not None
                     else None), False
     if is_composite(args):
-        return [_one_restore(check_item_name(k), v) for k, v in args.items()], True
+        return [_one_restore(check_item_name(k), v, own.get(k) or own.for_args(v))
+                for k, v in args.items()], True
     if not is_orbax_args(args):
         raise _unsupported(args, "args= takes orbax.checkpoint.args objects")
-    return [_one_restore(fmt.ITEM, args)], False
+    return [_one_restore(fmt.ITEM, args, own.get(fmt.ITEM) or own.for_args(args))], False
 
 
 class Items(Mapping):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncckpt.errors import AsyncCkptError
+from asyncckpt.jax import _handlers
 
 
 @functools.cache
@@ -62,8 +63,9 @@ class ItemSetup:
     Attributes:
         names: The named items (``Composite`` saves), or None for the one
             unnamed ``default`` item.
-        kinds: ``"pytree"`` or ``"json"`` by item name, for items whose handler
-            was given (a save of another kind is refused, as orbax does).
+        kinds: ``"pytree"``, ``"json"`` or ``"handler"`` (saved by its own
+            handler) by item name, for items whose handler was given (a save
+            of another kind is refused, as orbax does).
         named_items: Saves take ``save(step, {name: value})`` (a dict of
             checkpointers was given: orbax's legacy named items).
         use_async: From ``checkpointers``: whether orbax would save
@@ -73,6 +75,8 @@ class ItemSetup:
         handlers: orbax's handler objects by item name (``default`` for the
             unnamed item), however they were given: their ``use_ocdbt``
             decides each item's layout (``_ocdbt.ItemFormats``).
+        by_args: A ``handler_registry``'s handlers for any item, by args
+            type (those asyncckpt does not write itself).
     """
 
     names: tuple[str, ...] | None = None
@@ -81,20 +85,32 @@ class ItemSetup:
     named_items: bool = False
     use_async: bool | None = None
     timeout_s: float | None = None
+    by_args: dict[type, Any] = field(default_factory=dict)
+
+    @property
+    def own_handlers(self) -> _handlers.ItemHandlers:
+        """The handlers that save their items themselves (kind ``"handler"``), by item and
+        by args type (a new, mutable record: the manager adds what saves choose)."""
+        return _handlers.ItemHandlers(
+            {n: h for n, h in self.handlers.items() if self.kinds.get(n) == "handler"},
+            self.by_args)
 
 
 def _handler_kind(name: str, handler: Any) -> str:
-    """The kind of item ``handler`` saves, after checking asyncckpt can write it as asked.
+    """The kind of item ``handler`` saves: ``"pytree"`` and ``"json"`` are written by
+    asyncckpt itself, ``"handler"`` by the handler (``_handlers``).
 
     Raises:
-        ValueError: a handler type asyncckpt does not write, or one asking for
-            a format it does not write (``use_zarr3=True``).
+        ValueError: an object without orbax's handler methods, or a pytree
+            handler asking for a format asyncckpt does not write.
     """
     kind = _HANDLER_KINDS.get(type(handler).__name__)
     if kind is None or not type(handler).__module__.startswith("orbax."):
-        raise ValueError(f"item {name!r}: handler {type(handler).__name__} is not supported "
-                         "(orbax's StandardCheckpointHandler, PyTreeCheckpointHandler and "
-                         "JsonCheckpointHandler are)")
+        if not _handlers.is_handler(handler):
+            raise ValueError(f"item {name!r}: {type(handler).__name__} is not a checkpoint "
+                             "handler (orbax's CheckpointHandler methods save/async_save and "
+                             "restore are missing)")
+        return "handler"
     if kind == "pytree":
         # orbax keeps the handler's constructor arguments on the handler or, for
         # StandardCheckpointHandler, on the PyTreeCheckpointHandler it wraps.
@@ -119,19 +135,29 @@ def check_format(what: str, *, use_zarr3: bool = False) -> None:
                          "restores): pass use_zarr3=False")
 
 
-def item_setup(checkpointers: Any, item_names: Any, item_handlers: Any) -> ItemSetup:
-    """The manager's items from orbax's three spellings of them.
+def item_setup(checkpointers: Any, item_names: Any, item_handlers: Any,
+               handler_registry: Any = None) -> ItemSetup:
+    """The manager's items from orbax's four spellings of them.
 
     ``item_handlers`` is one handler (the unnamed ``default`` item) or a dict
     by item name; ``item_names`` adds names whose handler is decided by the
     first save; ``checkpointers`` (orbax's older positional argument) is one
     ``Checkpointer``/``AsyncCheckpointer`` or a dict of them, whose handlers
     are taken as ``item_handlers`` and whose kind decides synchronous or
-    asynchronous saves, as in orbax.
+    asynchronous saves, as in orbax; ``handler_registry`` (orbax's
+    ``CheckpointHandlerRegistry``) maps (item, args type) to a handler, an
+    item of None standing for any item.
 
     Raises:
-        ValueError: combinations orbax refuses, or handlers asyncckpt does not write.
+        ValueError: combinations orbax refuses, or an object that is no handler.
     """
+    given = [n for n, v in (("checkpointers", checkpointers), ("item_names", item_names),
+                            ("item_handlers", item_handlers)) if v is not None]
+    if handler_registry is not None:
+        if given:
+            raise ValueError(f"handler_registry and {given[0]} are mutually exclusive, "
+                             "as in orbax")
+        return _from_registry(handler_registry)
     if checkpointers is not None:
         if item_names is not None or item_handlers is not None:
             raise ValueError("checkpointers and item_names/item_handlers are mutually "
@@ -150,6 +176,23 @@ def item_setup(checkpointers: Any, item_names: Any, item_handlers: Any) -> ItemS
                          "item_names are mutually exclusive, as in orbax")
     return ItemSetup(kinds={"default": _handler_kind("default", item_handlers)},
                      handlers={"default": item_handlers})
+
+
+def _from_registry(registry: Any) -> ItemSetup:
+    """``item_setup`` from orbax's ``CheckpointHandlerRegistry`` (``get_all_entries``)."""
+    entries = getattr(registry, "get_all_entries", None)
+    if not callable(entries):
+        raise TypeError(f"handler_registry {registry!r} is not orbax's "
+                        "CheckpointHandlerRegistry (it has no get_all_entries)")
+    kinds, handlers, by_args = {}, {}, {}
+    for (item, args_type), handler in entries().items():
+        if item is None:
+            if _handler_kind(args_type.__name__, handler) == "handler":
+                by_args[args_type] = handler
+            continue
+        kinds[str(item)] = _handler_kind(str(item), handler)
+        handlers.setdefault(str(item), handler)
+    return ItemSetup(kinds=kinds, handlers=handlers, by_args=by_args)
 
 
 def _from_checkpointers(checkpointers: Any) -> ItemSetup:

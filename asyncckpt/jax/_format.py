@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedObjectError
+from asyncckpt.jax import _handlers
 from asyncckpt.jax._tree import DICT_KEY, SEQUENCE_KEY, LeafPath
 
 ITEM = "default"
@@ -395,12 +396,14 @@ def item_files(items: Any, metrics: Any, *, primary: bool
                ) -> tuple[dict[str, str], list[tuple[str, bytes]]]:
     """Each item's orbax handler, and the JSON files a save writes besides its arrays.
 
-    ``items`` have ``name``, ``kind`` (``"pytree"`` or ``"json"``) and
+    ``items`` have ``name``, ``kind`` (``"pytree"``, ``"json"``, or
+    ``"handler"``: written by its own ``handler``, recorded by its type) and
     ``value``. ``metrics`` are written as orbax's metrics item, where its
     ``best_fn`` reads them (None: not written). Only the primary process
     writes files; the others get none.
     """
-    handlers = {i.name: STANDARD_HANDLER if i.kind == "pytree" else JSON_HANDLER for i in items}
+    handlers = {i.name: STANDARD_HANDLER if i.kind == "pytree" else JSON_HANDLER if
+                i.kind == "json" else _handlers.typestr(i.handler) for i in items}
     if metrics is not None:
         handlers[METRICS_ITEM] = JSON_HANDLER
     if not primary:

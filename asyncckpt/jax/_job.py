@@ -37,6 +37,7 @@ from asyncckpt._engine.transaction import Transaction
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _ocdbt, _parts
 from asyncckpt.jax._distributed import ABSENT, CommitCoordinator, DistributedSaveError
+from asyncckpt.jax._handlers import HandlerSaves
 from asyncckpt.jax._snapshot import StagedTree
 from asyncckpt.options import AsyncOptions
 
@@ -137,13 +138,17 @@ class JaxSaveJob(SaveJob):
         on_begin: Called on the writer thread once the directory exists (the
             manager lists the directory again there, so the next ``save()``
             does not).
+        handlers: Items saved by their own orbax handlers, started at the
+            ``save()`` call into the transaction's directory; finished (their
+            futures, ``finalize``) and their files adopted before the commit.
     """
 
     def __init__(self, *, transaction: Transaction, step: int | None, staged: StagedTree,
                  info: StepInfo, peers: Peers | None = None,
                  ocdbt: Mapping[str, int] | None = None, deadline: float | None = None,
                  on_committed: CommitCallback | None = None,
-                 on_begin: Callable[[], None] | None = None):
+                 on_begin: Callable[[], None] | None = None,
+                 handlers: HandlerSaves | None = None):
         super().__init__(label=transaction.label, step=step, nbytes=staged.nbytes,
                          transaction=transaction)
         self._staged: StagedTree | None = staged
@@ -156,6 +161,7 @@ class JaxSaveJob(SaveJob):
         self._timeout_s = None if deadline is None else deadline - time.monotonic()
         self._on_committed = on_committed
         self._on_begin = on_begin
+        self._handlers = handlers
         self._init_ns = time.time_ns()
         self._reported = False  # this process's part was reported to the primary
         self._announced = False  # the outcome was announced (or agreed) to every process
@@ -272,19 +278,29 @@ class JaxSaveJob(SaveJob):
             raise agreed from e
 
     def _commit(self, stats: SaveStats) -> None:
-        txn = self.transaction
+        txn, peers, handlers = self.transaction, self._peers, self._handlers
         for db in self._dbs.values():  # the last values, and the files TensorStore wrote
             db.finish()
+        # A directory of this process's own: its handlers' files are its to record.
+        private = peers is None or peers.shards is not None
+        if handlers:
+            handlers.finish(txn.workdir)
+            if private:
+                txn.adopt(handlers.files(txn.workdir))
         records = txn.seal()
         if not self._primary:
             self._hand_over(records)
             return
-        peers = self._peers
         shards = None if peers is None else peers.shards
         if shards is not None:
             shards.upload(self.label, txn.workdir, records)
         if peers is not None:
             records = records + self._others_records()
+        if handlers and not private:  # a shared directory: every process's, once all are done
+            late = txn.writer()
+            for name in handlers.files(txn.workdir, skip=frozenset(r.name for r in records)):
+                late.add_existing(name)
+            records = records + late.finish()
         if shards is not None:  # every process's objects, before the manifest
             shards.check(self.label, records)
         if self._ocdbt:
@@ -386,6 +402,8 @@ class JaxSaveJob(SaveJob):
 
     def abort(self) -> None:
         self._staged = None
+        if self._handlers:
+            self._handlers.abandon()
         txn, peers = self.transaction, self._peers
         if peers is None:
             txn.abort()

@@ -19,7 +19,7 @@ from asyncckpt import layout
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine.manifest import read_manifest
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.jax import _args, _tree, _tsarrays
+from asyncckpt.jax import _args, _handlers, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt
 
 
@@ -134,8 +134,12 @@ def describe_items(step_dir: str, handlers: dict) -> Any:
     for name in names + ([fmt.METRICS_ITEM] if fmt.METRICS_ITEM in handlers else []):
         if not os.path.isdir(os.path.join(step_dir, name)):
             continue
-        out[name] = (None if is_json_item(step_dir, name, handlers)
-                     else describe_tree(os.path.join(step_dir, name)))
+        typestr = handlers.get(name)
+        own = typestr is None or _handlers.recorded_kind(typestr) != "handler"
+        # Items of other handlers: orbax's manager describes them by their
+        # handler's metadata; without the handler object here, as None.
+        out[name] = (describe_tree(os.path.join(step_dir, name))
+                     if own and not is_json_item(step_dir, name, handlers) else None)
     return _args.composite(out)
 
 

@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from asyncckpt.errors import (
     CorruptCheckpointError,
     UnsupportedObjectError,
 )
-from asyncckpt.jax import _args, _metadata, _tree, _tsarrays
+from asyncckpt.jax import _args, _handlers, _metadata, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._chunks import ChunkStore
 from asyncckpt.jax._options import StepNames
@@ -397,12 +397,15 @@ def restore_newest(steps: list[int], root: str, attempt: Callable[[int], Any]) -
 def restore_listed(root: str, steps: list[int], step: int | None,
                    requests: list[_args.RestoreItem] | None, named: bool, *, names: StepNames,
                    checksums: bool, open_remote: Callable[[int], Any] | None,
-                   tried: list[int] | None = None) -> Any:
+                   tried: list[int] | None = None,
+                   handlers: Mapping[str, Any] | None = None) -> Any:
     """Restores ``step`` of the ``steps`` listed in ``root`` (None: the newest that verifies).
 
     ``open_remote(step)`` gives a step only a remote tier holds (a ``LazyStep``,
     read from as the restore reads), or None where the local copy is read.
     ``tried``, if given, gets each step read, in order (the last one restored).
+    ``handlers``: the handlers of items saved by their own handlers, by name
+    (an item restored without args is restored by its handler).
 
     Raises:
         CheckpointNotFoundError: ``step`` is not listed, or nothing is.
@@ -413,7 +416,8 @@ def restore_listed(root: str, steps: list[int], step: int | None,
             tried.append(s)
         remote = None if open_remote is None else open_remote(s)
         where = os.path.join(root, names.name(s)) if remote is None else remote.path
-        return restore_step(where, requests, named, checksums=checksums, remote=remote)
+        return restore_step(where, requests, named, checksums=checksums, remote=remote,
+                            handlers=handlers)
 
     if step is None:
         return restore_newest(steps, root, one)
@@ -425,20 +429,24 @@ def restore_listed(root: str, steps: list[int], step: int | None,
 
 
 def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named: bool, *,
-                 checksums: bool, remote: Any = None) -> Any:
+                 checksums: bool, remote: Any = None,
+                 handlers: Mapping[str, Any] | None = None) -> Any:
     """Restores the items of a step: one unnamed item, or a ``Composite`` of named ones.
 
     ``requests`` None restores every item on disk (the metrics item too, as orbax).
     ``remote``: ``step_dir`` is a remote step opened file by file
     (``asyncckpt.storage.lazy.LazyStep``); only the files read are fetched.
+    ``handlers``: see ``restore_listed``.
     """
-    handlers = fmt.read_step_metadata(step_dir).get("item_handlers") or {}
-    on_disk = _metadata.item_names(step_dir, handlers if isinstance(handlers, dict) else {})
+    recorded = fmt.read_step_metadata(step_dir).get("item_handlers") or {}
+    recorded = recorded if isinstance(recorded, dict) else {}
+    on_disk = _metadata.item_names(step_dir, recorded)
     default_mode = on_disk == [fmt.ITEM]
     if requests is None:
         if default_mode and not named:
-            return _restore_item(step_dir, _args.RestoreItem(fmt.ITEM, "pytree"),
-                                 checksums=checksums, remote=remote)
+            return _restore_item(step_dir, _args.RestoreItem(fmt.ITEM, "auto"),
+                                 checksums=checksums, remote=remote, recorded=recorded,
+                                 handlers=handlers)
         everything = on_disk + ([fmt.METRICS_ITEM] if os.path.isdir(
             os.path.join(step_dir, fmt.METRICS_ITEM)) else [])
         requests = [_args.RestoreItem(n, "auto") for n in everything]
@@ -446,13 +454,15 @@ def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named:
     if not named and not default_mode:
         raise ValueError(f"{step_dir!r} holds named items {on_disk}: restore with "
                          "args=ocp.args.Composite(name=...)")
-    out = {r.name: _restore_item(step_dir, r, checksums=checksums, remote=remote)
+    out = {r.name: _restore_item(step_dir, r, checksums=checksums, remote=remote,
+                                 recorded=recorded, handlers=handlers)
            for r in requests}
     return _args.composite(out) if named else out[fmt.ITEM]
 
 
 def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool,
-                  remote: Any = None) -> Any:
+                  remote: Any = None, recorded: Mapping[str, Any] | None = None,
+                  handlers: Mapping[str, Any] | None = None) -> Any:
     item_dir = os.path.join(step_dir, request.name)
     if not os.path.isdir(item_dir):
         raise CheckpointNotFoundError(
@@ -460,7 +470,20 @@ def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool,
             f"{_metadata.item_names(step_dir)})")
     kind = request.kind
     if kind == "auto":
+        typestr = (recorded or {}).get(request.name)
+        handler = (handlers or {}).get(request.name)
+        if handler is None and typestr is not None and _handlers.recorded_kind(typestr) == (
+                "handler"):
+            handler = _handlers.handler_for_typestr(request.name, typestr)
+        if handler is not None:  # saved by its own handler: restored by it, as orbax
+            return _handlers.restore_item(
+                step_dir, request.name, handler,
+                _handlers.default_restore_args(request.name, handler),
+                checksums=checksums, remote=remote)
         kind = "json" if _metadata.is_json_item(step_dir, request.name) else "pytree"
+    if kind == "handler":
+        return _handlers.restore_item(step_dir, request.name, request.handler, request.target,
+                                      checksums=checksums, remote=remote)
     if kind == "json":
         return fmt.read_json_item(item_dir)
     return restore_tree(step_dir, request.target, checksums=checksums, item=request.name,

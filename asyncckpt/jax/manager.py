@@ -22,6 +22,7 @@ from asyncckpt.errors import (
 from asyncckpt.jax import _args, _compat, _metadata, _options, _policies, _view
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import CommitCoordinator, Saves
+from asyncckpt.jax._handlers import HandlerSave, HandlerSaves
 from asyncckpt.jax._job import JaxSaveJob, Peers, StepInfo, step_transaction
 from asyncckpt.jax._metadata import RootMetadata, StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, ItemFormats
@@ -103,10 +104,15 @@ class CheckpointManager(ClosingContext):
             (``metadata()`` reads it).
         item_names: Names of the items saved with ``args=Composite(...)``.
         item_handlers: One orbax handler (the unnamed item) or handlers by
-            item name (Standard, PyTree, Json); names are added to ``item_names``.
+            item name; names are added to ``item_names``. Standard/PyTree
+            items go through asyncckpt's host staging and writer, JSON items
+            are written by it too, and any other handler (orbax's, a user's,
+            grain's) saves and restores its item itself, inside the step's
+            commit.
         logger: orbax's ``AbstractLogger``: ``log_entry`` gets the entry orbax
             logs for each save and restore.
-        handler_registry: Not supported (refused): use ``item_handlers``.
+        handler_registry: orbax's ``CheckpointHandlerRegistry``: handlers by
+            (item, args type); excludes ``item_handlers`` and ``item_names``.
         max_to_keep: Checkpoints to keep (None keeps all). With ``best_fn``,
             the best ones by metric; the newest is never deleted.
         save_interval_steps: ``should_save`` is true on multiples of this.
@@ -178,17 +184,16 @@ class CheckpointManager(ClosingContext):
                 keep_period=keep_period, best_fn=best_fn, best_mode=best_mode,
                 keep_checkpoints_without_metrics=keep_checkpoints_without_metrics,
             )
-        if handler_registry is not None:
-            raise ValueError("handler_registry= is not supported by asyncckpt.jax."
-                             "CheckpointManager: give the handlers as item_handlers={name: "
-                             "handler} (Standard, PyTree and Json handlers)")
         if logger is not None and not callable(getattr(logger, "log_entry", None)):
             raise TypeError(f"logger {logger!r} has no log_entry method (orbax's AbstractLogger)")
-        setup = _compat.item_setup(checkpointers, item_names, item_handlers)
+        setup = _compat.item_setup(checkpointers, item_names, item_handlers, handler_registry)
         self._config = _options.with_checkpointers(
             self._config, use_async=setup.use_async, timeout_s=setup.timeout_s,
             async_options_given=getattr(options, "async_options", None) is not None)
         self._setup = setup
+        # Items saved by their own handlers (given, or chosen by a save's args).
+        self._handlers = setup.own_handlers
+        self._handler_saves: HandlerSaves | None = None  # the last save with handler items
         self._logger = logger
         self._item_names = None if setup.names is None else tuple(
             _args.check_item_name(n) for n in setup.names)
@@ -461,9 +466,13 @@ class CheckpointManager(ClosingContext):
             self._raise_pending()
         setup = self._setup
         items, named = _args.save_items(state, args, save_kwargs=save_kwargs,
-                                        named_items=setup.named_items, kinds=setup.kinds)
+                                        named_items=setup.named_items, kinds=setup.kinds,
+                                        handlers=self._handlers)
         if self._item_names is not None:
             _args.check_items(items, named, self._item_names)
+        for item in items:  # orbax keeps the handler an item's args chose, for later calls
+            if item.kind == "handler":
+                self._handlers.learn(item.name, item.handler)
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -518,7 +527,7 @@ class CheckpointManager(ClosingContext):
         layout: dict[str, int] = {}
         setup = self._setup
         for item in _args.save_items(state, args, named_items=setup.named_items,
-                                     kinds=setup.kinds)[0]:
+                                     kinds=setup.kinds, handlers=self._handlers)[0]:
             if item.kind == "pytree":
                 ocdbt = self._formats.layout(item.name, item.ocdbt_target_data_file_size)
                 plan = self._snapshotter.plan(item.value, item.layout, ocdbt)[0]
@@ -560,8 +569,10 @@ class CheckpointManager(ClosingContext):
         if condemned := view.condemn(step, self._config, on_disk, remote=remote):
             logger.debug("step %d condemns %s (deleted once it is durable)", step, condemned)
         ranked = self._config.best_fn is not None and self._config.write_metrics
-        handlers, extra = fmt.item_files(items, metrics if ranked else None,
+        typestrs, extra = fmt.item_files(items, metrics if ranked else None,
                                          primary=self._primary)
+        foreign = HandlerSaves([HandlerSave(i.name, i.handler, i.value)
+                                for i in items if i.kind == "handler"])
         layouts = {i.name: self._formats.layout(i.name, i.ocdbt_target_data_file_size)
                    for i in items if i.kind == "pytree"}  # [ocdbt] None: plain zarr
 
@@ -584,22 +595,39 @@ class CheckpointManager(ClosingContext):
                                    token=f"{token}-{seq}", commit_marker=config.commit_marker,
                                    shared=self._coord is not None, then=then,
                                    mode=config.path_permission_mode)
-            if not config.create_directories_asynchronously:
+            if foreign:  # they write at the call, into the step's directory
+                try:
+                    foreign.start(txn.begin())
+                except BaseException:
+                    foreign.abandon()
+                    txn.abort()
+                    raise
+            elif not config.create_directories_asynchronously:
                 txn.begin()  # on this thread, as orbax makes it
             return JaxSaveJob(
                 transaction=txn,
                 step=step,
                 staged=StagedTree.combine(trees),
-                info=StepInfo(metrics, custom_metadata, handlers),
+                info=StepInfo(metrics, custom_metadata, typestrs),
                 peers=peers,
                 ocdbt={n: t for n, t in layouts.items() if t is not None},
                 deadline=deadline,
                 on_committed=self._finalized,
                 on_begin=view.refresh,
+                handlers=foreign or None,
             )
 
-        handle = self._engine.save(stage, label=str(step), step=step,
-                                   raise_pending=self._coord is None)
+        if foreign:
+            if self._handler_saves is not None:
+                self._handler_saves.wait_done()  # a handler writes one save at a time
+            self._handler_saves = foreign
+        try:
+            handle = self._engine.save(stage, label=str(step), step=step,
+                                       raise_pending=self._coord is None)
+        except BaseException:
+            if foreign:
+                foreign.abandon()  # never started, or started and given up
+            raise
         with view.lock:
             view.in_flight[step] = handle
         self._deadline = deadline
@@ -736,7 +764,8 @@ class CheckpointManager(ClosingContext):
         self._engine.make_room_for_restore()  # idle staging gives way (host memory budget)
         t0, tried = time.time(), []
         try:
-            requests, named = _args.restore_items(target, args, restore_kwargs)
+            requests, named = _args.restore_items(target, args, restore_kwargs,
+                                                  handlers=self._handlers)
             with shared_verdicts(verdicts):
                 restored = self._restore(step, requests, named, directory, tried)
         except Exception as e:
@@ -762,7 +791,8 @@ class CheckpointManager(ClosingContext):
             # [storage] A remote-only step is fetched file by file, as read, into a private cache.
             open_remote = functools.partial(self._tiers.open_remote, checksums=checksums)
             return restore_listed(root, steps, step, requests, named, names=names,
-                                  checksums=checksums, open_remote=open_remote, tried=tried)
+                                  checksums=checksums, open_remote=open_remote, tried=tried,
+                                  handlers=self._handlers)
         root = os.path.abspath(os.fspath(directory))
         marker = self._view.commit_marker  # commit-file mode: committed steps only
         steps = sorted(s for s in (names.parse(n) for n in os.listdir(root))
@@ -770,7 +800,8 @@ class CheckpointManager(ClosingContext):
                        and (marker is None or os.path.exists(
                            os.path.join(root, names.name(s), marker))))
         return restore_listed(root, steps, step, requests, named, names=names,
-                              checksums=checksums, open_remote=None, tried=tried)
+                              checksums=checksums, open_remote=None, tried=tried,
+                              handlers=self._handlers)
 
 
 def _delete_step(view: _view.DirectoryView, todelete_subdir: str | None,

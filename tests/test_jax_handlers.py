@@ -1,0 +1,325 @@
+"""orbax's checkpoint handlers inside asyncckpt's commit (issue 35, item 1).
+
+Items asyncckpt does not write itself (orbax's Proto, Array and random-key
+handlers, a user's ``AsyncCheckpointHandler``, grain's iterator handler) are
+saved by their own handlers into the step's transaction: written at the call,
+their futures awaited by the background commit, their files in the manifest,
+committed with the rest of the step, restored by their own ``restore`` after
+the manifest check. Each restore is checked with asyncckpt's manager and
+with orbax's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.helpers import start_python, write_script
+
+jax = pytest.importorskip("jax")
+ocp = pytest.importorskip("orbax.checkpoint")
+grain = pytest.importorskip("grain")
+
+import jax.numpy as jnp  # noqa: E402
+from google.protobuf import duration_pb2  # noqa: E402
+
+import asyncckpt.jax as aj  # noqa: E402
+from asyncckpt import CorruptCheckpointError  # noqa: E402
+from asyncckpt._engine.manifest import read_manifest  # noqa: E402
+
+
+def _state(k: int) -> dict:
+    return {"w": jnp.arange(8, dtype=jnp.float32) + k}
+
+
+def _abstract() -> dict:
+    return {"w": jax.ShapeDtypeStruct((8,), jnp.float32)}
+
+
+# -- a user's handler: writes in its future, records its calls ------------------------------
+
+
+class ValuesHandler(ocp.AsyncCheckpointHandler):
+    """Copies the values at the call; its future writes them (held by ``gate``, or failing)."""
+
+    gate: threading.Event | None = None
+    fail: BaseException | None = None
+    finalized: list[str] = []
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def _write(self, directory, values: np.ndarray) -> None:
+        if ValuesHandler.gate is not None:
+            assert ValuesHandler.gate.wait(60)
+        if ValuesHandler.fail is not None:
+            raise ValuesHandler.fail
+        with open(directory / "values.npy", "wb") as f:
+            np.save(f, values)
+
+    async def async_save(self, directory, args):
+        values = np.array(args.values, copy=True)  # the blocking part: the values of the call
+        return [self._pool.submit(self._write, directory, values)]
+
+    def save(self, directory, args):
+        self._write(directory, np.array(args.values, copy=True))
+
+    def restore(self, directory, args=None):
+        with open(directory / "values.npy", "rb") as f:
+            return np.load(f)
+
+    def finalize(self, directory):
+        ValuesHandler.finalized.append(os.fspath(directory))
+
+    def close(self):
+        self._pool.shutdown()
+
+
+@ocp.args.register_with_handler(ValuesHandler, for_save=True)
+@dataclasses.dataclass
+class ValuesSave(ocp.args.CheckpointArgs):
+    values: Any
+
+
+@ocp.args.register_with_handler(ValuesHandler, for_restore=True)
+@dataclasses.dataclass
+class ValuesRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _reset_values_handler():
+    ValuesHandler.gate, ValuesHandler.fail, ValuesHandler.finalized = None, None, []
+    yield
+    ValuesHandler.gate, ValuesHandler.fail = None, None
+
+
+# -- each handler kind: saved with the step, in its manifest, restored by both ---------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    handler: Any
+    save: Any  # step -> save args
+    restore: Any  # () -> restore args
+    check: Any  # (restored, step) -> None
+
+
+KINDS = {
+    "proto": Kind(ocp.ProtoCheckpointHandler,
+                  lambda k: ocp.args.ProtoSave(duration_pb2.Duration(seconds=k)),
+                  lambda: ocp.args.ProtoRestore(duration_pb2.Duration),
+                  lambda r, k: (r.seconds == k) or pytest.fail(f"{r} is not {k} s")),
+    "array": Kind(ocp.ArrayCheckpointHandler,
+                  lambda k: ocp.args.ArraySave(jnp.arange(5, dtype=jnp.int32) * k),
+                  lambda: ocp.args.ArrayRestore(),
+                  lambda r, k: np.testing.assert_array_equal(np.asarray(r), np.arange(5) * k)),
+    "rng": Kind(ocp.JaxRandomKeyCheckpointHandler,
+                lambda k: ocp.args.JaxRandomKeySave(jax.random.key(k)),
+                lambda: ocp.args.JaxRandomKeyRestore(),
+                lambda r, k: np.testing.assert_array_equal(
+                    jax.random.key_data(r), jax.random.key_data(jax.random.key(k)))),
+    "user": Kind(ValuesHandler, lambda k: ValuesSave(np.full(3, k, np.int64) + 2**40),
+                 lambda: ValuesRestore(),
+                 lambda r, k: np.testing.assert_array_equal(r, np.full(3, k, np.int64) + 2**40)),
+}
+
+
+def _composite_save(kind: Kind, k: int) -> Any:
+    return ocp.args.Composite(state=ocp.args.StandardSave(_state(k)), extra=kind.save(k))
+
+
+def _composite_restore(kind: Kind) -> Any:
+    return ocp.args.Composite(state=ocp.args.StandardRestore(_abstract()), extra=kind.restore())
+
+
+def _item_files(step_dir, item: str) -> list[str]:
+    manifest = read_manifest(os.path.join(step_dir, "asyncckpt.manifest.json"))
+    return [r.name for r in manifest.files if r.name.startswith(item + "/")]
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_a_handler_item_is_committed_with_its_step_and_restored_by_both(tmp_path, name, caplog):
+    kind = KINDS[name]
+    directory = tmp_path / "run"
+    handlers = {"state": ocp.StandardCheckpointHandler(), "extra": kind.handler()}
+    with aj.CheckpointManager(directory, item_handlers=handlers) as mgr:
+        for k in (1, 2):
+            mgr.save(k, args=_composite_save(kind, k))
+        mgr.wait_until_finished()
+        restored = mgr.restore(2, args=_composite_restore(kind))
+    np.testing.assert_array_equal(restored.state["w"], np.asarray(_state(2)["w"]))
+    kind.check(restored.extra, 2)
+    files = _item_files(directory / "2", "extra")
+    assert files, "the handler's files are not in the manifest"
+    assert not [n for n in os.listdir(directory) if "tmp" in n], "a temporary was left"
+    with ocp.CheckpointManager(directory, item_names=("state", "extra")) as theirs:
+        kind.check(theirs.restore(2, args=_composite_restore(kind)).extra, 2)
+    # Damage to a handler's file is caught by the manifest, before its restore runs.
+    with open(directory / "2" / files[-1], "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0x40
+        f.seek(0)
+        f.write(data)
+    with aj.CheckpointManager(directory, item_names=("state", "extra")) as mgr:
+        with pytest.raises(CorruptCheckpointError) as err:
+            mgr.restore(2, args=_composite_restore(kind))
+        assert err.value.file.endswith(files[-1])
+        with caplog.at_level(logging.WARNING):
+            older = mgr.restore(None, args=_composite_restore(kind))  # the newest that verifies
+    kind.check(older.extra, 1)
+    assert "skipping checkpoint step 2" in caplog.text
+
+
+def test_the_handlers_futures_are_awaited_by_the_background_commit(tmp_path):
+    ValuesHandler.gate = threading.Event()
+    directory = tmp_path / "run"
+    values = np.arange(4, dtype=np.int64)
+    with aj.CheckpointManager(directory, item_names=("state", "extra")) as mgr:
+        mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(1)),
+                                            extra=ValuesSave(values)))
+        values[:] = -1  # after the call: not what is saved
+        assert mgr.all_steps() == [1] and not (directory / "1").exists()  # listed, in flight
+        assert mgr.is_saving_in_progress() and ValuesHandler.finalized == []
+        ValuesHandler.gate.set()
+        mgr.wait_until_finished()
+        assert len(ValuesHandler.finalized) == 1  # finalize ran before the publish...
+        assert ".asyncckpt-tmp" in ValuesHandler.finalized[0]  # ...in the step's temporary
+        assert _item_files(directory / "1", "extra") == ["extra/values.npy"]
+        restored = mgr.restore(1, args=ocp.args.Composite(extra=ValuesRestore()))
+    np.testing.assert_array_equal(restored.extra, np.arange(4))
+
+
+def test_a_failing_handler_future_fails_the_save_and_publishes_nothing(tmp_path):
+    ValuesHandler.fail = OSError(28, "No space left on device (injected)")
+    directory = tmp_path / "run"
+    with aj.CheckpointManager(directory, item_names=("state", "extra")) as mgr:
+        mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(1)),
+                                            extra=ValuesSave(np.ones(2))))
+        with pytest.raises(OSError, match="injected"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == []
+        ValuesHandler.fail = None
+        mgr.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(2)),
+                                            extra=ValuesSave(np.ones(2))))
+    assert sorted(n for n in os.listdir(directory) if not n.endswith(".lock")) == ["2"]
+
+
+def test_the_args_type_chooses_the_handler_and_restore_without_args_uses_it(tmp_path):
+    directory = tmp_path / "run"
+    with aj.CheckpointManager(directory) as mgr:  # no handler given: orbax's registry decides
+        mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(1)),
+                                            extra=ValuesSave(np.full(2, 7))))
+        mgr.wait_until_finished()
+        everything = mgr.restore(1)  # each item by its handler, default args (as orbax)
+    np.testing.assert_array_equal(everything.extra, np.full(2, 7))
+    np.testing.assert_array_equal(everything.state["w"], np.asarray(_state(1)["w"]))
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("extra", ValuesSave, ValuesHandler())
+    registry.add("extra", ValuesRestore, ValuesHandler())
+    with aj.CheckpointManager(directory, handler_registry=registry) as mgr:
+        np.testing.assert_array_equal(mgr.restore(1).extra, np.full(2, 7))
+
+
+def _grain_iterator():
+    return iter(grain.MapDataset.range(40).shuffle(seed=5).batch(2).to_iter_dataset())
+
+
+def test_restore_without_args_of_a_grain_item_is_orbaxs_error_not_corruption(tmp_path):
+    directory = tmp_path / "run"
+    it = _grain_iterator()
+    next(it)
+    with aj.CheckpointManager(directory, item_names=("data",)) as mgr:
+        mgr.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        mgr.wait_until_finished()
+        with pytest.raises(ValueError, match="CheckpointRestore") as err:
+            mgr.restore(3)
+        assert not isinstance(err.value, CorruptCheckpointError)
+        fresh = _grain_iterator()
+        restored = mgr.restore(3, args=ocp.args.Composite(
+            data=grain.checkpoint.CheckpointRestore(fresh)))
+    np.testing.assert_array_equal(next(restored.data), next(it))
+
+
+# -- grain: a training loop killed and resumed ------------------------------------------------
+
+_GRAIN_LOOP = r"""
+import os, sys
+import numpy as np, jax, jax.numpy as jnp
+import orbax.checkpoint as ocp
+import grain
+import asyncckpt.jax as aj
+
+directory, steps = sys.argv[1], int(sys.argv[2])
+it = iter(grain.MapDataset.range(200).shuffle(seed=11).batch(5).to_iter_dataset())
+state = {"acc": jnp.zeros((), jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)}
+with aj.CheckpointManager(directory, item_names=("state", "data"), max_to_keep=2) as mgr:
+    start = mgr.latest_step()
+    if start is not None:
+        restored = mgr.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore({"acc": jax.ShapeDtypeStruct((), state["acc"].dtype)}),
+            data=grain.checkpoint.CheckpointRestore(it)))
+        state, it = restored.state, restored.data
+        print("RESUMED", start, flush=True)
+    for step in range((start or 0) + 1, steps + 1):
+        batch = next(it)
+        state = {"acc": state["acc"] + int(np.sum(batch))}
+        print("BATCH", step, " ".join(map(str, batch)), flush=True)
+        if step % 3 == 0:
+            mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                   data=grain.checkpoint.CheckpointSave(it)))
+            if step == 3:
+                mgr.wait_until_finished()  # at least one durable step before any kill
+print("FINAL", int(state["acc"]), flush=True)
+"""
+
+
+def _run_loop(script, directory, steps, *, kill_after: int | None = None) -> dict[str, list]:
+    """Runs the loop; with ``kill_after``, SIGKILLs it once that step's batch is printed."""
+    proc = start_python(script, str(directory), str(steps))
+    out: dict[str, list] = {"batches": [], "resumed": [], "final": []}
+    killed = False
+    for line in proc.stdout:
+        word, _, rest = line.strip().partition(" ")
+        if word == "BATCH":
+            step, _, batch = rest.partition(" ")
+            out["batches"].append((int(step), batch))
+            if kill_after is not None and int(step) == kill_after:
+                proc.send_signal(signal.SIGKILL)
+                killed = True
+                break
+        elif word == "RESUMED":
+            out["resumed"].append(int(rest))
+        elif word == "FINAL":
+            out["final"].append(int(rest))
+    proc.wait(120)
+    assert (proc.returncode == -signal.SIGKILL) if killed else (proc.returncode == 0), (
+        proc.returncode, proc.stderr.read())
+    return out
+
+
+def test_a_grain_training_loop_killed_and_resumed_sees_the_same_batches(tmp_path):
+    script = write_script(tmp_path, "grain_loop.py", _GRAIN_LOOP)
+    reference = _run_loop(script, tmp_path / "reference", 20)
+    assert len(reference["batches"]) == 20
+    directory = tmp_path / "run"
+    first = _run_loop(script, directory, 20, kill_after=11)  # saves at 3, 6, 9 (maybe in flight)
+    assert first["batches"] == reference["batches"][:11]
+    resumed = _run_loop(script, directory, 20)
+    (start,) = resumed["resumed"]
+    assert start in (3, 6, 9)  # the newest durable save before the kill
+    assert resumed["batches"] == reference["batches"][start:]  # the remaining batches, exactly
+    assert resumed["final"] == reference["final"]
+    with ocp.CheckpointManager(directory, item_names=("state", "data")) as theirs:
+        it = iter(grain.MapDataset.range(200).shuffle(seed=11).batch(5).to_iter_dataset())
+        restored = theirs.restore(18, args=ocp.args.Composite(
+            data=grain.checkpoint.CheckpointRestore(it)))
+    assert " ".join(map(str, next(restored.data))) == reference["batches"][18][1]
