@@ -135,7 +135,12 @@ class DurableWriter:
         parent = os.path.dirname(path)
         if parent not in self._dirs:
             os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
+            # Every directory between the root and the file is fsynced by
+            # ``finish``: each holds the entry of the next (``w/c/0/0``).
+            d = parent
+            while d not in self._dirs and len(d) > len(self.root):
+                self._dirs.add(d)
+                d = os.path.dirname(d)
         return path
 
     def write(self, name: str, chunks: Iterable[object]) -> FileRecord:

@@ -71,8 +71,8 @@ class ItemSetup:
             none were given.
         timeout_s: The longest ``AsyncCheckpointer`` timeout among them.
         handlers: orbax's handler objects by item name (``default`` for the
-            unnamed item), however they were given: their ``use_ocdbt``
-            decides each item's layout (``_ocdbt.ItemFormats``).
+            unnamed item), however they were given: their ``use_ocdbt`` and
+            ``use_zarr3`` decide each item's layout (``_ocdbt.ItemFormats``).
     """
 
     names: tuple[str, ...] | None = None
@@ -84,39 +84,20 @@ class ItemSetup:
 
 
 def _handler_kind(name: str, handler: Any) -> str:
-    """The kind of item ``handler`` saves, after checking asyncckpt can write it as asked.
+    """The kind of item ``handler`` saves.
+
+    A pytree handler's format settings (``use_ocdbt``, ``use_zarr3``) are
+    honoured by ``_ocdbt.ItemFormats``.
 
     Raises:
-        ValueError: a handler type asyncckpt does not write, or one asking for
-            a format it does not write (``use_zarr3=True``).
+        ValueError: a handler type asyncckpt does not write.
     """
     kind = _HANDLER_KINDS.get(type(handler).__name__)
     if kind is None or not type(handler).__module__.startswith("orbax."):
         raise ValueError(f"item {name!r}: handler {type(handler).__name__} is not supported "
                          "(orbax's StandardCheckpointHandler, PyTreeCheckpointHandler and "
                          "JsonCheckpointHandler are)")
-    if kind == "pytree":
-        # orbax keeps the handler's constructor arguments on the handler or, for
-        # StandardCheckpointHandler, on the PyTreeCheckpointHandler it wraps.
-        impl = getattr(handler, "_impl", handler)
-        check_format(f"item {name!r}: {type(handler).__name__}",
-                     use_zarr3=bool(getattr(impl, "_use_zarr3", False)))
     return kind
-
-
-def check_format(what: str, *, use_zarr3: bool = False) -> None:
-    """Refuses a format request asyncckpt does not write (never writes another format).
-
-    asyncckpt writes orbax's zarr v2 arrays (in OCDBT or as files, both
-    honoured: ``_ocdbt.ItemFormats``); a handler asking for zarr3 is refused
-    here rather than written in the other format.
-
-    Raises:
-        ValueError: naming the spelling to use instead.
-    """
-    if use_zarr3:
-        raise ValueError(f"{what} has use_zarr3=True; asyncckpt writes zarr v2 (which orbax "
-                         "restores): pass use_zarr3=False")
 
 
 def item_setup(checkpointers: Any, item_names: Any, item_handlers: Any) -> ItemSetup:
