@@ -460,3 +460,85 @@ def test_every_directory_above_a_nested_chunk_file_is_made_durable(tmp_path, mon
     writer.finish()
     assert {p for p in synced if not p.endswith(("1", ".json"))} >= {
         ".", "default", "default/w", "default/w/c", "default/w/c/0"}
+
+
+TWO_PROCESS_WORKER = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+pid, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                           initialization_timeout=120)
+import orbax.checkpoint as ocp
+import asyncckpt.jax as aj
+
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+w = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+bf = (np.arange(32) * 3).astype(jnp.bfloat16)
+
+
+def global_array(value, spec):
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                        lambda idx: value[idx])
+
+
+state = {"w": global_array(w, P("a", "b")), "bf": global_array(bf, P("a")), "step": 3}
+mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+target = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32,
+                                    sharding=NamedSharding(mesh2, P(("x", "y")))),
+          "bf": jax.ShapeDtypeStruct((32,), jnp.bfloat16, sharding=NamedSharding(mesh2, P("y"))),
+          "step": 0}
+out = {}
+for ocdbt in (True, False):
+    directory = os.path.join(root, f"ocdbt{ocdbt}")
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=True)
+    with aj.CheckpointManager(directory, item_handlers=handler, coordination_timeout_s=60) as mgr:
+        mgr.save(3, args=ocp.args.PyTreeSave(state))
+        mgr.wait_until_finished()
+        got = mgr.restore(3, target=target)
+    ok = got["step"] == 3
+    for k, value in (("w", w), ("bf", bf)):
+        for shard in got[k].addressable_shards:
+            ok = ok and np.array_equal(np.asarray(shard.data), value[shard.index])
+    out[str(ocdbt)] = bool(ok)
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_write_one_zarr3_checkpoint_in_either_layout(tmp_path):
+    """Each process writes its own shards' zarr v3 chunks (OCDBT: into its own database,
+    merged by process 0); both processes, this one, and orbax restore it."""
+    from tests.helpers import run_workers, subprocess_env
+    from tests.servers import free_port
+
+    script = write_script(tmp_path, "worker.py", TWO_PROCESS_WORKER)
+    port = str(free_port())
+    results = run_workers(script, [[str(i), port, str(tmp_path)] for i in range(2)],
+                          env=subprocess_env(JAX_PLATFORMS="cpu"))
+    assert results == [{"True": True, "False": True}] * 2, results
+    mesh = _mesh((8,), ("d",))
+    expected = {"w": np.arange(16 * 8, dtype=np.float32).reshape(16, 8),
+                "bf": (np.arange(32) * 3).astype(jnp.bfloat16), "step": 3}
+    target = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(mesh, P("d"))),
+              "bf": jax.ShapeDtypeStruct((32,), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+              "step": 0}
+    for ocdbt in (True, False):
+        directory = tmp_path / f"ocdbt{ocdbt}"
+        item = directory / "3" / "default"
+        manifest = {f["name"] for f in json.loads(
+            (directory / "3" / "asyncckpt.manifest.json").read_text())["files"]}
+        if ocdbt:
+            assert {"default/ocdbt.process_0/manifest.ocdbt",
+                    "default/ocdbt.process_1/manifest.ocdbt"} <= manifest
+            assert [k for k in _keys(item) if k.startswith("w/")] == (
+                [f"w/c/{i}/{j}" for i in range(4) for j in range(2)] + ["w/zarr.json"])
+        else:
+            assert {f"default/w/c/{i}/{j}" for i in range(4) for j in range(2)} <= manifest
+        with aj.CheckpointManager(directory) as mgr:
+            _same(expected, mgr.restore(3, target=target))
+        with ocp.CheckpointManager(str(directory)) as theirs:
+            _same(expected, theirs.restore(3, args=ocp.args.StandardRestore(target)))
