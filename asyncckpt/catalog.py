@@ -214,33 +214,43 @@ def _describe_array_store(step_dir: str) -> list[ArrayInfo]:
             for name, e in sorted(table.items())]
 
 
-def _zarr_metadata(item_dir: str) -> list[tuple[str, dict]]:
-    """``(leaf, .zarray contents)`` of each array of a zarr item, OCDBT or not.
+# Each array's metadata, as zarr v2 and zarr v3 (orbax's ``use_zarr3``) name it.
+_ZARR_METADATA = (".zarray", "zarr.json")
 
-    An OCDBT item (``manifest.ocdbt``) keeps its ``.zarray`` entries in its
-    database, read through TensorStore (imported only then).
+
+def _zarr_metadata(item_dir: str) -> list[tuple[str, dict]]:
+    """``(leaf, .zarray or zarr.json contents)`` of each array of a zarr item, OCDBT or not.
+
+    An OCDBT item (``manifest.ocdbt``) keeps these entries in its database,
+    read through TensorStore (imported only then).
     """
     if os.path.isfile(os.path.join(item_dir, "manifest.ocdbt")):
         import tensorstore as ts
 
         kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item_dir}/"}).result()
-        keys = sorted(k.decode() for k in kv.list().result() if k.endswith(b"/.zarray"))
-        return [(k[:-len("/.zarray")], json.loads(kv.read(k).result().value)) for k in keys]
+        out = []
+        for key in sorted(k.decode() for k in kv.list().result()):
+            leaf, _, name = key.partition("/")
+            if name in _ZARR_METADATA:
+                out.append((leaf, json.loads(kv.read(key).result().value)))
+        return out
     out = []
     for leaf in sorted(os.listdir(item_dir)):
-        zarray = os.path.join(item_dir, leaf, ".zarray")
-        if os.path.isfile(zarray):
-            with open(zarray, encoding="utf-8") as f:
-                out.append((leaf, json.load(f)))
+        for name in _ZARR_METADATA:
+            path = os.path.join(item_dir, leaf, name)
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as f:
+                    out.append((leaf, json.load(f)))
+                break
     return out
 
 
 def _is_zarr_item(directory: str) -> bool:
-    """An item's own directory: an OCDBT database, or leaf directories holding ``.zarray``."""
+    """An item's own directory: an OCDBT database, or leaf directories holding zarr metadata."""
     if os.path.isfile(os.path.join(directory, "manifest.ocdbt")):
         return True
-    return any(os.path.isfile(os.path.join(directory, leaf, ".zarray"))
-               for leaf in os.listdir(directory))
+    return any(os.path.isfile(os.path.join(directory, leaf, name))
+               for leaf in os.listdir(directory) for name in _ZARR_METADATA)
 
 
 def _describe_zarr_tree(step_dir: str) -> list[ArrayInfo]:
@@ -258,7 +268,7 @@ def _describe_zarr_tree(step_dir: str) -> list[ArrayInfo]:
     for item, item_dir in items:
         for leaf, meta in _zarr_metadata(item_dir):
             shape = tuple(int(d) for d in meta["shape"])
-            dtype = str(meta["dtype"])
+            dtype = str(meta["data_type"] if "data_type" in meta else meta["dtype"])
             itemsize = _itemsize(dtype)
             name = leaf if item in ("", "default") else f"{item}/{leaf}"
             arrays.append(ArrayInfo(name, shape, dtype, math.prod(shape) * itemsize))

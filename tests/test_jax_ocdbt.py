@@ -236,7 +236,13 @@ def test_chunk_keys_name_their_grid_indices():
     assert _ocdbt.chunk_grid("w/0") == (0,)
     assert _ocdbt.chunk_grid("params.w/3.1") == (3, 1)
     assert _ocdbt.chunk_grid("0.0.12") == (0, 0, 12)
-    for key in ("w/.zarray", "w/", "w/1.", "w/1.x", "w/-1", "w/\u0661"):
+    # zarr v3's default chunk key encoding (a parameter may be named "c").
+    assert _ocdbt.chunk_key_parts("params.w/c/3/1") == ("params.w/c/", (3, 1), "/")
+    assert _ocdbt.chunk_key_parts("c/c/0") == ("c/c/", (0,), "/")
+    assert _ocdbt.chunk_key_parts("c/0.2") == ("c/", (0, 2), ".")
+    assert _ocdbt.chunk_key_parts("w/1.0") == ("w/", (1, 0), ".")
+    for key in ("w/.zarray", "w/", "w/1.", "w/1.x", "w/-1", "w/\u0661", "w/zarr.json", "w/c",
+                "w/c/", "w/c/1/", "w/c/1.0", "w/c/x"):
         assert _ocdbt.chunk_grid(key) is None, key
 
 
@@ -245,9 +251,9 @@ def _counting_references(monkeypatch) -> list[tuple[str, int]]:
     seen: list[tuple[str, int]] = []
     real = _ocdbt.DatabaseWriter._write_by_reference
 
-    def recording(self, key, grid, view):
-        seen.append((key, len(view)))
-        return real(self, key, grid, view)
+    def recording(self, parent, grid, separator, view):
+        seen.append((parent + separator.join(map(str, grid)), len(view)))
+        return real(self, parent, grid, separator, view)
 
     monkeypatch.setattr(_ocdbt.DatabaseWriter, "_write_by_reference", recording)
     return seen

@@ -73,8 +73,8 @@ class ItemSetup:
             none were given.
         timeout_s: The longest ``AsyncCheckpointer`` timeout among them.
         handlers: orbax's handler objects by item name (``default`` for the
-            unnamed item), however they were given: their ``use_ocdbt``
-            decides each item's layout (``_ocdbt.ItemFormats``).
+            unnamed item), however they were given: their ``use_ocdbt`` and
+            ``use_zarr3`` decide each item's layout (``_ocdbt.ItemFormats``).
         by_args: A ``handler_registry``'s handlers for any item, by args
             type (those asyncckpt does not write itself).
     """
@@ -100,9 +100,11 @@ def _handler_kind(name: str, handler: Any) -> str:
     """The kind of item ``handler`` saves: ``"pytree"`` and ``"json"`` are written by
     asyncckpt itself, ``"handler"`` by the handler (``_handlers``).
 
+    A pytree handler's format settings (``use_ocdbt``, ``use_zarr3``) are
+    honoured by ``_ocdbt.ItemFormats``.
+
     Raises:
-        ValueError: an object without orbax's handler methods, or a pytree
-            handler asking for a format asyncckpt does not write.
+        ValueError: an object without orbax's handler methods.
     """
     kind = _HANDLER_KINDS.get(type(handler).__name__)
     if kind is None or not type(handler).__module__.startswith("orbax."):
@@ -111,28 +113,7 @@ def _handler_kind(name: str, handler: Any) -> str:
                              "handler (orbax's CheckpointHandler methods save/async_save and "
                              "restore are missing)")
         return "handler"
-    if kind == "pytree":
-        # orbax keeps the handler's constructor arguments on the handler or, for
-        # StandardCheckpointHandler, on the PyTreeCheckpointHandler it wraps.
-        impl = getattr(handler, "_impl", handler)
-        check_format(f"item {name!r}: {type(handler).__name__}",
-                     use_zarr3=bool(getattr(impl, "_use_zarr3", False)))
     return kind
-
-
-def check_format(what: str, *, use_zarr3: bool = False) -> None:
-    """Refuses a format request asyncckpt does not write (never writes another format).
-
-    asyncckpt writes orbax's zarr v2 arrays (in OCDBT or as files, both
-    honoured: ``_ocdbt.ItemFormats``); a handler asking for zarr3 is refused
-    here rather than written in the other format.
-
-    Raises:
-        ValueError: naming the spelling to use instead.
-    """
-    if use_zarr3:
-        raise ValueError(f"{what} has use_zarr3=True; asyncckpt writes zarr v2 (which orbax "
-                         "restores): pass use_zarr3=False")
 
 
 def item_setup(checkpointers: Any, item_names: Any, item_handlers: Any,

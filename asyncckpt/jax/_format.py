@@ -1,4 +1,4 @@
-"""The on-disk layout of a JAX checkpoint: orbax's non-OCDBT zarr tree.
+"""The on-disk layout of a JAX checkpoint: orbax's non-OCDBT zarr tree (zarr v2 or v3).
 
 A checkpoint is a directory named by its step::
 
@@ -11,10 +11,15 @@ A checkpoint is a directory named by its step::
             <param>/.zarray         zarr v2 array metadata, "compressor": null
             <param>/<i>.<j>...      one chunk file per shard: its raw C-order bytes
 
-Chunk files are exactly the bytes of each shard (zarr v2 with no compressor),
-so they are written straight from the staging buffers and read back with a
-plain ``read``. orbax's own restore reads these files through TensorStore.
-See ``docs/jax.md``.
+With orbax's ``use_zarr3=True`` each array is a zarr v3 array instead:
+``<param>/zarr.json`` (its only codec ``bytes``, little-endian) and chunk
+files ``<param>/c/<i>/<j>`` (zarr v3's default chunk key encoding; ``c``
+for a 0-d array), holding the same bytes.
+
+Chunk files are exactly the bytes of each shard (zarr v2 with no compressor,
+zarr v3 with no codec but ``bytes``), so they are written straight from the
+staging buffers and read back with a plain ``read``. orbax's own restore
+reads these files through TensorStore. See ``docs/jax.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ TREE_METADATA = "_METADATA"
 SHARDING_FILE = "_sharding"
 STEP_METADATA = "_CHECKPOINT_METADATA"
 ZARRAY = ".zarray"
+ZARR_JSON = "zarr.json"  # zarr v3's array metadata
 OCDBT_MANIFEST = "manifest.ocdbt"
 # What orbax's CheckpointManager records as the handler of the "default" item;
 # it lets `orbax.checkpoint.CheckpointManager(dir).restore(step)` work without args.
@@ -91,8 +97,35 @@ def zarr_dtype(dtype: np.dtype, *, what: str) -> str:
     )
 
 
+# zarr v3 ``data_type`` names asyncckpt writes (and reads raw): NumPy's names,
+# which TensorStore's zarr3 driver uses too.
+_ZARR3_DTYPES = frozenset(("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                           "uint32", "uint64", "float16", "float32", "float64", "complex64",
+                           "complex128", *_NAMED_DTYPES))
+
+
+def zarr3_dtype(dtype: np.dtype, *, what: str) -> str:
+    """The zarr v3 ``data_type`` of a NumPy/JAX dtype (stored little-endian).
+
+    Raises:
+        UnsupportedObjectError: the dtype has no zarr v3 form asyncckpt writes.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.name in _ZARR3_DTYPES and dtype.byteorder in ("=", "<", "|"):
+        return dtype.name
+    raise UnsupportedObjectError(
+        f"{what} has dtype {dtype.name}, which asyncckpt cannot store as zarr v3 "
+        f"(supported: {', '.join(sorted(_ZARR3_DTYPES))})"
+    )
+
+
+def array_dtype(dtype: np.dtype, *, what: str, zarr3: bool) -> str:
+    """The dtype as the array metadata names it (``zarr_dtype`` or ``zarr3_dtype``)."""
+    return zarr3_dtype(dtype, what=what) if zarr3 else zarr_dtype(dtype, what=what)
+
+
 def numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype of a zarr v2 ``dtype`` string."""
+    """The NumPy dtype of a zarr v2 ``dtype`` string or a zarr v3 ``data_type``."""
     if name in _NAMED_DTYPES:
         import ml_dtypes
 
@@ -151,9 +184,63 @@ def sub_chunk_shape(global_shape: Sequence[int], write_shape: Sequence[int], ite
     return tuple(o[-1] for o in options)
 
 
-def chunk_name(coords: Sequence[int]) -> str:
-    """zarr v2 chunk key with ``.`` separators; a 0-d array has the one chunk ``0``."""
+def chunk_name(coords: Sequence[int], *, zarr3: bool = False) -> str:
+    """A chunk's key (relative to its array).
+
+    zarr v2: ``.`` separators, the one chunk of a 0-d array is ``0``. zarr v3
+    (its ``default`` chunk key encoding): ``c/`` and ``/`` separators, the one
+    chunk of a 0-d array is ``c``.
+    """
+    if zarr3:
+        return "/".join(("c", *(str(c) for c in coords)))
     return ".".join(str(c) for c in coords) if coords else "0"
+
+
+def metadata_name(*, zarr3: bool) -> str:
+    """The name of an array's metadata file (key) in its directory."""
+    return ZARR_JSON if zarr3 else ZARRAY
+
+
+def array_json(shape: Sequence[int], chunks: Sequence[int], dtype: str, *, zarr3: bool) -> str:
+    """An uncompressed C-order array's metadata: ``.zarray`` or, for zarr v3, ``zarr.json``."""
+    if zarr3:
+        return zarr3_json(shape, chunks, dtype)
+    return zarray_json(shape, chunks, dtype)
+
+
+def _zero_fill(dtype: str) -> Any:
+    """zarr v3's JSON for a zero fill value of ``dtype`` (it must name one)."""
+    if dtype == "bool":
+        return False
+    if dtype.startswith("complex"):
+        return [0.0, 0.0]
+    return 0.0 if dtype.startswith(("float", "bfloat")) else 0
+
+
+def zarr3_json(shape: Sequence[int], chunks: Sequence[int], dtype: str) -> str:
+    """The ``zarr.json`` of an uncompressed zarr v3 array: its one codec ``bytes``.
+
+    A chunk is then its raw little-endian C-order bytes, as in zarr v2 with no
+    compressor (TensorStore's zarr3 driver, which orbax reads with, takes the
+    codecs from this file). Single-byte types take no ``endian``. Keys sorted,
+    as TensorStore writes them.
+    """
+    one_byte = dtype in ("bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2")
+    codec: dict[str, Any] = {"name": "bytes"}
+    if not one_byte:
+        codec["configuration"] = {"endian": "little"}
+    return json.dumps(
+        {
+            "chunk_grid": {"configuration": {"chunk_shape": list(chunks)}, "name": "regular"},
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": [codec],
+            "data_type": dtype,
+            "fill_value": _zero_fill(dtype),
+            "node_type": "array",
+            "shape": list(shape),
+            "zarr_format": 3,
+        }
+    )
 
 
 def zarray_json(shape: Sequence[int], chunks: Sequence[int], dtype: str) -> str:
@@ -198,7 +285,7 @@ def split_chunk(chunk: Sequence[int], itemsize: int, limit: int | None) -> tuple
 
 
 def chunk_pieces(chunk: Sequence[int], sub: Sequence[int], coords: Sequence[int],
-                 shape: Sequence[int]) -> tuple[str | None, ...]:
+                 shape: Sequence[int], *, zarr3: bool = False) -> tuple[str | None, ...]:
     """The chunk names of ``sub``-shaped pieces of the chunk at ``coords``, in byte order.
 
     ``chunk`` is the shape the bytes were staged in (at chunk coordinates
@@ -211,7 +298,7 @@ def chunk_pieces(chunk: Sequence[int], sub: Sequence[int], coords: Sequence[int]
     for local in np.ndindex(*factors):
         grid = [c * f + i for c, f, i in zip(coords, factors, local, strict=True)]
         inside = all(g * s < n for g, s, n in zip(grid, sub, shape, strict=True))
-        out.append(chunk_name(grid) if inside else None)
+        out.append(chunk_name(grid, zarr3=zarr3) if inside else None)
     return tuple(out)
 
 
@@ -237,8 +324,12 @@ class TreeEntry:
 
 
 def tree_metadata_json(entries: Sequence[TreeEntry], custom_metadata: Any = None, *,
-                       use_ocdbt: bool = False) -> str:
-    """orbax's ``_METADATA`` for a zarr v2 checkpoint, OCDBT or not."""
+                       use_ocdbt: bool = False, use_zarr3: bool = False) -> str:
+    """orbax's ``_METADATA`` for a zarr v2 or v3 checkpoint, OCDBT or not.
+
+    orbax's readers take the zarr driver from ``use_zarr3`` here, whatever
+    their own handler's setting.
+    """
     tree = {}
     for e in entries:
         value: dict[str, Any] = {"value_type": e.value_type, "skip_deserialize": e.skipped}
@@ -254,7 +345,7 @@ def tree_metadata_json(entries: Sequence[TreeEntry], custom_metadata: Any = None
         {
             "tree_metadata": tree,
             "use_ocdbt": use_ocdbt,
-            "use_zarr3": False,
+            "use_zarr3": use_zarr3,
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": custom_metadata,
         }
@@ -452,44 +543,89 @@ def read_file_bytes(path: str) -> np.ndarray | None:
         return None
 
 
+def _raw_codecs(codecs: Any, itemsize: int) -> bool:
+    """Whether zarr v3 ``codecs`` store a chunk as its raw little-endian bytes.
+
+    That is one ``bytes`` codec, little-endian (or, for one-byte types,
+    without an ``endian``): what asyncckpt writes. Anything else (orbax's
+    ``sharding_indexed``, compressors, ``transpose``, checksums) is decoded
+    by TensorStore instead.
+    """
+    if not isinstance(codecs, list) or len(codecs) != 1 or not isinstance(codecs[0], dict):
+        return False
+    codec = codecs[0]
+    if codec.get("name") != "bytes":
+        return False
+    endian = (codec.get("configuration") or {}).get("endian")
+    return endian == "little" or (endian is None and itemsize == 1)
+
+
+def _fill(value: Any, dtype: np.dtype) -> Any:
+    """A zarr fill value (v2 or v3 JSON) as a value of ``dtype``; None and absent: 0."""
+    if value is None:
+        return 0
+    if isinstance(value, list) and len(value) == 2:  # zarr v3 complex: [real, imaginary]
+        return complex(_fill(value[0], np.dtype(np.float64)), _fill(value[1],
+                                                                   np.dtype(np.float64)))
+    if isinstance(value, str) and value.startswith("0x"):  # zarr v3: the raw bits, in hex
+        bits = np.array(int(value, 16), dtype=f"<u{dtype.itemsize}")
+        return bits.view(dtype)[()]
+    if isinstance(value, str):  # "NaN", "Infinity", "-Infinity"
+        return float(value)
+    return value
+
+
 class ZarrArray:
-    """Reads regions of one uncompressed zarr v2 array written in this layout.
+    """Reads regions of one uncompressed zarr array (v2, or v3) written in this layout.
 
     Args:
-        array_dir: The parameter's directory (holding ``.zarray``).
+        array_dir: The parameter's directory (holding ``.zarray``, or ``zarr.json``).
         checkpoint: Checkpoint path, for error messages.
         source: Reads a chunk file's bytes; restores pass one that verifies
             and caches what it reads.
-        metadata: The ``.zarray`` contents when they are not a file (an
+        metadata: The metadata file's contents when they are not a file (an
             OCDBT key); chunks are then still asked of ``source`` by the path
             they would have as files.
+        zarr3: The array is zarr v3 (orbax's ``use_zarr3``): ``zarr.json``
+            and its chunk key encoding (``c/0/1``).
+
+    Attributes:
+        compressor: Whatever stores a chunk other than as its raw bytes
+            (zarr v2's compressor; zarr v3's codecs), None when nothing does.
     """
 
     def __init__(self, array_dir: str, *, checkpoint: str, source: ChunkSource = read_file_bytes,
-                 metadata: bytes | None = None):
+                 metadata: bytes | None = None, zarr3: bool = False):
         self.dir = array_dir
         self._checkpoint = checkpoint
         self._source = source
-        meta_path = os.path.join(array_dir, ZARRAY)
+        self._zarr3 = zarr3
+        self._separator = "."
+        self._prefix: tuple[str, ...] = ()  # zarr v3's ``c``
+        meta_path = os.path.join(array_dir, metadata_name(zarr3=zarr3))
+        order, filters = "C", None
         try:
             if metadata is None:
                 with open(meta_path, "rb") as f:
                     metadata = f.read()
             meta = json.loads(metadata)
             self.shape = tuple(int(d) for d in meta["shape"])
-            self.chunks = tuple(int(d) for d in meta["chunks"])
-            self.dtype = numpy_dtype(meta["dtype"])
-            self.compressor = meta.get("compressor")
-            self.fill_value = meta.get("fill_value")
-            order = meta.get("order", "C")
-            filters = meta.get("filters")
+            if zarr3:
+                self._read_zarr3(meta)
+            else:
+                self.chunks = tuple(int(d) for d in meta["chunks"])
+                self.dtype = numpy_dtype(meta["dtype"])
+                self.compressor = meta.get("compressor")
+                self.fill_value = meta.get("fill_value")
+                order = meta.get("order", "C")
+                filters = meta.get("filters")
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"checkpoint {checkpoint!r} is incomplete: {meta_path!r} is missing",
                 checkpoint=checkpoint,
                 file=meta_path,
             ) from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptCheckpointError(
                 f"zarr metadata {meta_path!r} is unreadable: {e}",
                 checkpoint=checkpoint,
@@ -508,12 +644,44 @@ class ZarrArray:
                 file=meta_path,
             )
 
+    def _read_zarr3(self, meta: dict) -> None:
+        """The fields of a ``zarr.json`` (raises ValueError/KeyError/TypeError if malformed)."""
+        if meta.get("zarr_format") != 3 or meta.get("node_type", "array") != "array":
+            raise ValueError("not a zarr v3 array")
+        grid = meta["chunk_grid"]
+        if grid.get("name") != "regular":
+            raise ValueError(f"chunk grid {grid.get('name')!r} (asyncckpt reads 'regular')")
+        self.chunks = tuple(int(d) for d in grid["configuration"]["chunk_shape"])
+        self.dtype = numpy_dtype(meta["data_type"])
+        encoding = meta.get("chunk_key_encoding") or {"name": "default"}
+        separator = (encoding.get("configuration") or {}).get("separator")
+        if encoding.get("name") == "default":
+            self._separator, self._prefix = separator or "/", ("c",)
+        elif encoding.get("name") == "v2":
+            self._separator = separator or "."
+        else:
+            raise ValueError(f"chunk key encoding {encoding.get('name')!r}")
+        if self._separator not in ("/", "."):
+            raise ValueError(f"chunk key separator {self._separator!r}")
+        codecs = meta.get("codecs")
+        raw = _raw_codecs(codecs, self.dtype.itemsize) and not meta.get("storage_transformers")
+        self.compressor = None if raw else codecs
+        self.fill_value = meta.get("fill_value")
+
     @property
     def compressed(self) -> bool:
+        """Whether chunks are stored other than raw (read through TensorStore instead)."""
         return self.compressor is not None
 
+    def chunk_key(self, coords: Sequence[int]) -> str:
+        """The chunk's key relative to the array's directory (``0.1``, ``c/0/1``)."""
+        if not self._zarr3:
+            return chunk_name(coords)
+        parts = (*self._prefix, *(str(c) for c in coords))
+        return self._separator.join(parts) if parts else "0"
+
     def chunk_path(self, coords: Sequence[int]) -> str:
-        return os.path.join(self.dir, chunk_name(coords))
+        return os.path.join(self.dir, *self.chunk_key(coords).split("/"))
 
     def _bounds(self, index: tuple[slice, ...] | None) -> list[tuple[int, int]]:
         bounds = []
@@ -542,8 +710,7 @@ class ZarrArray:
         data = self._source(path)
         if data is None:
             # zarr: a missing chunk holds the fill value everywhere.
-            fill = 0 if self.fill_value is None else self.fill_value
-            return np.full(self.chunks, fill, dtype=self.dtype)
+            return np.full(self.chunks, _fill(self.fill_value, self.dtype), dtype=self.dtype)
         if data.nbytes != count * self.dtype.itemsize:
             raise CorruptCheckpointError(
                 f"checkpoint {self._checkpoint!r} is corrupt: chunk {path!r} holds "

@@ -21,9 +21,10 @@ mixes both in ``d/``; it reads either): merging needs the nodes alone, so
 process 0 can merge the databases of processes whose files it only has in
 an object store by fetching their few small node files.
 
-The keys of a database are the zarr v2 keys of the non-OCDBT layout
-(``<param>/.zarray``, ``<param>/<i>.<j>``), so every array is still an
-uncompressed zarr array, only stored inside OCDBT. Each process writes its
+The keys of a database are the zarr keys of the non-OCDBT layout
+(``<param>/.zarray``, ``<param>/<i>.<j>``; with zarr v3 ``<param>/zarr.json``,
+``<param>/c/<i>/<j>``), so every array is still an uncompressed zarr array,
+only stored inside OCDBT. Each process writes its
 own database (``DatabaseWriter``), from the staged host buffers, on the
 background writer thread; the primary then merges them (``merge``: the
 parent database's B-tree refers to the children's data files by relative
@@ -93,14 +94,24 @@ class FormatOptions:
             None: orbax's default (2 GiB, 400 MiB for a ``gs://``
             directory); 0: no limit. A save's
             ``PyTreeSave(..., ocdbt_target_data_file_size=...)`` overrides it.
+        use_zarr3: Store each array as zarr v3 (``zarr.json``, chunk keys
+            ``c/<i>/<j>``) instead of zarr v2 (``.zarray``, ``<i>.<j>``; the
+            default, as in orbax), in either layout. orbax reads both (it
+            takes the driver from the checkpoint's ``_METADATA``), and so
+            does asyncckpt. The spelling of orbax's
+            ``PyTreeCheckpointHandler(use_zarr3=...)``, honoured too when
+            given as ``item_handlers``. Chunks are uncompressed either way.
     """
 
     use_ocdbt: bool = True
     ocdbt_target_data_file_size: int | None = None
+    use_zarr3: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.use_ocdbt, bool):
             raise TypeError(f"use_ocdbt must be a bool, got {self.use_ocdbt!r}")
+        if not isinstance(self.use_zarr3, bool):
+            raise TypeError(f"use_zarr3 must be a bool, got {self.use_zarr3!r}")
         check_target_size(self.ocdbt_target_data_file_size)
 
     def target_for(self, directory: str, override: int | None = None) -> int:
@@ -144,34 +155,64 @@ def handler_uses_ocdbt(handler: Any) -> bool | None:
     return value
 
 
+def handler_uses_zarr3(handler: Any) -> bool | None:
+    """Whether an orbax pytree handler instance writes zarr v3 (None: not a pytree handler).
+
+    ``PyTreeCheckpointHandler(use_zarr3=...)`` keeps it on the handler (a
+    ``StandardCheckpointHandler`` has no such option: False).
+
+    Raises:
+        ValueError: a pytree handler whose setting cannot be read.
+    """
+    kind = type(handler).__name__
+    if kind not in ("StandardCheckpointHandler", "PyTreeCheckpointHandler"):
+        return None
+    inner = getattr(handler, "_impl", handler)
+    value = getattr(inner, "_use_zarr3", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"cannot tell whether {kind} {handler!r} writes zarr v3 (this orbax "
+                         "version keeps use_zarr3 elsewhere); pass "
+                         "format_options=asyncckpt.jax.FormatOptions(use_zarr3=...) instead")
+    return value
+
+
 class ItemFormats:
     """Which pytree items of a manager's saves are stored as OCDBT, and how.
 
     Args:
         options: The manager's ``FormatOptions`` (None: the defaults).
         item_handlers: orbax handlers by item name, as the manager got them:
-            a pytree handler's ``use_ocdbt`` decides for its item.
+            a pytree handler's ``use_ocdbt`` and ``use_zarr3`` decide for its item.
         directory: The manager's directory (a ``gs://`` one has a smaller
             default target data file size, as in orbax).
 
     Raises:
-        ValueError: ``options`` and a handler disagree on ``use_ocdbt``.
+        ValueError: ``options`` and a handler disagree on ``use_ocdbt`` or ``use_zarr3``.
     """
 
     def __init__(self, options: FormatOptions | None, item_handlers: Any, directory: str):
         self.options = options or FormatOptions()
         self._directory = directory
         self._by_item: dict[str, bool] = {}
+        self._zarr3: dict[str, bool] = {}
         if isinstance(item_handlers, dict):
             for name, handler in item_handlers.items():
                 value = handler_uses_ocdbt(handler)
                 if value is None:
                     continue
-                if options is not None and value != options.use_ocdbt:
-                    raise ValueError(
-                        f"item {name!r}: its handler says use_ocdbt={value}, format_options "
-                        f"says use_ocdbt={options.use_ocdbt}; give one of them")
+                zarr3 = bool(handler_uses_zarr3(handler))
+                for option, mine in (("use_ocdbt", value), ("use_zarr3", zarr3)):
+                    given = None if options is None else getattr(options, option)
+                    if given is not None and mine != given:
+                        raise ValueError(
+                            f"item {name!r}: its handler says {option}={mine}, format_options "
+                            f"says {option}={given}; give one of them")
                 self._by_item[name] = value
+                self._zarr3[name] = zarr3
+
+    def zarr3(self, item: str) -> bool:
+        """Whether the arrays of ``item`` are stored as zarr v3 (else zarr v2)."""
+        return self._zarr3.get(item, self.options.use_zarr3)
 
     def layout(self, item: str, target_override: int | None = None) -> int | None:
         """The layout of a save of ``item``: None (plain zarr), or OCDBT's target file size.
@@ -328,11 +369,11 @@ class DatabaseWriter:
             self._txn = self._ts.Transaction()
             self._view = self._kv.with_transaction(self._txn)
         view = memoryview(data).cast("B")
-        grid = None
+        parts = None
         if not isinstance(data, bytes) and len(view) >= BY_REFERENCE_BYTES:
-            grid = chunk_grid(key)
-        if grid is not None:
-            self._pending.append(self._write_by_reference(key, grid, view))
+            parts = chunk_key_parts(key)
+        if parts is not None:
+            self._pending.append(self._write_by_reference(*parts, view))
         else:
             value = data if isinstance(data, bytes) else view.tobytes()
             self._pending.append(self._view.write(key, value))
@@ -341,23 +382,25 @@ class DatabaseWriter:
         if self._bytes >= TRANSACTION_BYTES:
             self.flush()
 
-    def _write_by_reference(self, key: str, grid: tuple[int, ...], view: memoryview) -> Any:
-        """Writes ``view`` under the chunk key ``key`` through the zarr driver, uncopied.
+    def _write_by_reference(self, parent: str, grid: tuple[int, ...], separator: str,
+                            view: memoryview) -> Any:
+        """Writes ``view`` under a chunk key through the zarr driver, uncopied.
 
-        The array opened is a stand-in: ``uint8``, of ``len(grid)``
-        dimensions, chunks of ``1 x ... x 1 x n`` bytes, so that chunk
-        ``grid`` is exactly the key's name (zarr v2, ``.`` separated) and
-        its uncompressed encoding is the value's bytes. Its metadata is
-        assumed, never written: the parameter's own ``.zarray`` is a value
-        of its own.
+        The key is ``parent`` (``w/``; zarr v3: ``w/c/``) then the chunk's
+        ``grid`` indices joined by ``separator`` (``0.1``; zarr v3: ``0/1``).
+        The array opened is a stand-in: zarr v2, ``uint8``, of ``len(grid)``
+        dimensions, chunks of ``1 x ... x 1 x n`` bytes, its dimension
+        separator ``separator``, at ``parent``: so its chunk ``grid`` is
+        exactly the key, and its uncompressed encoding is the value's bytes.
+        Its metadata is assumed, never written: the parameter's own
+        ``.zarray``/``zarr.json`` is a value of its own.
         """
         n = len(view)
-        parent, _, _ = key.rpartition("/")
         shape = [g + 1 for g in grid[:-1]] + [(grid[-1] + 1) * n]
         metadata = {"shape": shape, "chunks": [1] * (len(grid) - 1) + [n], "dtype": "|u1",
                     "compressor": None, "filters": None, "order": "C", "fill_value": None,
-                    "dimension_separator": ".", "zarr_format": 2}
-        spec = {"driver": "zarr", "kvstore": {**self._spec, "path": parent + "/" if parent else ""},
+                    "dimension_separator": separator, "zarr_format": 2}
+        spec = {"driver": "zarr", "kvstore": {**self._spec, "path": parent},
                 "metadata": metadata}
         store = wait(self._ts.open(spec, open=True, assume_metadata=True, context=self._context,
                                    transaction=self._txn), self._path)
@@ -383,13 +426,36 @@ class DatabaseWriter:
         record_tree(self._root, self._rel, self._files)
 
 
-def chunk_grid(key: str) -> tuple[int, ...] | None:
-    """The chunk indices a zarr v2 chunk key names (``"w/1.0"``: (1, 0)); None for other keys."""
-    name = key.rpartition("/")[2]
-    parts = name.split(".")
-    if not all(p.isdigit() and p.isascii() for p in parts):
+def _indices(parts: list[str]) -> tuple[int, ...] | None:
+    if not parts or not all(p.isdigit() and p.isascii() for p in parts):
         return None
     return tuple(int(p) for p in parts)
+
+
+def chunk_key_parts(key: str) -> tuple[str, tuple[int, ...], str] | None:
+    """A chunk key as ``(prefix, grid indices, separator)``; None for other keys.
+
+    Keys are relative to an item, ``<param>/<chunk>`` (a parameter name has
+    no ``/``): zarr v2 ``"w/1.0"`` is ``("w/", (1, 0), ".")``, zarr v3
+    ``"w/c/1/0"`` is ``("w/c/", (1, 0), "/")``. A 0-d array's chunk
+    (``w/0``, ``w/c``) has no indices to name: None for zarr v3's.
+    """
+    param, slash, rest = key.partition("/")
+    if not slash:
+        rest, param = key, ""
+    prefix = f"{param}/" if slash else ""
+    if rest.startswith("c/"):
+        grid = _indices(rest[2:].split("/"))
+        return None if grid is None else (f"{prefix}c/", grid, "/")
+    grid = _indices(rest.split("."))
+    return None if grid is None else (prefix, grid, ".")
+
+
+def chunk_grid(key: str) -> tuple[int, ...] | None:
+    """The chunk indices a chunk key names (``"w/1.0"``, ``"w/c/1/0"``: (1, 0)); None for
+    other keys."""
+    parts = chunk_key_parts(key)
+    return None if parts is None else parts[1]
 
 
 def record_tree(root: str, rel: str, files: DurableWriter) -> None:

@@ -1,11 +1,12 @@
 """Snapshot of a pytree into host staging buffers, planned once per tree shape.
 
 A *plan* says, for every leaf, which of this process's shards become which
-zarr chunk files, and holds the metadata files (``.zarray``, ``_METADATA``,
-``_sharding``) already serialized. Building it walks key paths and shardings,
-which costs far more than the copy for a tree of many small leaves, so plans
-are cached by the tree's structure and each leaf's type, shape, dtype and
-sharding: a steady training loop pays only for the copy.
+zarr chunk files, and holds the metadata files (``.zarray``, or zarr v3's
+``zarr.json``, ``_METADATA``, ``_sharding``) already serialized. Building
+it walks key paths and shardings, which costs far more than the copy for a
+tree of many small leaves, so plans are cached by the tree's structure and
+each leaf's type, shape, dtype and sharding: a steady training loop pays
+only for the copy.
 
 The copy itself starts every device-to-host transfer first
 (``copy_to_host_async``), then copies each shard into a reused, aligned slot
@@ -63,7 +64,7 @@ class ChunkPlan:
 
     Attributes:
         shard: Index into the leaf's ``addressable_shards``; -1 for a host value.
-        file: Path relative to the item directory (``w/0.1``).
+        file: Path relative to the item directory (``w/0.1``; zarr v3: ``w/c/0/1``).
         shape: Shape of the chunk on disk (zarr pads edge chunks to full size).
         region: Where the shard goes in the chunk when it is smaller (an
             uneven edge shard); None when it fills the chunk.
@@ -384,8 +385,8 @@ def _split(origin: Sequence[int], size: Sequence[int], write: Sequence[int],
 
 
 def _chunk_plans(shard: int, param: str, origin: Sequence[int], size: tuple[int, ...],
-                 write: tuple[int, ...], disk: tuple[int, ...], shape: Sequence[int]
-                 ) -> list[ChunkPlan]:
+                 write: tuple[int, ...], disk: tuple[int, ...], shape: Sequence[int],
+                 zarr3: bool = False) -> list[ChunkPlan]:
     """The chunk files of one shard; with ``disk == write`` (no ``chunk_byte_size``) the one
     chunk of the shard, as before."""
     plans = []
@@ -394,13 +395,15 @@ def _chunk_plans(shard: int, param: str, origin: Sequence[int], size: tuple[int,
         region = None if extent == disk else tuple(slice(0, n) for n in extent)
         source = (None if extent == size
                   else tuple(slice(lo, hi) for lo, hi in parts))
-        plans.append(ChunkPlan(shard, f"{param}/{fmt.chunk_name(coords)}", disk, region, source))
+        plans.append(ChunkPlan(shard, f"{param}/{fmt.chunk_name(coords, zarr3=zarr3)}", disk,
+                               region, source))
     return plans
 
 
 def _plan_jax_leaf(
     leaf: jax.Array, path: _tree.LeafPath, files: list, shardings: dict,
     sub: tuple[int | None, tuple[int, ...], int] | None = None, ocdbt: int | None = None,
+    zarr3: bool = False,
 ) -> tuple[LeafPlan, fmt.TreeEntry]:
     display = path.display
     if leaf.is_deleted():
@@ -411,7 +414,7 @@ def _plan_jax_leaf(
             "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data on restore"
         )
     dtype = np.dtype(leaf.dtype)
-    zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
+    zdtype = fmt.array_dtype(dtype, what=f"leaf {display}", zarr3=zarr3)
     chunk = _chunk_grid(leaf, display)
     staged_chunk = tuple(max(1, c) for c in chunk)
     if sub is not None and chunk:  # SaveArgs chunking: each disk chunk a chunk plan of its own
@@ -429,14 +432,15 @@ def _plan_jax_leaf(
             size = tuple(b - a for a, b in bounds)
             if sub is not None:
                 chunks += _chunk_plans(i, path.param, [a for a, _ in bounds], size, chunk,
-                                       disk_chunk, leaf.shape)
+                                       disk_chunk, leaf.shape, zarr3)
                 continue
             coords = tuple(a // c for (a, _), c in zip(bounds, chunk, strict=True))
             region = None if size == chunk else tuple(slice(0, n) for n in size)
-            file = f"{path.param}/{fmt.chunk_name(coords)}"
+            file = f"{path.param}/{fmt.chunk_name(coords, zarr3=zarr3)}"
             chunks.append(ChunkPlan(i, file, chunk, region, pieces=_pieces(
-                path, staged_chunk, disk_chunk, coords, leaf.shape)))
-    files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(leaf.shape, disk_chunk, zdtype)))
+                path, staged_chunk, disk_chunk, coords, leaf.shape, zarr3)))
+    files.append((f"{path.param}/{fmt.metadata_name(zarr3=zarr3)}",
+                  fmt.array_json(leaf.shape, disk_chunk, zdtype, zarr3=zarr3)))
     shardings[path.param] = fmt.sharding_json(leaf.sharding)
     entry = fmt.TreeEntry(path, fmt.JAX_ARRAY, chunk)
     pinned = _pinned_sharding(leaf) if chunks else None
@@ -450,24 +454,26 @@ def _plan_jax_leaf(
 
 
 def _pieces(path: _tree.LeafPath, chunk: tuple[int, ...], disk_chunk: tuple[int, ...],
-            coords: tuple[int, ...], shape: tuple[int, ...]) -> tuple[str | None, ...] | None:
+            coords: tuple[int, ...], shape: tuple[int, ...],
+            zarr3: bool = False) -> tuple[str | None, ...] | None:
     """``ChunkPlan.pieces`` of a staged chunk (None: stored as one zarr chunk)."""
     if disk_chunk == chunk:
         return None
     return tuple(None if n is None else f"{path.param}/{n}"
-                 for n in fmt.chunk_pieces(chunk, disk_chunk, coords, shape))
+                 for n in fmt.chunk_pieces(chunk, disk_chunk, coords, shape, zarr3=zarr3))
 
 
 def _plan_host_leaf(
     leaf: Any, kind: str, path: _tree.LeafPath, files: list, primary: bool,
     sub: tuple[int | None, tuple[int, ...], int] | None = None, ocdbt: int | None = None,
+    zarr3: bool = False,
 ) -> tuple[LeafPlan, fmt.TreeEntry]:
     display = path.display
     if kind == "scalar":
         dtype, shape, value_type = _SCALAR_DTYPES[type(leaf)], (), fmt.SCALAR
     else:  # a NumPy array or NumPy scalar: orbax stores both as np.ndarray
         dtype, shape, value_type = np.dtype(leaf.dtype), tuple(leaf.shape), fmt.NUMPY_ARRAY
-    zdtype = fmt.zarr_dtype(dtype, what=f"leaf {display}")
+    zdtype = fmt.array_dtype(dtype, what=f"leaf {display}", zarr3=zarr3)
     staged_chunk = tuple(max(1, d) for d in shape)
     if sub is not None and shape:
         size, axes, itemsize = sub
@@ -480,16 +486,20 @@ def _plan_host_leaf(
     if primary and 0 not in shape:
         coords = (0,) * len(shape)
         if sub is None:
-            chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name(coords)}", shape, None,
-                                pieces=_pieces(path, staged_chunk, disk_chunk, coords, shape)),)
+            chunks = (ChunkPlan(-1, f"{path.param}/{fmt.chunk_name(coords, zarr3=zarr3)}", shape,
+                                None, pieces=_pieces(path, staged_chunk, disk_chunk, coords,
+                                                     shape, zarr3)),)
         else:
-            chunks = tuple(_chunk_plans(-1, path.param, coords, shape, shape, disk_chunk, shape))
-    files.append((f"{path.param}/{fmt.ZARRAY}", fmt.zarray_json(shape, disk_chunk, zdtype)))
+            chunks = tuple(_chunk_plans(-1, path.param, coords, shape, shape, disk_chunk, shape,
+                                        zarr3))
+    files.append((f"{path.param}/{fmt.metadata_name(zarr3=zarr3)}",
+                  fmt.array_json(shape, disk_chunk, zdtype, zarr3=zarr3)))
     return LeafPlan(kind, display, dtype, chunks), fmt.TreeEntry(path, value_type)
 
 
 def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
-               layout: tuple | None = None, ocdbt: int | None = None) -> Plan:
+               layout: tuple | None = None, ocdbt: int | None = None,
+               zarr3: bool = False) -> Plan:
     """Plans the save of ``tree`` (whose flattened leaves are ``leaves``).
 
     ``layout``: per leaf, ``(chunk_byte_size, shard_axes, itemsize)`` of its
@@ -497,6 +507,7 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
     ``ocdbt``: None for the plain zarr layout; for OCDBT, the target data file
     size (0: no limit), which zarr chunks are split to fit (leaves chunked by
     their ``SaveArgs`` keep those chunks).
+    ``zarr3``: the arrays are zarr v3 (orbax's ``use_zarr3``), else zarr v2.
 
     Raises:
         UnsupportedObjectError: a leaf's type, dtype, name or sharding cannot
@@ -512,9 +523,9 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
     for leaf, path, sub in zip(leaves, paths, subs, strict=True):
         kind = _kind(leaf)
         if kind == "jax":
-            plan, entry = _plan_jax_leaf(leaf, path, files, shardings, sub, ocdbt)
+            plan, entry = _plan_jax_leaf(leaf, path, files, shardings, sub, ocdbt, zarr3)
         elif kind in ("numpy", "npscalar", "scalar"):
-            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary, sub, ocdbt)
+            plan, entry = _plan_host_leaf(leaf, kind, path, files, primary, sub, ocdbt, zarr3)
         elif kind == "empty":
             plan = LeafPlan("empty", path.display, None, ())
             entry = fmt.TreeEntry(path, _tree.empty_type_name(leaf) or "None")
@@ -527,7 +538,8 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
         plans.append(plan)
         entries.append(entry)
     files.append((fmt.TREE_METADATA,
-                  fmt.tree_metadata_json(entries, use_ocdbt=ocdbt is not None)))
+                  fmt.tree_metadata_json(entries, use_ocdbt=ocdbt is not None,
+                                         use_zarr3=zarr3)))
     # orbax reads _sharding only if every jax.Array leaf is described in it.
     if shardings and all(v is not None for v in shardings.values()):
         files.append((fmt.SHARDING_FILE, fmt.sharding_file_json(shardings)))  # type: ignore[arg-type]
@@ -551,8 +563,9 @@ class Snapshotter:
         self._has_empty: OrderedDict[Any, bool] = OrderedDict()
         # The plan used last, for a tree without empty subtrees (see ``plan``):
         # (plain tree definition, leaf signatures, plan, and when every leaf is
-        # a jax.Array: (leaf types, each leaf's (aval, sharding)), its layout).
-        self._last: tuple[Any, tuple, Plan, tuple | None, int | None] | None = None
+        # a jax.Array: (leaf types, each leaf's (aval, sharding)), its layout,
+        # whether it is zarr v3).
+        self._last: tuple[Any, tuple, Plan, tuple | None, int | None, bool] | None = None
 
     def _flatten(self, tree: Any) -> tuple[list[Any], Any, bool]:
         """``_tree.flatten(tree)``, without its per-node Python callback where possible.
@@ -580,10 +593,11 @@ class Snapshotter:
         return leaves, treedef, False
 
     def plan(self, tree: Any, layout: tuple | None = None,
-             ocdbt: int | None = None) -> tuple[Plan, list[Any]]:
+             ocdbt: int | None = None, *, zarr3: bool = False) -> tuple[Plan, list[Any]]:
         """The plan for ``tree`` (cached) and its flattened leaves.
 
-        ``ocdbt``: the layout, as ``build_plan`` takes it (None: plain zarr).
+        ``ocdbt``, ``zarr3``: the layout, as ``build_plan`` takes it (None:
+        plain zarr files; False: zarr v2).
 
         The plan used last is checked first, comparing (not hashing) the tree
         definition and leaf signatures, mostly the same objects from save to
@@ -592,9 +606,9 @@ class Snapshotter:
         ``layout`` (``SaveArgs`` chunking, per leaf) is part of the plan's key.
         """
         if layout is not None:
-            return self._plan_general(tree, layout, ocdbt)
+            return self._plan_general(tree, layout, ocdbt, zarr3)
         last = self._last
-        if last is not None and last[4] == ocdbt:
+        if last is not None and last[4] == ocdbt and last[5] == zarr3:
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             if treedef == last[0]:
                 arrays = last[3]
@@ -604,16 +618,18 @@ class Snapshotter:
                         return last[2], leaves
                 elif tuple(map(_signature, leaves)) == last[1]:
                     return last[2], leaves
-        return self._plan_general(tree, None, ocdbt)
+        return self._plan_general(tree, None, ocdbt, zarr3)
 
     def _plan_general(self, tree: Any, layout: tuple | None,
-                      ocdbt: int | None) -> tuple[Plan, list[Any]]:
+                      ocdbt: int | None, zarr3: bool) -> tuple[Plan, list[Any]]:
         leaves, treedef, has_empty = self._flatten(tree)
         sigs = tuple(map(_signature, leaves))
-        key = (treedef, sigs, ocdbt) if layout is None else (treedef, sigs, ocdbt, layout)
+        key = ((treedef, sigs, ocdbt, zarr3) if layout is None
+               else (treedef, sigs, ocdbt, zarr3, layout))
         plan = self._cache.get(key)
         if plan is None:
-            plan = build_plan(tree, leaves, primary=self._primary, layout=layout, ocdbt=ocdbt)
+            plan = build_plan(tree, leaves, primary=self._primary, layout=layout, ocdbt=ocdbt,
+                              zarr3=zarr3)
             self._cache[key] = plan
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -625,11 +641,12 @@ class Snapshotter:
         if _aval_sharding is not None and all(s[0] is _ArrayImpl for s in sigs):
             arrays = (tuple(map(type, leaves)), tuple(s[1:] for s in sigs))
         self._last = (None if has_empty or layout is not None
-                      else (treedef, sigs, plan, arrays, ocdbt))
+                      else (treedef, sigs, plan, arrays, ocdbt, zarr3))
         return plan, leaves
 
     def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM,
-              layout: tuple | None = None, ocdbt: int | None = None) -> StagedTree:
+              layout: tuple | None = None, ocdbt: int | None = None,
+              zarr3: bool = False) -> StagedTree:
         """Copies this process's part of ``tree`` into ``slot``'s buffers.
 
         Returns once every value is in host memory that nothing else
@@ -642,8 +659,9 @@ class Snapshotter:
                 slot); ``""`` puts them at the checkpoint's root.
             layout: ``SaveArgs`` chunking per leaf (see ``plan``).
             ocdbt: The layout (None: plain zarr; else OCDBT, see ``build_plan``).
+            zarr3: The arrays are zarr v3 (orbax's ``use_zarr3``), else v2.
         """
-        plan, leaves = self.plan(tree, layout, ocdbt)
+        plan, leaves = self.plan(tree, layout, ocdbt, zarr3=zarr3)
         # Over the host memory budget: raises, nothing allocated.
         slot.reserve(plan.nbytes, beside=0 if ocdbt is None else plan.ocdbt_copy)
         plan_leaves = plan.leaves

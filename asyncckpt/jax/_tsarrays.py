@@ -1,10 +1,12 @@
 """How the arrays of a checkpoint item are read: chunk files, OCDBT values, or TensorStore.
 
-asyncckpt reads uncompressed zarr v2 arrays itself (``_format.ZarrArray``):
-from chunk files, or, in an OCDBT database, from the byte ranges of its data
-files that its B-tree names (``OcdbtIndex``, read through TensorStore's
-``ocdbt.dump``), each file checked in the same pass (``_chunks``).
-Compressed and zarr v3 arrays (orbax's defaults) are read through
+asyncckpt reads uncompressed zarr arrays itself (``_format.ZarrArray``: zarr
+v2 with no compressor, zarr v3 with no codec but ``bytes``, as asyncckpt
+writes both): from chunk files, or, in an OCDBT database, from the byte
+ranges of its data files that its B-tree names (``OcdbtIndex``, read through
+TensorStore's ``ocdbt.dump``), each file checked in the same pass
+(``_chunks``). Compressed arrays and zarr v3 arrays with other codecs
+(orbax's defaults: zstd; ``sharding_indexed``) are read through
 TensorStore's zarr drivers (``TsArray``), the library orbax reads them
 with, after the item's files are checked. ``ItemArrays`` picks the reader.
 """
@@ -140,22 +142,25 @@ class OcdbtIndex:
 
 
 def _item_flags(item_dir: str, entries: Sequence[fmt.TreeEntry],
-                index: OcdbtIndex | None) -> bool:
-    """Whether an item's arrays must be read through TensorStore (compressed or zarr v3)."""
-    if fmt.tree_flag(item_dir, "use_zarr3"):
-        return True
+                index: OcdbtIndex | None, zarr3: bool) -> bool:
+    """Whether an item's arrays must be read through TensorStore (not stored raw).
+
+    Decided by its first array's metadata: an item is written by one library
+    with one setting, so its arrays are all raw or none is.
+    """
+    name = fmt.metadata_name(zarr3=zarr3)
     for e in entries:
         if e.skipped:
             continue
         try:
             if index is not None:
-                meta = index.get(f"{e.path.param}/{fmt.ZARRAY}")
+                meta = index.get(f"{e.path.param}/{name}")
                 if not isinstance(meta, bytes):
                     return True  # not where asyncckpt puts it: leave it to TensorStore
-                return fmt.ZarrArray(os.path.join(item_dir, e.path.param),
-                                     checkpoint=item_dir, metadata=meta).compressed
+                return fmt.ZarrArray(os.path.join(item_dir, e.path.param), checkpoint=item_dir,
+                                     metadata=meta, zarr3=zarr3).compressed
             return fmt.ZarrArray(os.path.join(item_dir, e.path.param),
-                                 checkpoint=item_dir).compressed
+                                 checkpoint=item_dir, zarr3=zarr3).compressed
         except CorruptCheckpointError:
             return False
     return False
@@ -164,10 +169,11 @@ def _item_flags(item_dir: str, entries: Sequence[fmt.TreeEntry],
 class ItemArrays:
     """Opens the arrays of one item for reading, each at most once.
 
-    Uncompressed zarr v2 arrays are read by asyncckpt itself (``ZarrArray``):
-    from their chunk files, or from an OCDBT database through its ``index``
-    (``ChunkStore`` reads the byte ranges). Compressed and zarr v3 arrays
-    (orbax's defaults) are read through TensorStore (``TsArray``).
+    Uncompressed zarr arrays (v2, or v3 as ``_METADATA``'s ``use_zarr3``
+    says) are read by asyncckpt itself (``ZarrArray``): from their chunk
+    files, or from an OCDBT database through its ``index`` (``ChunkStore``
+    reads the byte ranges). Compressed ones and zarr v3 ones with other
+    codecs (orbax's defaults) are read through TensorStore (``TsArray``).
 
     Args:
         item_dir: The item's directory.
@@ -187,8 +193,8 @@ class ItemArrays:
         self._source = source
         self._ocdbt = fmt.is_ocdbt(item_dir)
         self.index = OcdbtIndex(item_dir, checkpoint=checkpoint) if self._ocdbt else None
-        self.through_tensorstore = _item_flags(item_dir, entries, self.index)
         self._zarr3 = bool(fmt.tree_flag(item_dir, "use_zarr3"))
+        self.through_tensorstore = _item_flags(item_dir, entries, self.index, self._zarr3)
         self._context: Any = None
         self._open: dict[str, Any] = {}
 
@@ -203,15 +209,17 @@ class ItemArrays:
                 array = TsArray(self._dir, param, checkpoint=self._checkpoint,
                                 ocdbt=self._ocdbt, zarr3=self._zarr3, context=self._context)
             elif self.index is not None:
-                meta = self.index.get(f"{param}/{fmt.ZARRAY}")
+                name = fmt.metadata_name(zarr3=self._zarr3)
+                meta = self.index.get(f"{param}/{name}")
                 if not isinstance(meta, bytes):
                     raise CorruptCheckpointError(
                         f"checkpoint {self._checkpoint!r} is incomplete: array {param!r} has "
-                        f"no {fmt.ZARRAY} in the OCDBT database {self._dir!r}",
+                        f"no {name} in the OCDBT database {self._dir!r}",
                         checkpoint=self._checkpoint, file=os.path.join(self._dir, "manifest.ocdbt"))
                 array = fmt.ZarrArray(path, checkpoint=self._checkpoint, source=self._source,
-                                      metadata=meta)
+                                      metadata=meta, zarr3=self._zarr3)
             else:
-                array = fmt.ZarrArray(path, checkpoint=self._checkpoint, source=self._source)
+                array = fmt.ZarrArray(path, checkpoint=self._checkpoint, source=self._source,
+                                      zarr3=self._zarr3)
             self._open[param] = array
         return array

@@ -38,7 +38,7 @@ from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import CommitCoordinator, Saves
 from asyncckpt.jax._job import JaxSaveJob, Peers, StepInfo, step_transaction
 from asyncckpt.jax._metadata import StepMetadata
-from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt
+from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt, handler_uses_zarr3
 from asyncckpt.jax._restore import restore_tree, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
 from asyncckpt.options import AsyncOptions, RestoreOptions
@@ -86,7 +86,7 @@ def _handler_kind(handler: Any) -> str:
     """``_STANDARD`` or ``_PYTREE`` for one of orbax's pytree handlers.
 
     Raises:
-        ValueError: another handler, or one set to write zarr v3.
+        ValueError: another handler.
     """
     kind = _orbax_type(handler)
     if kind not in (_STANDARD, _PYTREE):
@@ -95,12 +95,6 @@ def _handler_kind(handler: Any) -> str:
             "by asyncckpt's checkpointers, which save one pytree: pass "
             "ocp.StandardCheckpointHandler() or ocp.PyTreeCheckpointHandler() (named items and "
             "JSON: asyncckpt.jax.CheckpointManager with args=ocp.args.Composite(...))")
-    # orbax keeps the format settings private; a StandardCheckpointHandler
-    # wraps a PyTreeCheckpointHandler as _impl.
-    impl = getattr(handler, "_impl", handler)
-    if getattr(impl, "_use_zarr3", False) is True:
-        raise _refuse(f"{kind}(use_zarr3=True)", "asyncckpt writes zarr v2, which orbax "
-                      "reads; leave use_zarr3 unset")
     return kind
 
 
@@ -179,7 +173,9 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             ``ocp.PyTreeCheckpointHandler()``; says which ``args`` the
             methods take (``StandardSave``/``PyTreeSave`` and the restores)
             and, by its ``use_ocdbt`` (orbax's default True), whether the
-            pytree is stored in OCDBT databases or as zarr files.
+            pytree is stored in OCDBT databases or as zarr files, and by its
+            ``use_zarr3`` (a ``PyTreeCheckpointHandler``'s; default False)
+            whether its arrays are zarr v3 or v2.
         async_options: asyncckpt's ``AsyncOptions`` (staging slots, fsync,
             checksums) or orbax's (timeout, ``post_finalization_callback``,
             called on the writer thread once each checkpoint is published).
@@ -213,9 +209,10 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             raise TypeError(f"{type(self).__name__} needs orbax's handler: "
                             "ocp.StandardCheckpointHandler() or ocp.PyTreeCheckpointHandler()")
         self._kind = _STANDARD if handler is None else _handler_kind(handler)
-        # The layout, as the handler says (orbax's default without orbax: OCDBT).
+        # The layout, as the handler says (orbax's default without orbax: OCDBT, zarr v2).
         self._format = FormatOptions(
-            use_ocdbt=True if handler is None else bool(handler_uses_ocdbt(handler)))
+            use_ocdbt=True if handler is None else bool(handler_uses_ocdbt(handler)),
+            use_zarr3=False if handler is None else bool(handler_uses_zarr3(handler)))
         _check_orbax_options(multiprocessing_options=multiprocessing_options,
                              file_options=file_options,
                              checkpoint_metadata_store=checkpoint_metadata_store,
@@ -376,7 +373,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
 
         def stage(slot):
             staged = self._with_commit_file(self._snapshotter.stage(
-                value, slot, item=ROOT, layout=chunking, ocdbt=ocdbt))
+                value, slot, item=ROOT, layout=chunking, ocdbt=ocdbt,
+                zarr3=self._format.use_zarr3))
             txn = step_transaction(path, options=self._options, step=None,
                                    token=f"{token}-{seq}", replace=force, mode=self._mode)
             return JaxSaveJob(
@@ -426,7 +424,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         """
         if self._closed or self._engine.closed:
             raise EngineClosedError("cannot prepare after close()")
-        plan = self._snapshotter.plan(state, None, self._layout(None))[0]
+        plan = self._snapshotter.plan(state, None, self._layout(None),
+                                      zarr3=self._format.use_zarr3)[0]
         self._engine.prepare_staging(plan.layout(ROOT))
 
     # -- waiting ----------------------------------------------------------------------
@@ -659,18 +658,21 @@ class PyTreeCheckpointer(Checkpointer):
     Takes orbax's ``PyTreeSave``/``PyTreeRestore`` forms (``restore_args``,
     ``partial_restore``, ``ocdbt_target_data_file_size``). Values are written
     uncompressed: ``use_compression`` left unset or False (orbax reads
-    both); ``use_compression=True`` and ``use_zarr3=True`` are refused.
+    both); ``use_compression=True`` is refused.
 
     Args:
         primary_host: 0 (asyncckpt's process 0 commits).
         use_ocdbt: orbax's: store the pytree in OCDBT databases (the
             default, as orbax), or as a zarr directory per array (False).
+        use_zarr3: orbax's: store the arrays as zarr v3 (True) or zarr v2
+            (the default, as orbax); uncompressed either way.
         **kwargs: As ``Checkpointer``.
     """
 
     def __init__(self, primary_host: int | None = 0, use_ocdbt: bool = True,
                  use_zarr3: bool = False, use_compression: bool = _UNSET, **kwargs: Any):
         _check_flag("use_ocdbt", use_ocdbt)
+        _check_flag("use_zarr3", use_zarr3)
         if use_compression is not _UNSET and use_compression is not False:
             raise _refuse(f"use_compression={use_compression!r}",
                           "asyncckpt writes values uncompressed (orbax reads them); leave "
@@ -688,4 +690,4 @@ class PyTreeCheckpointer(Checkpointer):
         super().__init__(handler, **kwargs)
         if handler is None:
             self._kind, self._typestr = _PYTREE, _TYPESTR[_PYTREE]
-            self._format = FormatOptions(use_ocdbt=use_ocdbt)
+            self._format = FormatOptions(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)

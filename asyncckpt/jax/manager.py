@@ -140,8 +140,9 @@ class CheckpointManager(ClosingContext):
             ``directory`` keeps in its bucket what this manager's retention
             keeps: there ``RemoteOptions.max_to_keep`` is refused.
         format_options: How arrays are stored (``FormatOptions``: orbax's
-            OCDBT format or one zarr chunk file per shard). Handlers given as
-            ``item_handlers`` decide for their items (their ``use_ocdbt``).
+            OCDBT format or one zarr chunk file per shard; zarr v2 or v3).
+            Handlers given as ``item_handlers`` decide for their items (their
+            ``use_ocdbt``, ``use_zarr3``).
 
     Raises:
         ValueError: an orbax option asyncckpt cannot honour (named), or
@@ -212,7 +213,8 @@ class CheckpointManager(ClosingContext):
                                                directory=directory)
         self._shards = self._tiers.multiprocess(self._coord)  # URL directory: per-process uploads
         self._primary = self._coord is None or self._coord.primary
-        # [ocdbt] Which items are stored as OCDBT (handlers' use_ocdbt, format_options).
+        # [ocdbt] Which items are stored as OCDBT, and as zarr v3 (handlers'
+        # use_ocdbt and use_zarr3, format_options).
         self._formats = ItemFormats(format_options, setup.handlers, os.fspath(directory))
         if self._config.create and not self._config.read_only:
             make_dirs(self._directory, mode=self._config.path_permission_mode)
@@ -530,7 +532,8 @@ class CheckpointManager(ClosingContext):
                                      kinds=setup.kinds, handlers=self._handlers)[0]:
             if item.kind == "pytree":
                 ocdbt = self._formats.layout(item.name, item.ocdbt_target_data_file_size)
-                plan = self._snapshotter.plan(item.value, item.layout, ocdbt)[0]
+                plan = self._snapshotter.plan(item.value, item.layout, ocdbt,
+                                              zarr3=self._formats.zarr3(item.name))[0]
                 layout.update(plan.layout(item.name))
         self._engine.prepare_staging(layout)
 
@@ -587,7 +590,8 @@ class CheckpointManager(ClosingContext):
 
         def stage(slot):
             trees = [self._snapshotter.stage(i.value, slot, item=i.name, layout=i.layout,
-                                             ocdbt=layouts[i.name])
+                                             ocdbt=layouts[i.name],
+                                             zarr3=self._formats.zarr3(i.name))
                      for i in items if i.kind == "pytree"]
             if extra or not trees:  # one pytree alone is staged as it is, not re-joined
                 trees.append(StagedTree((), tuple(extra)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import logging
 import os
 import threading
@@ -935,14 +936,24 @@ def test_item_names_together_with_item_handlers(ckpt_dir):
         assert got.extra == {"lr": 0.5}
 
 
-def test_format_requests_asyncckpt_does_not_write_are_refused(ckpt_dir):
-    """use_zarr3=True is refused, never written in another format; OCDBT
-    (orbax's handler default) is honoured, however the handler is given."""
+def test_format_requests_are_honoured_however_the_handler_is_given(ckpt_dir):
+    """use_zarr3=True writes zarr v3 and OCDBT (orbax's handler default) is
+    honoured, however the handler is given; orbax's default reader restores both."""
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)
-    with pytest.raises(ValueError, match="use_zarr3=False"):
-        aj.CheckpointManager(ckpt_dir, item_handlers=handler)
-    with pytest.raises(ValueError, match="use_zarr3=False"):
-        aj.CheckpointManager(ckpt_dir, item_handlers={"state": handler})
+    for name, spelling in (("one", handler), ("named", {"state": handler})):
+        with aj.CheckpointManager(ckpt_dir / name, item_handlers=spelling) as mgr:
+            if name == "one":
+                mgr.save(1, args=ocp.args.PyTreeSave(_state(1)))
+            else:
+                mgr.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(1))))
+        item = ckpt_dir / name / "1" / ("default" if name == "one" else "state")
+        assert json.loads((item / "_METADATA").read_text())["use_zarr3"] is True
+        assert not list(item.glob("*/.zarray")) and list(item.glob("*/zarr.json"))
+        with ocp.CheckpointManager(ckpt_dir / name) as theirs:
+            args = ocp.args.PyTreeRestore(_state(0))
+            got = theirs.restore(1, args=args if name == "one" else ocp.args.Composite(
+                state=args))
+        _same(got if name == "one" else got.state, _state(1))
     for n, spelling in enumerate((
             {"item_handlers": ocp.StandardCheckpointHandler()},
             {"checkpointers": ocp.PyTreeCheckpointer()})):
