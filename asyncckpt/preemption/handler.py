@@ -270,7 +270,7 @@ class PreemptionCheckpointHandler(ClosingContext):
         self._last_stats = None
         self._finished = False
         self._closed = False
-        self._watching = False  # notices lead to saves (off from the final save's exit)
+        self._watching = False  # notices lead to saves (False while exit_fn runs, and after)
         self.saves: list[PreemptionSave] = []
         self._start()
         logger.info("[worker %d] preemption handler ready at run %d (%s)",
