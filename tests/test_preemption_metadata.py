@@ -209,6 +209,40 @@ def test_user_watcher_fn_errors_count_as_no_notice():
     assert len(calls) == 4 and got[0].source == "user"
 
 
+def test_watchers_started_again_report_only_a_new_notice():
+    """After an exit_fn returned: a notice still pending is the one already handled."""
+    with FakeMetadataServer(gce_values("a3-highgpu-8g")) as server:
+        server.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+        got, event, sink = _collect()
+        watcher = watchers_lib.maintenance_watcher(
+            sink, platform_lib.MetadataClient(server.host), armed=False)
+        watcher.start()
+        try:
+            server.wait_count("instance/maintenance-event", 1, waiting=True)
+            assert not got  # still the event handled before: no new notice
+            server.set("instance/maintenance-event", "NONE")
+            server.wait_count("instance/maintenance-event", 2, waiting=True)
+            assert not got
+            server.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+            assert event.wait(30)  # a new maintenance event
+        finally:
+            watcher.stop()
+        assert [n.source for n in got] == ["gce-maintenance"]
+    answers = iter([True, True, True, False, True])
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return next(answers)
+
+    got, event, sink = _collect()
+    watcher = watchers_lib.PollingWatcher(sink, fn, interval_s=0.01, armed=False)
+    watcher.start()
+    assert event.wait(30)
+    watcher.stop()
+    assert len(calls) == 5 and [n.source for n in got] == ["user"]
+
+
 def test_sigterm_watcher_chains_the_previous_handler_and_restores_it():
     seen = []
 

@@ -692,3 +692,32 @@ def test_a_peers_tensorflow_error_is_raised_as_its_own_class_on_every_worker():
     # Not a TensorFlow error (or an unknown code): a plain PeerFailedError.
     assert type(TFCoordinator(worker_id=0, num_workers=2).peer_failed(1, "x", None)) is (
         PeerFailedError)
+
+
+def test_a_non_chief_writes_its_copy_again_after_an_exit_fn_that_returned(ckpt_dir):
+    """The other workers' temporary copy is removed after the final save, and made
+    again by the next one when the handler watches again."""
+    from asyncckpt.preemption._targets import make_target
+
+    v = tf.Variable([1.0, 2.0])
+    target = make_target(tf.train.Checkpoint(v=v), checkpoint_dir=str(ckpt_dir), worker_id=1,
+                         num_workers=2)
+    temp = ckpt_dir / "workertemp_1"
+    try:
+        first = target.save(1, {}, None, (), {})
+        target.wait_until_finished()
+        assert first == str(temp / "ckpt-1") and os.path.exists(first + ".index")
+        target.after_final_save()
+        assert not temp.exists()
+        target.watch_again()
+        v.assign([3.0, 4.0])
+        second = target.save(2, {}, None, (), {})
+        target.wait_until_finished()
+        assert os.path.dirname(second) == str(temp) and os.path.exists(second + ".index")
+        assert contents(second)["v/.ATTRIBUTES/VARIABLE_VALUE"].tolist() == [3.0, 4.0]
+        got = tf.Variable([0.0, 0.0])
+        tf.train.Checkpoint(v=got).restore(second).expect_partial()
+        assert got.numpy().tolist() == [3.0, 4.0]
+    finally:
+        target.close()
+    assert not temp.exists()

@@ -174,7 +174,8 @@ class Budget:
         """How many slots of ``state_nbytes`` fit beside ``beside`` bytes (None: any number).
 
         ``beside``: memory the writer holds outside the slots while it writes
-        (TensorStore's copy of an OCDBT transaction), once whatever the slots.
+        (TensorStore's copies of the small values of an OCDBT transaction;
+        values it reads in place cost nothing), once whatever the slots.
         """
         if self.nbytes is None or state_nbytes <= 0:
             return None

@@ -46,6 +46,13 @@ __all__ = ["Slot", "StagingPool"]
 logger = logging.getLogger(__name__)
 
 
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a message: MiB, or KiB below a tenth of one."""
+    if nbytes < 2**20 // 10:
+        return f"{nbytes / 2**10:.1f} KiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
 class Slot:
     """One set of reusable host buffers, holding at most one staged save.
 
@@ -88,8 +95,11 @@ class Slot:
         Args:
             nbytes: Bytes of staging buffers this part will ask for.
             beside: Bytes its writer will hold copied outside the slots while
-                it writes (TensorStore's copy of an OCDBT transaction), which
-                the budget counts once beside the slots.
+                it writes (TensorStore's copies of the values of an OCDBT
+                transaction that it does not read in place: small ones and
+                metadata), which the budget counts once beside the slots.
+                Copies that are not made (values written by reference) are
+                not counted.
 
         Raises:
             HostMemoryError: Not even one staging copy of the state fits.
@@ -297,8 +307,9 @@ class StagingPool:
         assert self._budget is not None
         budget = self._budget(self.nbytes)
         if budget.nbytes is not None and nbytes + beside > budget.nbytes:
-            writer = (f" and its writer {beside / 2**20:.1f} MiB more while it writes "
-                      "(TensorStore's copy of an OCDBT transaction)" if beside else "")
+            writer = (f" and its writer {_size(beside)} more while it writes "
+                      "(TensorStore's copies of small values in an OCDBT transaction)" if beside
+                      else "")
             raise HostMemoryError(
                 f"a staging copy of this state needs {nbytes / 2**20:.1f} MiB{writer}, over the "
                 f"host memory budget for staging of {budget.nbytes / 2**20:.1f} MiB "

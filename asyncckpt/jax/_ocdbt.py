@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,16 +295,39 @@ def process_dir_name(process_index: int) -> str:
     return f"{PROCESS_PREFIX}{process_index}"
 
 
-def held_copy_bytes(total: int, largest: int) -> int:
-    """Most bytes a ``DatabaseWriter`` holds copied for one item's values.
+def copies(key: str, nbytes: int, *, is_bytes: bool = False) -> bool:
+    """Whether ``DatabaseWriter.put`` copies a value (else TensorStore reads it in place).
 
-    A transaction is committed once it holds ``TRANSACTION_BYTES``, so the
-    copy stays under that plus the value that crossed it, and never exceeds
-    the item's ``total``. The host memory budget counts it beside the
-    staging slots (``Slot.reserve(beside=...)``): it is held while the slot
-    is written and, for the last transaction, until the commit.
+    A ``bytes`` value, a value under ``BY_REFERENCE_BYTES``, and a value whose
+    key is not a zarr chunk key (metadata) are copied; the budget counts
+    these copies (``held_copy_bytes``) and only these.
     """
-    return min(total, TRANSACTION_BYTES + largest)
+    return is_bytes or nbytes < BY_REFERENCE_BYTES or chunk_grid(key) is None
+
+
+def held_copy_bytes(values: Iterable[tuple[str, int, bool]]) -> int:
+    """Most bytes a ``DatabaseWriter`` holds copied while it writes ``values``.
+
+    ``values``: ``(key, size, is_bytes)`` of each value of one item, in the
+    order they are put. TensorStore keeps its copy of a copied value until
+    the transaction commits, and a transaction commits once it holds
+    ``TRANSACTION_BYTES`` (values written by reference count towards that,
+    though nothing is copied for them); the copies held at once are those
+    of the largest transaction. Values written by reference count 0: a
+    state of large arrays holds next to nothing beside its staging slot.
+    The host memory budget counts this beside the slots
+    (``Slot.reserve(beside=...)``): it is held while the slot is written
+    and, for the last transaction, until the commit.
+    """
+    held = most = pending = 0
+    for key, nbytes, is_bytes in values:
+        if copies(key, nbytes, is_bytes=is_bytes):
+            held += nbytes
+            most = max(most, held)
+        pending += nbytes
+        if pending >= TRANSACTION_BYTES:
+            held = pending = 0
+    return most
 
 
 class DatabaseWriter:
@@ -321,7 +344,7 @@ class DatabaseWriter:
     the database holds the same bytes under the same key. The staged
     buffers must then stay untouched until their transaction commits, so
     ``flush`` commits before the slot is given back. Smaller values and
-    metadata are copied (``held_copy_bytes`` bounds those copies).
+    metadata are copied (``held_copy_bytes`` counts those copies).
     ``finish`` records every file TensorStore wrote with ``files`` (which
     checksums and fsyncs it).
 
@@ -369,13 +392,14 @@ class DatabaseWriter:
             self._txn = self._ts.Transaction()
             self._view = self._kv.with_transaction(self._txn)
         view = memoryview(data).cast("B")
-        parts = None
-        if not isinstance(data, bytes) and len(view) >= BY_REFERENCE_BYTES:
+        is_bytes = isinstance(data, bytes)
+        parts = None  # ``copies``'s rule, the key parsed only for a value large enough
+        if not is_bytes and len(view) >= BY_REFERENCE_BYTES:
             parts = chunk_key_parts(key)
         if parts is not None:
             self._pending.append(self._write_by_reference(*parts, view))
         else:
-            value = data if isinstance(data, bytes) else view.tobytes()
+            value = data if is_bytes else view.tobytes()
             self._pending.append(self._view.write(key, value))
         self._bytes += len(view)
         self.keys += 1

@@ -28,7 +28,7 @@ import logging
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +125,9 @@ class Plan:
             device-to-host transfer (neither host memory already nor pinned).
         nbytes: Bytes of a save staged with this plan (chunks and metadata files).
         ocdbt_copy: Bytes an OCDBT writer holds copied beside the slot while it
-            writes this plan's chunks (``_ocdbt.held_copy_bytes``).
+            writes this plan's values (``_ocdbt.held_copy_bytes``): those of
+            small chunks and of the ``.zarray`` keys; none for chunks written
+            by reference.
     """
 
     leaves: tuple[LeafPlan, ...]
@@ -147,12 +149,34 @@ class Plan:
                           if self.leaves[i].pinned is None and not self.leaves[i].host_view)
         sizes = [math.prod(c.shape) * lp.dtype.itemsize  # type: ignore[union-attr]
                  for lp in self.leaves for c in lp.chunks]
-        ocdbt_copy = held_copy_bytes(sum(sizes), max(sizes, default=0))
+        ocdbt_copy = held_copy_bytes(self._database_values())
         nbytes = sum(sizes) + sum(len(data) for _, data in self.metadata_files)
         for name, value in (("chunked", chunked), ("live", live), ("pinned", pinned),
                             ("transfers", transfers), ("nbytes", nbytes),
                             ("ocdbt_copy", ocdbt_copy)):
             object.__setattr__(self, name, value)
+
+    def _database_values(self) -> Iterator[tuple[str, int, bool]]:
+        """``(key, size, is_bytes)`` of what an OCDBT save of this plan puts, in order.
+
+        As the writer puts them (``_job``): each chunk, or its pieces that
+        are written (``ChunkPlan.pieces``), then the metadata files that are
+        keys of the database (``<param>/.zarray``; the item's own files
+        stay files).
+        """
+        for lp in self.leaves:
+            for c in lp.chunks:
+                nbytes = math.prod(c.shape) * lp.dtype.itemsize  # type: ignore[union-attr]
+                if c.pieces is None:
+                    yield c.file, nbytes, False
+                    continue
+                size = nbytes // len(c.pieces)
+                for piece in c.pieces:
+                    if piece is not None:
+                        yield piece, size, False
+        for name, data in self.metadata_files:
+            if "/" in name:
+                yield name, len(data), True
 
     @property
     def chunk_count(self) -> int:

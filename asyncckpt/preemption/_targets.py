@@ -79,6 +79,9 @@ class Target:
     def after_final_save(self) -> None:
         """Cleanup once the final checkpoint is durable on every worker."""
 
+    def watch_again(self) -> None:
+        """Ready to save again: ``exit_fn`` returned after ``after_final_save``."""
+
     def close(self) -> None:
         """Closes what the handler created."""
 
@@ -162,6 +165,8 @@ class TFTarget(Target):
         self._tf = tf
         self._owned: list = []
         self._temp_dir: str | None = None
+        self._worker_dir: str | None = None  # a non-chief's directory for a checkpoint given
+        self._worker_ckpt: Any = None
         if isinstance(obj, at.CheckpointManager):
             self._read = self._write = obj
         elif isinstance(obj, (at.Checkpoint, tf.train.Checkpoint)):
@@ -174,10 +179,10 @@ class TFTarget(Target):
             self._read = at.CheckpointManager(ckpt, checkpoint_dir, max_to_keep=1)
             self._write = self._read
             if worker_id != 0:
-                self._temp_dir = os.path.join(os.fspath(checkpoint_dir),
-                                              f"workertemp_{worker_id}")
-                self._write = at.CheckpointManager(ckpt, self._temp_dir, max_to_keep=1)
-                self._owned.insert(0, self._write)
+                self._worker_dir = os.path.join(os.fspath(checkpoint_dir),
+                                                f"workertemp_{worker_id}")
+                self._worker_ckpt = ckpt
+                self._write_to_worker_dir(ckpt)
             self._owned.insert(0, self._read)
         elif isinstance(obj, tf.train.CheckpointManager):
             # Its saves are synchronous and unmeasured: the grace margin and the
@@ -269,12 +274,25 @@ class TFTarget(Target):
     def wait_until_finished(self) -> None:
         self._write.wait_until_finished()
 
+    def _write_to_worker_dir(self, ckpt: Any) -> None:
+        """A non-chief's manager of its temporary copy (made again after ``watch_again``)."""
+        import asyncckpt.tf as at
+
+        self._temp_dir = self._worker_dir
+        self._write = at.CheckpointManager(ckpt, self._temp_dir, max_to_keep=1)
+        self._owned.insert(0, self._write)
+
     def after_final_save(self) -> None:
         if self._temp_dir is not None:
             self._write.close()
             self._owned.remove(self._write)
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
+            self._write = self._read
+
+    def watch_again(self) -> None:
+        if self._worker_dir is not None and self._temp_dir is None:
+            self._write_to_worker_dir(self._worker_ckpt)
 
     def close(self) -> None:
         for obj in self._owned:

@@ -249,17 +249,10 @@ class PreemptionCheckpointHandler(ClosingContext):
         if self._remote is not None:
             self._remote.seed(timings.get("upload_s"))
             self._clock.remote = self._remote
-        self._agreement = StepAgreement(
-            self._coordinator,
-            namespace=f"asyncckpt/preemption/{next(_handler_ids)}",
-            runs=runs,
-            margin_fn=self._clock.margin,
-            full_margin_fn=self._clock.full_margin,
-            queued_fn=self._clock.queued,
-            unknown_write_fraction=self._clock.options.unknown_write_fraction,
-            save_at_notice_ratio=self._clock.options.save_at_notice_ratio,
-            options=agreement_options,
-        )
+        self._namespace = f"asyncckpt/preemption/{next(_handler_ids)}"
+        self._agreement_options = agreement_options
+        self._rearms = 0  # times exit_fn returned and the handler watched again
+        self._agreement = self._new_agreement(runs)
         # One worker without save_fn: a save in flight may become the final one.
         self._clock.adoptable = (self._coordinator.num_workers == 1
                                  and self._config.save_fn is None)
@@ -277,6 +270,7 @@ class PreemptionCheckpointHandler(ClosingContext):
         self._last_stats = None
         self._finished = False
         self._closed = False
+        self._watching = False  # notices lead to saves (False while exit_fn runs, and after)
         self.saves: list[PreemptionSave] = []
         self._start()
         logger.info("[worker %d] preemption handler ready at run %d (%s)",
@@ -284,25 +278,61 @@ class PreemptionCheckpointHandler(ClosingContext):
 
     # -- watching -------------------------------------------------------------
 
-    def _start(self) -> None:
+    def _new_agreement(self, runs: int) -> StepAgreement:
+        """The step agreement of one notice: the first, or the next after ``exit_fn`` returned.
+
+        Each has a namespace of its own (its keys are claimed once), the
+        same on every worker: they all start the next one at the same step,
+        after the same final save.
+        """
+        namespace = self._namespace
+        if self._rearms:
+            namespace = f"{namespace}/after-exit/{self._rearms}"
+        return StepAgreement(
+            self._coordinator,
+            namespace=namespace,
+            runs=runs,
+            margin_fn=self._clock.margin,
+            full_margin_fn=self._clock.full_margin,
+            queued_fn=self._clock.queued,
+            unknown_write_fraction=self._clock.options.unknown_write_fraction,
+            save_at_notice_ratio=self._clock.options.save_at_notice_ratio,
+            options=self._agreement_options,
+        )
+
+    def _start(self, *, again: bool = False) -> None:
+        """Starts the agreement, the notice dispatcher and the watchers.
+
+        ``again``: after an ``exit_fn`` that returned. The SIGTERM watcher
+        was kept installed; the other watchers start anew and report a
+        notice only once their source has changed back and forth (a
+        maintenance event still pending, or a ``termination_watcher_fn``
+        still returning True, is the notice already handled).
+        """
         self._agreement.start()
         self._dispatcher = threading.Thread(
             target=self._dispatch, name="asyncckpt-notices", daemon=True
         )
         self._dispatcher.start()
         sink = self._notices.put  # SimpleQueue.put is safe in a signal handler
-        if _jax_sync_point() is None:
-            self._watchers.append(SigtermWatcher(sink))
+        started = []
+        if again:
+            pass  # the SIGTERM watcher stayed (see _finish)
+        elif _jax_sync_point() is None:
+            started.append(SigtermWatcher(sink))
         else:
             logger.info("jax.distributed preemption service active: SIGTERM is read from "
                         "JAX's sync point at each step")
         if self._config.preset.watch_metadata:
-            self._watchers += [maintenance_watcher(sink), spot_watcher(sink)]
+            started += [maintenance_watcher(sink, armed=not again),
+                        spot_watcher(sink, armed=not again)]
         if self._config.termination_watcher_fn is not None:
-            self._watchers.append(PollingWatcher(
+            started.append(PollingWatcher(
                 sink, self._config.termination_watcher_fn,
-                interval_s=self._config.poll_interval_s))
-        for watcher in self._watchers:
+                interval_s=self._config.poll_interval_s, armed=not again))
+        self._watchers += started
+        self._watching = True
+        for watcher in started:
             watcher.start()
 
     def _dispatch(self) -> None:
@@ -346,15 +376,26 @@ class PreemptionCheckpointHandler(ClosingContext):
                     return
                 self._handle_notice(notice)
 
-    def _stop_watching(self) -> None:
+    def _stop_watching(self, *, keep_sigterm: bool = False) -> None:
+        """Stops the watchers, the dispatcher and the agreement.
+
+        ``keep_sigterm``: the SIGTERM watcher stays installed (its notices
+        wait in the queue), so that a SIGTERM while ``exit_fn`` runs does
+        not kill a process whose ``exit_fn`` returns.
+        """
+        self._watching = False
         jax_owns_sigterm = _jax_sync_point() is not None
+        kept = []
         for watcher in self._watchers:
             if isinstance(watcher, SigtermWatcher):
+                if keep_sigterm:
+                    kept.append(watcher)
+                    continue
                 # Restoring the old handler would replace JAX's C++ notifier.
                 watcher.stop(restore=not jax_owns_sigterm)
             else:
                 watcher.stop()
-        self._watchers = []
+        self._watchers = kept
         if self._dispatcher is not None:
             self._notices.put(None)
             if self._dispatcher is not threading.current_thread():
@@ -371,7 +412,11 @@ class PreemptionCheckpointHandler(ClosingContext):
 
     @property
     def preempted(self) -> bool:
-        """The final checkpoint is saved and ``exit_fn`` was called (and returned)."""
+        """A final checkpoint is saved and ``exit_fn`` was called (and returned).
+
+        Stays True once set; the handler watches again after an ``exit_fn``
+        that returns, and a later notice saves again (``saves``).
+        """
         return self._finished
 
     @property
@@ -505,7 +550,7 @@ class PreemptionCheckpointHandler(ClosingContext):
         now = time.monotonic()
         if self._last_boundary is not None:
             self._clock.steps.update(now - self._last_boundary)
-        if self._finished or self._closed:
+        if not self._watching or self._closed:
             self._last_boundary = now
             return
         if not self._prepared:
@@ -669,7 +714,7 @@ class PreemptionCheckpointHandler(ClosingContext):
                                     timeout_s=self._agreement.options.barrier_timeout_s)
         except CoordinationTimeoutError as e:
             logger.error("[worker %d] not every worker confirmed its final save: %s", me, e)
-        self._stop_watching()
+        self._stop_watching(keep_sigterm=True)
         self._target.after_final_save()
         self._finished = True
         if record.deadline is None:
@@ -686,9 +731,44 @@ class PreemptionCheckpointHandler(ClosingContext):
             logger.warning("[worker %d] final checkpoint at run %d durable on the %s tier, "
                            "%s (%s); exiting", me, record.run, record.tier, record.location,
                            left)
-        self._config.exit_fn()
-        logger.warning("[worker %d] exit_fn returned: training may go on, but the handler no "
-                       "longer watches for termination", me)
+        try:
+            self._config.exit_fn()
+        except BaseException:
+            self._stop_watching()  # on its way out: the SIGTERM handler before ours is back
+            raise
+        self._watch_again()
+
+    def _watch_again(self) -> None:
+        """After an ``exit_fn`` that returned: a new notice saves (and calls it) again.
+
+        As TensorFlow's handler, whose SIGTERM handler stays installed
+        (orbit's ``keep_running_after_save``): a SIGTERM does not end a run
+        that goes on. Beyond TensorFlow's, which ignores later notices, the
+        next one starts a new agreement (a namespace of its own, at the
+        current run count) and so a new save at an agreed step. Notices
+        received while the final save was made and ``exit_fn`` ran belong
+        to the termination just handled and are dropped.
+        """
+        if self._closed:
+            return
+        dropped = 0
+        while True:
+            try:
+                notice = self._notices.get_nowait()
+            except queue.Empty:
+                break
+            dropped += notice is not None
+        self._rearms += 1
+        self._agreement = self._new_agreement(self._agreement.runs)
+        self._clock.deadline_fn = self._agreement.deadline
+        self._clock.plan = None  # the next notice plans its own tier
+        self._jax_noticed = False
+        self._target.watch_again()
+        self._start(again=True)
+        logger.warning("[worker %d] exit_fn returned: training goes on at run %d and the "
+                       "handler watches for termination again%s", self._coordinator.worker_id,
+                       self._agreement.runs,
+                       f" ({dropped} notice(s) received meanwhile dropped)" if dropped else "")
 
     # -- lifecycle ---------------------------------------------------------------
 

@@ -143,21 +143,27 @@ class PollingWatcher(_ThreadWatcher):
     """Calls a user ``termination_watcher_fn`` every ``interval_s`` seconds.
 
     An exception from the function is logged (once per distinct message) and
-    counts as "no notice".
+    counts as "no notice". ``armed=False`` (watching again after a notice
+    was handled): True is a notice only after the function has returned
+    False once, so a function that stays True does not repeat the notice.
     """
 
     name = "user-watcher"
 
-    def __init__(self, sink: NoticeSink, fn: Callable[[], bool], *, interval_s: float = 1.0):
+    def __init__(self, sink: NoticeSink, fn: Callable[[], bool], *, interval_s: float = 1.0,
+                 armed: bool = True):
         super().__init__(sink)
         self._fn = fn
         self._interval_s = interval_s
+        self._armed = armed
 
     def _watch(self) -> None:
         last_error = None
         while not self._stop.is_set():
             try:
-                if self._fn():
+                if not self._fn():
+                    self._armed = True
+                elif self._armed:
                     self._sink(Notice("user", time.time(), "termination_watcher_fn returned True"))
                     return
             except Exception as e:
@@ -186,6 +192,9 @@ class MetadataWatcher(_ThreadWatcher):
         client: Metadata client (default: the configured host).
         long_poll_s: ``timeout_sec`` of each long-poll.
         backoff_s: First retry delay; doubles up to ``max_backoff_s``.
+        armed: False when watching again after a notice was handled: a
+            notice value is then a notice only after another value was seen
+            (the event that was handled may still be pending).
     """
 
     def __init__(
@@ -200,8 +209,10 @@ class MetadataWatcher(_ThreadWatcher):
         long_poll_s: int = 60,
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        armed: bool = True,
     ):
         super().__init__(sink)
+        self._armed = armed
         self.name = f"gce-{path.rsplit('/', 1)[-1]}"
         self.path = path
         self.source = source
@@ -247,10 +258,12 @@ class MetadataWatcher(_ThreadWatcher):
                 logger.info("GCE metadata has no %s; not watching it", self.path)
                 return
             value = resp.value.strip().upper()
-            if value in self._notice_values:
+            if value in self._notice_values and self._armed:
                 logger.warning("GCE metadata %s = %s: termination notice", self.path, value)
                 self._sink(Notice(self.source, time.time(), f"{self.path}={value}"))
                 return
+            if value not in self._notice_values:
+                self._armed = True
             if value in self._logged_values and value != last_logged:
                 logger.warning(
                     "GCE metadata %s = %s: no checkpoint needed (the VM is live-migrated)",
@@ -264,7 +277,8 @@ class MetadataWatcher(_ThreadWatcher):
             etag = resp.etag
 
 
-def maintenance_watcher(sink: NoticeSink, client: MetadataClient | None = None) -> MetadataWatcher:
+def maintenance_watcher(sink: NoticeSink, client: MetadataClient | None = None, *,
+                        armed: bool = True) -> MetadataWatcher:
     """Watches ``instance/maintenance-event`` for ``TERMINATE_ON_HOST_MAINTENANCE``."""
     return MetadataWatcher(
         sink,
@@ -273,11 +287,14 @@ def maintenance_watcher(sink: NoticeSink, client: MetadataClient | None = None) 
         notice_values=(TERMINATE_ON_HOST_MAINTENANCE,),
         logged_values=(MIGRATE_ON_HOST_MAINTENANCE,),
         client=client,
+        armed=armed,
     )
 
 
-def spot_watcher(sink: NoticeSink, client: MetadataClient | None = None) -> MetadataWatcher:
+def spot_watcher(sink: NoticeSink, client: MetadataClient | None = None, *,
+                 armed: bool = True) -> MetadataWatcher:
     """Watches ``instance/preempted`` (``TRUE`` once a Spot VM is preempted)."""
     return MetadataWatcher(
-        sink, path=PREEMPTED_PATH, source="gce-preempted", notice_values=("TRUE",), client=client
+        sink, path=PREEMPTED_PATH, source="gce-preempted", notice_values=("TRUE",),
+        client=client, armed=armed,
     )

@@ -347,3 +347,44 @@ def restore_coordinator(status: object):
 def objects_with_values(objects: list) -> list:
     """The objects that hold checkpoint values themselves (variables and the like)."""
     return tf_checkpoint._objects_with_attributes(objects)
+
+
+# The closures ``tf.train.CheckpointManager.save`` builds; one of them, its
+# bookkeeping (``_record_and_sweep_state``), is the write callback it adds to
+# the options it hands to ``Checkpoint._write``.
+_MANAGER_SAVE_CODES = frozenset(
+    c for c in checkpoint_management.CheckpointManager.save.__code__.co_consts
+    if isinstance(c, types.CodeType))
+
+
+def manager_of_write_callback(callback: object) -> tf.train.CheckpointManager | None:
+    """The ``tf.train.CheckpointManager`` whose ``save()`` made ``callback``, or None.
+
+    That callback is TensorFlow's manager's bookkeeping: it records the path
+    as ``latest_checkpoint`` and in ``checkpoints``, writes the ``checkpoint``
+    state file and deletes what falls out of ``max_to_keep``. Any other
+    callable (the user's own write callbacks) gives None.
+    """
+    code = getattr(callback, "__code__", None)
+    closure = getattr(callback, "__closure__", None)
+    if code not in _MANAGER_SAVE_CODES or not closure:
+        return None
+    cells = dict(zip(code.co_freevars, closure, strict=True))
+    cell = cells.get("self")
+    manager = None if cell is None else cell.cell_contents
+    return manager if isinstance(manager, tf.train.CheckpointManager) else None
+
+
+def dropped_by_save(manager: tf.train.CheckpointManager, path: str) -> list[str]:
+    """The checkpoints ``manager``'s bookkeeping of a save of ``path`` takes off its list.
+
+    Its ``_sweep`` deletes them (or keeps one for ``keep_checkpoint_every_n_hours``):
+    the oldest of ``checkpoints`` beyond ``max_to_keep`` once ``path`` is
+    the newest (a path already listed moves to the end, as TensorFlow's
+    manager moves it).
+    """
+    keep = manager._max_to_keep
+    if not keep:
+        return []
+    listed = [p for p in manager._maybe_delete if p != path] + [path]
+    return listed[:max(0, len(listed) - keep)]

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from asyncckpt import errors
+from asyncckpt import errors, layout
 from asyncckpt._closing import ClosingContext
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine.manifest import is_owned, load_manifest, verify_files
@@ -22,7 +22,7 @@ from asyncckpt.storage.tier import RemoteOptions
 from asyncckpt.storage.url import is_url
 from asyncckpt.tf import _compat, _inflight, _partial, _restore, _staging, _urls
 from asyncckpt.tf._compat import tf
-from asyncckpt.tf._job import CommitCallback, TFSaveJob, manifest_path
+from asyncckpt.tf._job import CommitCallback, TFSaveJob, delete_checkpoint, manifest_path
 from asyncckpt.tf._partial import PartialRestore
 
 logger = logging.getLogger(__name__)
@@ -178,6 +178,36 @@ class _OnCommitted:
             finally:
                 if self.internal is not None:
                     self.internal(path, stats)
+
+
+def _record_at_call(manager: tf.train.CheckpointManager, callback: Callable[[str], None],
+                    prefix: str) -> None:
+    """Runs a ``tf.train.CheckpointManager``'s bookkeeping of a save at the ``save()`` call.
+
+    As over ``tf.train.Checkpoint``, whose synchronous write calls it before
+    ``save()`` returns: ``latest_checkpoint``, ``checkpoints`` and the
+    ``checkpoint`` state file name ``prefix`` at once, so code built on the
+    manager (a ``SavedModel`` export kept per checkpoint, a recovery that
+    calls ``restore_or_initialize()``) sees the new checkpoint. Its files
+    follow once durable: ``restore()`` of ``prefix`` waits for them
+    (``_inflight``); ``tf.train.latest_checkpoint`` returns None until then
+    (TensorFlow checks the files exist).
+
+    The manager's retention deletes the checkpoints that fall out of
+    ``max_to_keep`` in the same call. One still being written (saves in
+    flight beyond ``max_to_keep``) is waited for first, so TensorFlow
+    deletes a complete checkpoint, never one whose files appear after (left
+    behind, untracked) or half of one being published; the manifest each
+    deleted checkpoint leaves (TensorFlow knows only the index and data
+    files) goes too.
+    """
+    dropped = _compat.dropped_by_save(manager, prefix)
+    for path in dropped:
+        _inflight.wait_for(path)
+    callback(prefix)
+    for path in dropped:
+        if not is_url(path) and not os.path.lexists(path + layout.TF_INDEX_SUFFIX):
+            delete_checkpoint(path)  # deleted by the manager (not kept for the n hours)
 
 
 _STATE_FILE_LOCK = threading.Lock()
@@ -403,7 +433,9 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
 
         Returns ``file_prefix`` at once; the files appear there once the save
         is durable (``sync()``, ``last_save``). Write callbacks in ``options``
-        run on the writer thread after the commit.
+        run on the writer thread after the commit, except the bookkeeping of
+        a ``tf.train.CheckpointManager``, which runs before this returns (see
+        ``_record_at_call``).
         """
         if isinstance(file_prefix, os.PathLike):
             file_prefix = os.fspath(file_prefix)
@@ -416,7 +448,17 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
         prefix = _fspath(file_prefix)
         if not prefix:
             raise ValueError("file_prefix must be a non-empty path")
-        stage_save(self, prefix, write_options(options), None, None, None)
+        wopts = write_options(options)
+        bookkeeping = [(m, cb) for cb in wopts.callbacks
+                       if (m := _compat.manager_of_write_callback(cb)) is not None]
+        if bookkeeping:  # the user's own callbacks still run once the save is durable
+            done = {id(cb) for _, cb in bookkeeping}
+            wopts = WriteOptions(io_device=wopts.io_device,
+                                 callbacks=tuple(cb for cb in wopts.callbacks
+                                                 if id(cb) not in done))
+        stage_save(self, prefix, wopts, None, None, None)
+        for manager, callback in bookkeeping:
+            _record_at_call(manager, callback, prefix)
         return prefix
 
     def save(self, file_prefix, options=None):

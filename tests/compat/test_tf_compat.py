@@ -245,6 +245,111 @@ def test_tensorflows_own_manager_saves_it_asynchronously(ckpt_dir, gate):
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == path == manager.latest_checkpoint
 
 
+def test_tensorflows_own_manager_sees_the_save_at_the_call(ckpt_dir, gate):
+    """TensorFlow's manager records a save in its write callback, which runs at the
+    ``save()`` call as over ``tf.train.Checkpoint``; the files follow, and a restore
+    of the path waits for them. The user's own write callbacks still run once durable."""
+    v = tf.Variable([1.0, 2.0])
+    ckpt = at.Checkpoint(v=v)
+    inits = []
+    manager = tf.train.CheckpointManager(ckpt, str(ckpt_dir), max_to_keep=3,
+                                         init_fn=lambda: inits.append(1))
+    seen = []
+    options = tf.train.CheckpointOptions(experimental_write_callbacks=[
+        lambda path: seen.append((path, os.path.exists(path + ".index")))])
+    path = _closed_gate_save(gate, lambda: manager.save(options=options))
+    # TensorFlow's bookkeeping, at the call: what code built on the manager reads.
+    assert manager.latest_checkpoint == path and manager.checkpoints == [path]
+    state = tf.train.get_checkpoint_state(str(ckpt_dir))
+    assert state.model_checkpoint_path == path
+    assert list(state.all_model_checkpoint_paths) == [path]
+    # The files are not there yet: TensorFlow's latest_checkpoint checks for them.
+    assert not os.path.exists(path + ".index")
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) is None
+    assert seen == []  # the user's callback waits for durability
+    # A recovery (orbit's RecoveryAction calls restore_or_initialize) restores the
+    # save in flight once it is written, instead of initializing.
+    v.assign([0.0, 0.0])
+    done, result = threading.Event(), []
+    t = threading.Thread(target=lambda: (result.append(manager.restore_or_initialize()),
+                                         done.set()))
+    t.start()
+    assert not done.wait(0.5)  # waiting for the write
+    gate.open.set()
+    t.join(60)
+    assert result == [path] and not inits and v.numpy().tolist() == [1.0, 2.0]
+    ckpt.sync()
+    assert seen == [(path, True)]
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == path
+    np.testing.assert_array_equal(_value(path, np.zeros(2, np.float32)), [1.0, 2.0])
+    ckpt.close()
+
+
+def test_tensorflows_own_manager_deletes_a_checkpoint_in_flight_only_once_written(
+        ckpt_dir, gate):
+    """Its retention runs at the call too: a checkpoint it drops while that one is
+    still being written is waited for, then deleted whole (its manifest too)."""
+    v = tf.Variable([1.0])
+    ckpt = at.Checkpoint(v=v)
+    manager = tf.train.CheckpointManager(ckpt, str(ckpt_dir), max_to_keep=1)
+    first = _closed_gate_save(gate, manager.save)
+    v.assign([2.0])
+    done, second = threading.Event(), []
+    t = threading.Thread(target=lambda: (second.append(manager.save()), done.set()))
+    t.start()
+    # The second save drops the first from max_to_keep=1: it waits for it to be written.
+    assert not done.wait(0.5)
+    assert not os.path.exists(first + ".index")
+    gate.open.set()
+    t.join(60)
+    (second,) = second
+    assert manager.checkpoints == [second] and manager.latest_checkpoint == second
+    ckpt.sync()
+    # The first was complete when TensorFlow deleted it: nothing of it is left.
+    assert sorted(os.listdir(ckpt_dir)) == sorted([
+        "checkpoint", os.path.basename(second) + ".index",
+        os.path.basename(second) + ".data-00000-of-00001",
+        os.path.basename(second) + ".asyncckpt-manifest.json"] + [
+        n for n in os.listdir(ckpt_dir) if n.startswith(".asyncckpt")])
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) == second
+    assert at.verify_checkpoint(second)
+    np.testing.assert_array_equal(_value(second, np.zeros(1, np.float32)), [2.0])
+    ckpt.close()
+
+
+def test_tensorflows_own_manager_has_recorded_a_save_that_fails_later(ckpt_dir, monkeypatch):
+    """The price of its bookkeeping at the call: a write that fails afterwards (a full
+    disk) finds the save recorded and the checkpoint it pushed out deleted."""
+    import errno
+
+    from asyncckpt.tf import _job
+
+    real = _job.write_bundle
+    fail = threading.Event()
+
+    def full_disk(prefix, state, **kw):  # the real writer, on a disk that fills up
+        if fail.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device", prefix)
+        return real(prefix, state, **kw)
+
+    monkeypatch.setattr(_job, "write_bundle", full_disk)
+    v = tf.Variable([1.0])
+    ckpt = at.Checkpoint(v=v)
+    manager = tf.train.CheckpointManager(ckpt, str(ckpt_dir), max_to_keep=1)
+    first = manager.save()
+    ckpt.sync()
+    fail.set()
+    second = manager.save()
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.sync()
+    assert manager.latest_checkpoint == second and manager.checkpoints == [second]
+    assert not os.path.exists(first + ".index") and not os.path.exists(second + ".index")
+    assert tf.train.latest_checkpoint(str(ckpt_dir)) is None
+    with pytest.raises(tf.errors.NotFoundError):
+        manager.restore_or_initialize()
+    ckpt.close()
+
+
 def test_restore_of_a_path_in_flight_waits_for_that_save(ckpt_dir, gate):
     v = tf.Variable([1.0, 2.0])
     writer = at.Checkpoint(v=v)
