@@ -183,6 +183,15 @@ def publish_dir(tmp_dir: str, final_dir: str, *, fsync: bool, replace: bool = Fa
         remove_tree(aside)
 
 
+def move_aside(path: str, target: str) -> bool:
+    """Renames ``path`` to ``target`` (out of a listing: a deleted step); False if it is gone."""
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def make_dir_in_place(final_dir: str, *, replace_stale: bool, mode: int | None = None) -> str:
     """Creates a directory checkpoint at its final name, to be committed by a marker.
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from asyncckpt._closing import ClosingContext
 from asyncckpt._engine.commit import make_dirs
+from asyncckpt._engine.steps import Reservation, StepRecord
 from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import (
     CheckpointNotFoundError,
@@ -245,8 +246,7 @@ class CheckpointManager(ClosingContext):
         self._last_save: SaveHandle | None = None
         self._preemption: tuple[int, bool] | None = None
         self._closed = False
-        with self._view.lock:
-            self._view.users += 1
+        self._view.steps.join(self)
         if (self._root_metadata is not None and self._primary and not self._config.read_only
                 and self._config.save_root_metadata and os.path.isdir(self._directory)):
             _metadata.write_root_metadata(self._directory, self._root_metadata,
@@ -291,8 +291,8 @@ class CheckpointManager(ClosingContext):
         ``on_disk``: ``disk_steps()`` as just read; ``fresh``: list the bucket now.
         """
         if self._tiers.remote_only:
-            return self._view.steps(on_disk, remote=self._tiers.remote_steps(fresh=fresh))
-        return self._tiers.steps(self._view.steps(on_disk), fresh=fresh)
+            return self._view.listed(on_disk, remote=self._tiers.remote_steps(fresh=fresh))
+        return self._tiers.steps(self._view.listed(on_disk), fresh=fresh)
 
     def latest_step(self) -> int | None:
         """The newest listed step, or None."""
@@ -314,10 +314,7 @@ class CheckpointManager(ClosingContext):
     def reload(self) -> None:
         """Forgets what was read from the directory (metrics, times), to read it afresh."""
         self._view.invalidate()
-        with self._view.lock:
-            for step in list(self._view.records):
-                if step not in self._view.in_flight:
-                    self._view.records.pop(step, None)
+        self._view.steps.reload()
 
     def reached_preemption(self, step: int) -> bool:
         """Whether JAX's preemption sync point is ``step`` (every process agrees).
@@ -555,21 +552,19 @@ class CheckpointManager(ClosingContext):
         metrics = _compat.json_checked(metrics, "metrics")
         custom_metadata = _compat.json_checked(custom_metadata, "custom_metadata")
         self._config.metric(metrics)
-        self._view.reserve(step, metrics, _compat.step_already_exists_error, on_disk)
+        res = self._view.reserve(step, metrics, _compat.step_already_exists_error, on_disk)
         try:
-            return self._stage(step, items, metrics, custom_metadata, seq, save_key, on_disk)
+            return self._stage(res, step, items, metrics, custom_metadata, seq, save_key)
         except BaseException:
-            self._view.settle(step, committed=False, deleter=None)
+            self._view.settle(res, committed=False, deleter=None)
             raise
 
-    def _stage(self, step: int, items: list[_args.SaveItem], metrics: Any, custom_metadata: Any,
-               seq: int, save_key: str | None, on_disk: frozenset[int] | None) -> SaveHandle:
+    def _stage(self, res: Reservation, step: int, items: list[_args.SaveItem], metrics: Any,
+               custom_metadata: Any, seq: int, save_key: str | None) -> SaveHandle:
         view = self._view
-        if not view.prepared:
-            on_disk = None  # the first save cleans the directory up: list it afresh
         token = self._saves.token()
         remote = self._tiers.remote_steps() if self._tiers.remote_only else frozenset()
-        if condemned := view.condemn(step, self._config, on_disk, remote=remote):
+        if condemned := view.condemn(res, self._config, remote=remote):
             logger.debug("step %d condemns %s (deleted once it is durable)", step, condemned)
         ranked = self._config.best_fn is not None and self._config.write_metrics
         typestrs, extra = fmt.item_files(items, metrics if ranked else None,
@@ -632,12 +627,11 @@ class CheckpointManager(ClosingContext):
             if foreign:
                 foreign.abandon()  # never started, or started and given up
             raise
-        with view.lock:
-            view.in_flight[step] = handle
+        view.steps.attach(res, handle.committed)
         self._deadline = deadline
         deleter = self._delete  # not self: a dropped manager's saves still finish
         handle.committed.add_done_callback(
-            lambda f: view.settle(step, committed=f.exception() is None, deleter=deleter)
+            lambda f: view.settle(res, committed=f.exception() is None, deleter=deleter)
         )
         self._last_save = handle
         return handle
@@ -653,13 +647,7 @@ class CheckpointManager(ClosingContext):
             return
         step = self._existing_step(step)
         self._wait_for([step])
-        if self._delete is not None:
-            self._delete(step)
-            self._view.forget(step)
-        else:
-            self._view.forget(step)
-            with self._view.lock:
-                self._view.doomed[step] = None  # hidden until the primary has deleted it
+        self._view.delete(step, self._delete)  # without a deleter: hidden until deleted
 
     # -- waiting --------------------------------------------------------------------
 
@@ -689,20 +677,19 @@ class CheckpointManager(ClosingContext):
                 f"the save of step {self._last_save.label if self._last_save else '?'} did "
                 f"not finish within the timeout of {self._config.save_timeout_s:.0f} s "
                 "(AsyncOptions.timeout_secs); it will not be committed") from e
-        self._view.removals.wait(timeout)  # [retention] deleted steps' files gone too
+        self._view.steps.removals.wait(timeout)  # [retention] deleted steps' files gone too
         self._tiers.wait_until_finished(timeout)
         if self._finalized is not None:
             self._finalized.raise_pending()
 
     def _wait_for(self, steps: Sequence[int] | None) -> None:
         """Waits for in-flight saves of these steps (None: all) of any manager here."""
-        with self._view.lock:
-            handles = [h for s, h in self._view.in_flight.items()
-                       if h is not None and (steps is None or s in steps)]
-        if handles:
-            concurrent.futures.wait([h.committed for h in handles])
+        names = None if steps is None else [self._view.names.name(s) for s in steps]
+        pending = self._view.steps.futures(names)
+        if pending:
+            concurrent.futures.wait(pending)
             # The futures resolve before their callbacks (retention) have run.
-            self._view.wait_settled(None if steps is None else set(steps))
+            self._view.steps.wait_settled(names)
             self._engine.raise_pending_error()
 
     def close(self, timeout: float | None = None) -> None:
@@ -712,15 +699,10 @@ class CheckpointManager(ClosingContext):
             return
         try:
             self._engine.close(timeout)
-            self._view.removals.wait(timeout)
+            self._view.steps.removals.wait(timeout)
         finally:
             self._closed = True
-            view = self._view
-            with view.lock:
-                view.users -= 1
-                if view.users == 0 and not view.in_flight:
-                    view.dir_lock.release()
-                    view.prepared = False
+            self._view.steps.leave(self)  # the last one releases the directory lock
             self._tiers.close(timeout)
 
     # -- restoring ------------------------------------------------------------------
@@ -808,7 +790,7 @@ class CheckpointManager(ClosingContext):
                               handlers=self._handlers)
 
 
-def _delete_step(view: _view.DirectoryView, todelete_subdir: str | None,
+def _delete_step(view: _view.StepView, todelete_subdir: str | None,
                  tiers: StepTiers | None, step: int) -> None:
     """Deletes ``step`` (retention, or ``delete``): here, and in a URL directory's bucket."""
     _view.delete_step_dir(view, step, todelete_subdir)
@@ -816,10 +798,10 @@ def _delete_step(view: _view.DirectoryView, todelete_subdir: str | None,
         tiers.delete(step)
 
 
-def _remote_record(tiers: StepTiers, step: int, *, checksums: bool) -> _view.StepRecord:
+def _remote_record(tiers: StepTiers, step: int, *, checksums: bool) -> StepRecord:
     """The record (creation time, metrics) of a step only the bucket holds, from its metadata."""
     remote = tiers.open_remote(step, checksums=checksums)
     if remote is None:
         raise CheckpointNotFoundError(f"step {step} is in neither tier")
     meta = _metadata.read_step_metadata(step, remote.path, with_items=False)
-    return _view.StepRecord(meta.created or 0.0, meta.metrics)
+    return StepRecord(meta.created or 0.0, meta.metrics)
