@@ -49,6 +49,7 @@ def test_every_mode_of_the_benchmark_suite_runs_and_reports(tmp_path):
                     "--quiet", "--out", str(out / "default")],
         "restore": ["--restore", "--no-recovery", "--sizes", "4", "--reps", "1", "--quiet",
                     "--out", str(out / "restore")],
+        # Last: it replaces the save job classes in its process with slowed ones.
         "preemption": ["--preemption", "--trials", "1", "--grace", "2", "--step", "0.05",
                        "--write", "0.25", "--noise", "none", "--warmup", "2",
                        "--warmup-preemptions", "1"],
