@@ -25,11 +25,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check asyncckpt tests benchmarks examples
 
+# The benchmarks (benchmarks/, not part of the package): `python -m benchmarks --help`.
 bench: $(STAMP)
-	$(BIN)/asyncckpt bench
+	$(BIN)/python -m benchmarks
 
 bench-quick: $(STAMP)
-	$(BIN)/asyncckpt bench --quick
+	$(BIN)/python -m benchmarks --quick
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""The ``asyncckpt`` command: list, inspect and verify checkpoints; run benchmarks.
+"""The ``asyncckpt`` command: list, inspect and verify checkpoints.
 
 ``asyncckpt list DIR``, ``asyncckpt inspect DIR [STEP]`` and
 ``asyncckpt verify DIR [STEP]`` work on TensorFlow and JAX checkpoint
@@ -8,8 +8,9 @@ they look at into a temporary directory). ``inspect`` and ``verify`` also
 take one checkpoint's own path or URL: a TensorFlow prefix, a step
 directory, or (locally) the path a JAX checkpointer saved to. ``verify`` exits with 0
 only if every checked checkpoint matches its manifest, and both exit with 1
-where there is no checkpoint. ``asyncckpt bench`` runs the benchmarks of a
-source checkout (``benchmarks/suite``, not installed with the wheel).
+where there is no checkpoint. The benchmarks are not part of the package: they
+run from a source checkout (``python -m benchmarks``); ``asyncckpt bench``, their
+old entry point, only says so.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import contextlib
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from asyncckpt import catalog
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -172,34 +172,10 @@ def _verify(directory: str, args: argparse.Namespace) -> int:
     return 0 if bad == 0 else 1
 
 
-# ``asyncckpt bench`` runs the benchmarks of the source checkout this package is imported from:
-# they live in ``benchmarks/suite`` beside ``asyncckpt/``, not in the wheel.
-_CHECKOUT = Path(__file__).resolve().parents[1]
-_NO_BENCHMARKS = (
-    "asyncckpt bench: the benchmarks are not part of the installed package; they run from "
-    "a source checkout of asyncckpt: `python -m benchmarks.suite [options]` from its root "
-    "(or `make bench`)"
-)
-
-
-def _bench_suite():
-    """The checkout's ``benchmarks.suite.cli``, or None where asyncckpt runs from a wheel."""
-    if not (_CHECKOUT / "benchmarks" / "suite" / "cli.py").is_file():
-        return None
-    if str(_CHECKOUT) not in sys.path:
-        sys.path.insert(0, str(_CHECKOUT))  # the console script's path lacks the checkout
-    from benchmarks.suite import cli
-
-    return cli
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    return args.bench.run_from_args(args)
-
-
-def _cmd_no_bench(args: argparse.Namespace) -> int:
-    print(_NO_BENCHMARKS, file=sys.stderr)
-    return 2
+# The benchmarks live beside the package in a source checkout (``benchmarks/``), not in it:
+# nothing here imports them. Their old entry point gets one line naming the new one.
+_BENCH_MOVED = ("asyncckpt bench: the benchmarks are not part of asyncckpt; from the root of a "
+                "source checkout run `python -m benchmarks [options]` (or `make bench`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,24 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", nargs="?", help="step or name (default: every checkpoint)")
     p.add_argument("--sizes-only", action="store_true", help="skip the CRC32 pass")
     p.set_defaults(func=_cmd_verify)
-
-    suite = _bench_suite()
-    p = sub.add_parser("bench", help="latency benchmarks against TensorFlow and orbax "
-                                     "(from a source checkout)",
-                       description=None if suite is not None else _NO_BENCHMARKS)
-    if suite is not None:
-        suite.add_arguments(p)
-        p.set_defaults(func=_cmd_bench, bench=suite)
-    else:
-        p.set_defaults(func=_cmd_no_bench)  # whatever options follow: the message says where
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and args.func is not _cmd_no_bench:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # whatever options follow: the line says where to go
+        print(_BENCH_MOVED, file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (CheckpointNotFoundError, ValueError) as e:  # ValueError: an unsupported URL

@@ -1,4 +1,4 @@
-"""A small run of the scale benchmark (``asyncckpt bench --scale``, benchmarks/bench_scale.py).
+"""A small run of the scale benchmark (``python -m benchmarks --scale``, benchmarks/suite/scale.py).
 
 One and two real ``jax.distributed`` processes, 20 leaves, local disk, one timed save per
 case, every engine and format this asyncckpt writes plus orbax's two. Speed is not checked
@@ -8,7 +8,6 @@ imply, and every restore must be exact. The full grid is not part of the test su
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,7 +19,6 @@ from tests.helpers import REPO_ROOT, subprocess_env
 pytest.importorskip("jax")
 pytest.importorskip("orbax.checkpoint")
 
-SCRIPT = REPO_ROOT / "benchmarks" / "bench_scale.py"
 LEAVES, DEVICES = 20, 2
 
 RUN_FIELDS = {
@@ -38,18 +36,11 @@ RUN_FIELDS = {
 OTHER_PROCESS_FIELDS = {"kv_bytes_per_save_max_other", "restore_kv_bytes_max_other"}
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_scale_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_scale_benchmark_small_run_reports_every_figure(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncckpt", "bench", "--quiet", "--out", str(out), "--scale",
+        [sys.executable, "-m", "benchmarks", "--quiet", "--out", str(out), "--scale",
          "--processes", "1,2", "--leaves", str(LEAVES), "--saves", "1", "--targets", "local",
          "--devices", str(DEVICES), "--scratch", str(tmp_path / "scratch")],
         cwd=REPO_ROOT, env=subprocess_env(TMPDIR=str(tmp_path)), capture_output=True,
@@ -105,12 +96,12 @@ def test_scale_benchmark_small_run_reports_every_figure(tmp_path):
 
 
 def test_scale_benchmark_refuses_what_it_cannot_run(capsys):
-    from asyncckpt.cli import main
+    from benchmarks.suite import scale as bench
+    from benchmarks.suite.cli import main
 
     # Options of the other modes are not silently dropped.
-    assert main(["bench", "--sizes", "4", "--scale", "--processes", "1"]) == 2
+    assert main(["--sizes", "4", "--scale", "--processes", "1"]) == 2
     assert "--sizes" in capsys.readouterr().err
-    bench = _module()
     with pytest.raises(ValueError, match="does not split evenly"):
         bench.make_plan(["--processes", "3", "--leaf-kib", "1"])
     # asyncckpt's OCDBT is asked for: planned where asyncckpt writes it, refused by name where not.

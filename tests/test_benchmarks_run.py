@@ -1,72 +1,84 @@
-"""The benchmark scripts that reach into asyncckpt's internals still run, and so does
-``asyncckpt bench`` itself.
+"""The living benchmarks run: ``python -m benchmarks`` in each of its modes, at tiny sizes.
 
-These scripts swap or wrap private functions (a writer, a copy, a save
-job) to measure one part at a time, so a change of those internals can
-break them without any other test noticing: ``bench_tf_write.py`` raised
-``TypeError`` for several sessions after the bundle writer gained a
-keyword. Each runs here once at a tiny size, in a subprocess, and must
-finish and print its result line. Speed is not checked (see benchmarks/).
+The suite (``benchmarks/suite``) wraps real engines, TensorFlow's and orbax's
+too, and some of its benchmarks reach into asyncckpt's internals (the
+preemption benchmark slows the real save job down), so a change of the
+library can break it without any other test noticing. Each mode runs here
+once, all of them one after the other in one child process (one import of
+TensorFlow and JAX), through the real entry point ``python -m benchmarks``;
+each must finish and print its result lines. Speed is not checked (see
+benchmarks/). The scale benchmark (``--scale``) has its own test,
+tests/test_bench_scale.py; the crash campaign runs in the durability tests.
+The archived scripts (``benchmarks/archive``) are not run.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (script, arguments, a fragment of the result it must print)
-CASES = [
-    ("bench_tf_write.py", ["--sizes", "4", "--reps", "1"],
-     "asyncckpt tf (SaveV2): durable throughput / raw write+fsync"),
-    ("bench_tf_background_copy.py", ["--sizes", "4", "--reps", "1", "--skip-training"],
-     "asyncckpt copy / memcpy"),
-    ("bench_tf_train_overhead.py", ["--sizes", "4", "--rounds", "1", "--saves", "2"],
-     "asyncckpt tf (page cache)    overhead"),
-    ("bench_restore_phases.py", ["--mib", "4", "--reps", "1"], " wall "),
-    ("bench_slots.py", ["--sizes", "4", "--saves", "2", "--steady", "2"],
-     "jax-arrays floor"),
-    ("bench_jax_blocking.py", ["--mib", "4", "--tensors", "4", "--reps", "2", "--phases"],
-     "phases: copy into the slot"),
-    ("bench_jax_ocdbt_gil.py", ["--mib", "4", "--values", "4", "--reps", "1"],
-     "KvStore.write(bytes), commit"),
-    ("bench_preemption_deadline.py",
-     ["--trials", "1", "--grace", "2", "--step", "0.05", "--write", "0.25", "--noise", "none",
-      "--warmup", "2", "--warmup-preemptions", "1"],
-     "all cells: asyncckpt 1/1 in time"),
-]
-
-
-def _run(tmp_path, args: list[str]) -> str:
-    env = dict(os.environ, TMPDIR=str(tmp_path), ASYNCCKPT_BENCH_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return out
+#: Runs ``python -m benchmarks`` (its ``__main__``) once per argument list, in this process.
+RUN_EACH = textwrap.dedent("""
+    import json, runpy, sys
+    for argv in json.loads(sys.argv[1]):
+        print("== python -m benchmarks " + " ".join(argv), flush=True)
+        sys.argv = ["benchmarks", *argv]
+        try:
+            runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            if e.code:
+                raise
+""")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("script", "args", "expect"), CASES, ids=[c[0] for c in CASES])
-def test_benchmark_script_runs(tmp_path, script, args, expect):
-    out = _run(tmp_path, [str(ROOT / "benchmarks" / script), *args])
-    assert expect in out, out[-4000:]
-
-
-@pytest.mark.slow
-def test_asyncckpt_bench_runs_every_case_and_reports_the_targets(tmp_path):
-    out = _run(tmp_path, ["-m", "asyncckpt", "bench", "--sizes", "4", "--reps", "1",
-                          "--train-size", "0", "--keras-size", "0", "--quiet",
-                          "--out", str(tmp_path / "out")])
+def test_every_mode_of_the_benchmark_suite_runs_and_reports(tmp_path):
+    out = tmp_path / "out"
+    runs = {
+        "default": ["--sizes", "4", "--reps", "1", "--train-size", "0", "--keras-size", "0",
+                    "--quiet", "--out", str(out / "default")],
+        "restore": ["--restore", "--no-recovery", "--sizes", "4", "--reps", "1", "--quiet",
+                    "--out", str(out / "restore")],
+        # Last: it replaces the save job classes in its process with slowed ones.
+        "preemption": ["--preemption", "--trials", "1", "--grace", "2", "--step", "0.05",
+                       "--write", "0.25", "--noise", "none", "--warmup", "2",
+                       "--warmup-preemptions", "1"],
+    }
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(list(runs.values()))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    parts = dict(zip(runs, proc.stdout.split("== python -m benchmarks ")[1:], strict=True))
+    # Every engine and floor, their ratios and the targets; the command as it ran.
     for line in ("memcpy jax arrays", "asyncckpt tf ", "asyncckpt jax ", "orbax async",
-                 "asyncckpt jax blocking / memcpy jax arrays:", "== targets"):
-        assert line in out, (line, out[-4000:])
-    assert (tmp_path / "out" / "results.json").is_file()
+                 "asyncckpt jax blocking / memcpy jax arrays:", "== targets",
+                 "command: python -m benchmarks --sizes 4 --reps 1"):
+        assert line in parts["default"], (line, parts["default"][-4000:])
+    results = json.loads((out / "default" / "results.json").read_text())
+    assert results["command"].startswith("python -m benchmarks --sizes 4")
+    # Cold restores against TensorFlow's, orbax's and a raw read; the eviction checked.
+    for line in ("asyncckpt tf", "asyncckpt jax", "orbax"):
+        assert line in parts["restore"], (line, parts["restore"][-4000:])
+    assert json.loads((out / "restore" / "restore.json").read_text())["sizes"]
+    assert "all cells: asyncckpt 1/1 in time" in parts["preemption"], parts["preemption"][-4000:]
+
+
+def test_the_preemption_benchmark_refuses_the_suites_own_options(capsys):
+    from benchmarks.suite.cli import main
+
+    assert main(["--quick", "--preemption", "--trials", "1"]) == 2
+    assert "--quick" in capsys.readouterr().err
 
 
 def _checkpoints_on_disk(directory: Path) -> set[int]:
@@ -96,3 +108,39 @@ def test_bench_engines_keep_the_newest_checkpoints_only_and_restore_the_last(tmp
             e.restore()
         finally:
             e.close()
+
+
+def test_the_device_to_host_floor_puts_the_state_into_pinned_host_memory():
+    """The floor a JAX save has on an accelerator (measured there only; callable on CPU)."""
+    import jax
+
+    from benchmarks.suite import engines as eng
+
+    state = eng.JAXState(1 << 20, 2)
+    assert state.platform == jax.devices()[0].platform
+    floor = state.pinned_host_floor()
+    if floor is None:
+        pytest.skip("no pinned_host memory on this backend")
+    floor()  # one device_put of every leaf into pinned host memory, waited for
+
+
+def test_no_test_runs_an_archived_benchmark():
+    """``benchmarks/archive`` is a record, not maintained: no test imports or names a script."""
+    script = re.compile(r"benchmarks[/.]archive[/.]\w")  # the folder alone may be mentioned
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path == Path(__file__).resolve():
+            continue  # this check names it
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                hit = any(a.name.startswith("benchmarks.archive") for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                hit = (node.module or "").startswith("benchmarks.archive") or (
+                    node.module == "benchmarks" and any(a.name == "archive" for a in node.names))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                hit = bool(script.search(node.value))
+            else:
+                continue
+            if hit:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found

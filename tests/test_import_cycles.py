@@ -193,11 +193,21 @@ def graph() -> dict[str, list[Import]]:
 
 def test_the_graph_sees_every_module_and_their_imports(graph):
     assert "asyncckpt.cli" in graph and "benchmarks.suite.cli" in graph
+    assert {i.target for i in graph["benchmarks.__main__"]} == {"benchmarks.suite.cli"}
     assert "examples.demo" in graph and "tests.servers" in graph
     jax_demo = {i.target for i in graph["examples.jax_demo"] if not i.lazy}
     assert {"asyncckpt", "asyncckpt.jax", "examples.demo_report"} <= jax_demo
     suite_cli = {i.target for i in graph["benchmarks.suite.cli"] if i.lazy}
     assert {"benchmarks.suite.restore", "benchmarks.suite.engines"} <= suite_cli
+
+
+def test_the_library_imports_nothing_that_sits_beside_it(graph):
+    """The wheel holds ``asyncckpt`` only: it imports no benchmark, example or test module."""
+    beside = ("benchmarks", "examples", "tests")
+    found = [f"{m} (line {i.line}) imports {i.target}" for m, imports in graph.items()
+             if m.split(".")[0] == "asyncckpt" for i in imports
+             if i.target.split(".")[0] in beside]
+    assert not found, "\n".join(found)
 
 
 def test_no_cycle_among_top_level_imports(graph):

@@ -7,8 +7,8 @@ devices), in both layouts. The key-value calls and bytes per save and per
 restore must not grow with the number of arrays, whose files the manifest
 parts carry instead. (Waits that poll for another process's failure make
 extra calls as time passes, whatever the files: they are counted apart and
-not compared.) ``benchmarks/bench_jax_coordination.py`` measures the same
-at more processes and arrays.
+not compared.) The scale benchmark (``python -m benchmarks --scale``) counts
+the same at more processes and arrays.
 """
 
 from __future__ import annotations

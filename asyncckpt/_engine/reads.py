@@ -312,7 +312,7 @@ def cached_pages(fd: int, size: int) -> tuple[int, int] | None:
     No mapping of the file and a walk over its cached pages only: about
     1 us for a cold 2 MiB file on the project's VM, where ``mincore``
     (mapping, a lookup per page, unmapping) took 35-70 us; a restore of
-    512 chunk files paid 55 ms for it (``benchmarks/bench_restore_reads.py``).
+    512 chunk files paid 55 ms for it (``benchmarks/archive/bench_restore_reads.py``).
     """
     global _syscall
     if _syscall is None:

@@ -87,7 +87,7 @@ class FormatOptions:
             ``PyTreeCheckpointHandler(use_ocdbt=...)``, which the manager
             honours too when given as ``item_handlers``. OCDBT made saves
             durable 10x sooner than chunk files on this project's VM (fsyncs
-            per file dominate there; ``benchmarks/bench_jax_ocdbt.py``).
+            per file dominate there; ``benchmarks/archive/bench_jax_ocdbt.py``).
         ocdbt_target_data_file_size: With OCDBT, the size in bytes at which a
             data file is closed and the next one started; zarr chunks of
             larger shards are split so that each fits (as orbax does).

@@ -74,11 +74,12 @@ _SYNC_FILE_RANGE_WRITE = 2
 _DIRECT_ALIGN = 4096  # offset, length and address alignment of an O_DIRECT write
 _DIRECT_WRITES = True  # aligned ranges bypass the page cache (tests turn it off to compare)
 # Data files from this size on are written O_DIRECT. Durable / raw write+fsync
-# (bench_tf_write.py): 1 GiB through the page cache 0.49-0.55x, O_DIRECT 1.07-1.32x;
-# 64-256 MiB O_DIRECT 0.97-1.00x, the page cache faster (1.2-1.5x) where it reuses
-# freed pages. What decided 4 MiB is training: filling fresh page cache costs the
-# training loop 3-5x more per save than O_DIRECT does (bench_tf_train_overhead.py,
-# 16-256 MiB), about as much as a raw write that fills fresh pages.
+# (benchmarks/archive/bench_tf_write.py): 1 GiB through the page cache 0.49-0.55x,
+# O_DIRECT 1.07-1.32x; 64-256 MiB O_DIRECT 0.97-1.00x, the page cache faster (1.2-1.5x)
+# where it reuses freed pages. What decided 4 MiB is training: filling fresh page cache
+# costs the training loop 3-5x more per save than O_DIRECT does (16-256 MiB,
+# benchmarks/archive/bench_tf_train_overhead.py), about as much as a raw write that
+# fills fresh pages.
 _DIRECT_MIN = 4 << 20
 
 FileSums = dict[str, tuple[int, int, str]]  # file name -> (size, checksum, algorithm)

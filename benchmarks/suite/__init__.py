@@ -1,7 +1,7 @@
-"""Latency benchmarks of asyncckpt against TensorFlow and orbax (``asyncckpt bench``).
+"""The benchmark suite: asyncckpt against TensorFlow, orbax and the machine's floors.
 
-Run from a source checkout: ``python -m benchmarks.suite [options]`` from its root, or
-``asyncckpt bench [options]`` with the checkout's asyncckpt installed (``make bench``).
+Run from a source checkout's root: ``python -m benchmarks [options]`` (``make bench``,
+``make bench-quick``; ``python -m benchmarks.suite`` is the same). Not part of the wheel.
 """
 
 from __future__ import annotations

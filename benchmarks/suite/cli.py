@@ -1,19 +1,26 @@
-"""``asyncckpt bench``: asyncckpt side by side with TensorFlow and orbax."""
+"""``python -m benchmarks``: asyncckpt side by side with TensorFlow, orbax and the floors.
+
+The default run saves, restores and trains with every engine of ``--frameworks``;
+``--restore``, ``--storage``, ``--scale`` and ``--preemption`` run another benchmark
+instead (the last two take their own options, everything after the flag).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
-import shlex
 import sys
 import tempfile
 import time
 
+from benchmarks.suite.report import PROG
+
 DEFAULT_SIZES = "64,256,1024"
 QUICK_SIZES = "16,64"
-# Options of this parser that ``--scale`` passes on to the script; any other is refused with it.
-SCALE_SHARED = ("out", "quick", "quiet")
+# The benchmarks that take every argument after their flag, and the options of this parser
+# each is also given (any other option set beside one of them is refused).
+HANDED_OVER = {"scale": ("out", "quick", "quiet"), "preemption": ()}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,38 +63,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-recovery", action="store_true",
                    help="with --restore: skip the recovery-time processes")
     p.add_argument("--scale", nargs=argparse.REMAINDER, default=None, metavar="ARG",
-                   help="instead: the multi-process scale benchmark (benchmarks/bench_scale.py): "
+                   help="instead: the multi-process scale benchmark (suite/scale.py): "
                         "N jax.distributed processes on 127.0.0.1, "
                         "asyncckpt and orbax, local disk and S3; blocking, durable time, "
                         "coordination calls and bytes, files, fsyncs, restore. Every argument "
                         "after --scale is the benchmark's own (--scale --help lists them); "
                         "--out, --quick and --quiet before it are passed on")
+    p.add_argument("--preemption", nargs=argparse.REMAINDER, default=None, metavar="ARG",
+                   help="instead: the preemption deadline benchmark (suite/preemption.py): "
+                        "a training loop under PreemptionCheckpointHandler with a slowed disk "
+                        "gets a real SIGTERM; final checkpoint in time, share of the grace "
+                        "period trained, against TensorFlow's rule on the same runs. Every "
+                        "argument after --preemption is its own (--preemption --help)")
 
 
-def run_scale(args: argparse.Namespace) -> int:
-    """``--scale``: hands over to ``benchmarks/bench_scale.py`` with the arguments after it."""
+def hand_over(args: argparse.Namespace, name: str) -> int:
+    """``--scale`` / ``--preemption``: that benchmark's ``main`` with the arguments after it."""
+    shared = HANDED_OVER[name]
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
-    unused = [f"--{name.replace('_', '-')}" for name, default in vars(defaults.parse_args([]))
-              .items() if name not in (*SCALE_SHARED, "scale") and getattr(args, name) != default]
+    unused = [f"--{key.replace('_', '-')}" for key, default in vars(defaults.parse_args([]))
+              .items() if key not in (*shared, name) and getattr(args, key) != default]
     if unused:
-        print(f"asyncckpt bench --scale: not options of the scale benchmark: "
-              f"{', '.join(unused)}; give its own after --scale (--scale --help lists them)",
-              file=sys.stderr)
+        print(f"{PROG} --{name}: not options of the {name} benchmark: {', '.join(unused)}; "
+              f"give its own after --{name} (--{name} --help lists them)", file=sys.stderr)
         return 2
-    argv = list(args.scale)
-    if args.out is not None and "--out" not in argv:
+    argv = list(getattr(args, name))
+    if "out" in shared and args.out is not None and "--out" not in argv:
         argv += ["--out", args.out]
-    argv += [f"--{flag}" for flag in ("quick", "quiet") if getattr(args, flag)
-             and f"--{flag}" not in argv]
-    from benchmarks import bench_scale
-
-    return bench_scale.main(argv)
+    argv += [f"--{flag}" for flag in ("quick", "quiet") if flag in shared
+             and getattr(args, flag) and f"--{flag}" not in argv]
+    if name == "scale":
+        from benchmarks.suite import scale as module
+    else:
+        from benchmarks.suite import preemption as module
+    return module.main(argv)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    if getattr(args, "scale", None) is not None:
-        return run_scale(args)
+    for name in HANDED_OVER:
+        if getattr(args, name, None) is not None:
+            return hand_over(args, name)
     if getattr(args, "restore", False):
         from benchmarks.suite.restore import run as run_restore
 
@@ -99,7 +115,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     frameworks = [f for f in args.frameworks.split(",") if f]
     for fw, module in (("tf", "tensorflow"), ("jax", "jax")):
         if fw in frameworks and importlib.util.find_spec(module) is None:
-            print(f"asyncckpt bench: {module} is not installed; skipping {fw}", file=sys.stderr)
+            print(f"{PROG}: {module} is not installed; skipping {fw}", file=sys.stderr)
             frameworks.remove(fw)
     if "jax" in frameworks and "jax" not in sys.modules:
         # Several CPU devices, so JAX arrays are really sharded (no effect on GPUs/TPUs).
@@ -127,7 +143,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     progress = runner.Progress(quiet=args.quiet)
     results: dict = {
         "machine": report.machine(),
-        "command": "asyncckpt bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "command": report.command_line(args),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "versions": {},
         "sizes": [],
@@ -174,6 +190,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="asyncckpt bench", description=__doc__)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    return run_from_args(p.parse_args(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(argv)
+    args.argv = argv
+    return run_from_args(args)

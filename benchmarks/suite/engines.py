@@ -9,16 +9,19 @@ is durable (or at least complete, for engines that never fsync).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Callable
 
 import numpy as np
 
 MATRIX_COLS = 64  # state tensors are [rows, 64]; the step multiplies them by a 64x64 matrix
+D2H_FLOOR = "d2h pinned_host"  # the floor of a JAX save on an accelerator (pinned_host_floor)
 
 
 def _rows_per_tensor(nbytes: int, tensors: int) -> int:
@@ -134,6 +137,36 @@ class JAXState:
                 np.copyto(dst, src)
 
         return memcpy
+
+    def pinned_host_floor(self) -> Callable[[], None] | None:
+        """The device-to-host floor: the state put into pinned host memory, as a save does.
+
+        On a GPU or TPU a JAX save's blocking part is one ``device_put`` of the
+        state into ``pinned_host`` memory, at the device-to-host bandwidth, so
+        no save there blocks for less. None where the devices have no pinned
+        host memory. (On CPU it is one more host copy: ``memcpy jax arrays``
+        is the floor there, and the runner measures this one on accelerators
+        only.)
+        """
+        import jax
+
+        try:
+            kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        except Exception:  # a backend without memory kinds
+            return None
+        if "pinned_host" not in kinds:
+            return None
+
+        def put() -> None:
+            jax.block_until_ready({k: jax.device_put(a, a.sharding.with_memory_kind("pinned_host"))
+                                   for k, a in self.tree.items()})
+
+        return put
+
+    @property
+    def platform(self) -> str:
+        """Where the state lives: ``cpu``, ``gpu``, ``tpu``."""
+        return next(iter(next(iter(self.tree.values())).sharding.device_set)).platform
 
 
 KEEP = 2  # checkpoints an engine keeps on disk; restores read the newest
@@ -331,7 +364,7 @@ class BackgroundRawWrite(Engine):
 
     def __init__(self, state, workdir: str):
         super().__init__(state, workdir)
-        from asyncckpt.options import AsyncOptions
+        from asyncckpt import AsyncOptions
 
         self._nice = AsyncOptions().writer_nice
         self._floors = Floors(state.nbytes, 1, workdir)
@@ -343,9 +376,12 @@ class BackgroundRawWrite(Engine):
         self._thread.start()
 
     def _write(self) -> None:
-        from asyncckpt._threads import lower_thread_priority
-
-        lower_thread_priority(self._nice)
+        # This thread's niceness raised as the writer raises its own (Linux: per thread).
+        if self._nice > 0 and sys.platform.startswith("linux"):
+            tid = threading.get_native_id()
+            with contextlib.suppress(OSError):  # refused: the floor runs unniced, as the writer
+                os.setpriority(os.PRIO_PROCESS, tid,
+                               os.getpriority(os.PRIO_PROCESS, tid) + self._nice)
         self._floors.raw_write()
 
     def wait(self) -> None:

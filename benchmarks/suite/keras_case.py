@@ -1,4 +1,4 @@
-"""The Keras row of ``asyncckpt bench``: blocking time per backup inside ``fit``.
+"""The Keras row of ``python -m benchmarks``: blocking time per backup inside ``fit``.
 
 A dense model of about ``nbytes`` of weights, compiled with Adam (so a backup
 holds about three times that), trains with one backup before every batch.
@@ -33,6 +33,8 @@ def measure(nbytes: int, *, reps: int, workdir: str) -> dict:
     import keras
     import numpy as np
 
+    # _state is private, deliberately (tests/test_module_boundaries.py lists it): the floor
+    # copies the arrays a backup copies, mid-epoch on JAX the trainer's, not the variables'.
     import asyncckpt.keras as ak
     from asyncckpt.keras import _state
 

@@ -1,4 +1,4 @@
-"""``asyncckpt bench --storage s3|gcs``: the remote tier against a local object store.
+"""``python -m benchmarks --storage s3|gcs``: the remote tier against a local object store.
 
 Starts SeaweedFS (S3) or fake-gcs-server (GCS) on 127.0.0.1 and measures:
 
@@ -32,8 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from asyncckpt import catalog
-from asyncckpt._engine.files import DurableWriter
-from asyncckpt._engine.manifest import Manifest
 from asyncckpt.storage import RetryPolicy
 from asyncckpt.storage import protocol as proto
 from asyncckpt.storage.stores import open_store
@@ -47,15 +45,15 @@ CONCURRENCY = 4
 
 def _make_checkpoint(directory: str, step: int, nbytes: int, nfiles: int
                      ) -> catalog.CheckpointInfo:
-    root = os.path.join(directory, str(step))
-    writer = DurableWriter(root, fsync=False, checksums=True)
+    """A JAX checkpoint of ``nfiles`` random arrays, each in one data file (zarr layout)."""
+    import asyncckpt.jax as aj
+
     rng = np.random.default_rng(step)
     per = nbytes // nfiles
-    for i in range(nfiles):
-        writer.write(f"default/a{i}/0", (rng.integers(0, 255, per, dtype=np.uint8),))
-    manifest = Manifest(framework="jax", label=str(step), step=step, files=tuple(writer.finish()))
-    with open(os.path.join(root, "asyncckpt.manifest.json"), "w") as f:
-        f.write(manifest.to_json())
+    state = {f"a{i}": rng.integers(0, 255, per, dtype=np.uint8) for i in range(nfiles)}
+    with aj.CheckpointManager(directory,
+                              format_options=aj.FormatOptions(use_ocdbt=False)) as mgr:
+        mgr.save(step, state)
     return next(c for c in catalog.list_checkpoints(directory) if c.step == step)
 
 
@@ -86,8 +84,7 @@ def _raw_client_put(url: str):
 def measure_upload(url: str, workdir: str, nbytes: int, reps: int, progress) -> dict:
     info = _make_checkpoint(workdir, 1, nbytes, nfiles=8)
     files = [(os.path.join(info.root, *r.name.split("/")), r.name)
-             for r in Manifest.from_json(open(info.manifest_path).read(),  # noqa: SIM115
-                                         path=info.manifest_path).files]
+             for r in catalog.verify(info, checksums=False).files]
     def raw_put(prefix: str) -> float:
         put = _raw_client_put(f"{url}/{prefix}")
         t = time.perf_counter()
@@ -174,7 +171,7 @@ def measure_restore(url: str, workdir: str, nbytes: int, reps: int, progress) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``asyncckpt bench --storage KIND``."""
+    """Entry point of ``python -m benchmarks --storage KIND``."""
     kind = args.storage
     mib = int((args.sizes or ("64" if args.quick else "256")).split(",")[0])
     reps = args.reps or (3 if args.quick else 5)

@@ -10,7 +10,8 @@ the destination memory's page faults), the rest of the prefetch (index,
 prediction, allocation), and what follows it (TensorFlow's own restore and
 assignment; JAX placement). Prints medians in ms and ratios to the raw read.
 
-Usage: python benchmarks/bench_restore_phases.py [--mib 1024] [--reps 5] [--frameworks tf,jax]
+Usage: python benchmarks/archive/bench_restore_phases.py [--mib 1024] [--reps 5]
+       [--frameworks tf,jax]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from asyncckpt._engine import reads
 from benchmarks.suite import engines as eng

@@ -1,6 +1,6 @@
 """Durable time and blocking of a JAX save: OCDBT writer vs the zarr-file writer vs orbax's OCDBT.
 
-Usage: python benchmarks/bench_jax_ocdbt.py [--mib 64,256] [--leaves 100,500] [--reps 5]
+Usage: python benchmarks/archive/bench_jax_ocdbt.py [--mib 64,256] [--leaves 100,500] [--reps 5]
        [--devices 8]
 
 Per state size and leaf count (a pytree of float32 arrays sharded over
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 
 def _files(step_dir: str) -> int:

@@ -20,7 +20,7 @@ alike, repetition after repetition (order rotated):
 Reports the medians and each engine's durable throughput / raw write+fsync
 (the floor's time over the engine's). Usage::
 
-    python benchmarks/bench_tf_write.py --sizes 256,1024 --reps 3
+    python benchmarks/archive/bench_tf_write.py --sizes 256,1024 --reps 3
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from benchmarks.suite import engines as eng
 

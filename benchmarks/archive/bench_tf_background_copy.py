@@ -1,6 +1,6 @@
 """TensorFlow saves with the host copy in the background vs on the training thread.
 
-Usage: python benchmarks/bench_tf_background_copy.py [--sizes 16,64] [--reps 15]
+Usage: python benchmarks/archive/bench_tf_background_copy.py [--sizes 16,64] [--reps 15]
        [--train-mib 16,64] [--rounds 5] [--json out.json]
 
 Two measurements, each paired in one process (cases interleaved in rotating

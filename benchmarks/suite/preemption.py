@@ -1,6 +1,6 @@
 """Preemption deadline: in time, and how much of the usable grace period is spent training.
 
-Usage: python benchmarks/bench_preemption_deadline.py [--framework tf|jax]
+Usage: python -m benchmarks --preemption [--framework tf|jax]
            [--trials 5] [--grace 2,5,10,30] [--step 0.01,0.05] [--write 0.25,1,3]
            [--noise none,heavy+disk] [--sigma 0.15] [--warmup 8] [--warmup-preemptions 4]
            [--seed 0] [--json results.json]
@@ -62,6 +62,7 @@ import random
 import shutil
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -360,8 +361,9 @@ def report_files(paths: list[str]) -> None:
         report(mine, cells)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks --preemption",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("tf", "jax"), default="tf")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--grace", default="2,5,10,30", help="grace periods, seconds")
@@ -380,11 +382,11 @@ def main() -> None:
     parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
                         help="only print the table of trials saved with --json (partial runs "
                              "included: the file is rewritten after every trial)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     if args.report:
         report_files(args.report)
-        return
+        return 0
     noises = [n.strip() for n in args.noise.split(",") if n.strip()]
     for n in noises:
         if not set(n.split("+")) <= {"none", "heavy", "disk"}:
@@ -440,7 +442,8 @@ def main() -> None:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
     report(trials, cells)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

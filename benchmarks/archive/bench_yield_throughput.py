@@ -7,8 +7,8 @@ save, then ``--reps`` rounds of (save with the gate off, save with it on,
 raw write+fsync of the same bytes), each save timed from the call until it
 is durable. Reports the medians and their ratios to the raw write.
 
-    python benchmarks/bench_yield_throughput.py --sizes 256,1024 --reps 3
-    python benchmarks/bench_yield_throughput.py --steady 60 --frameworks jax --sizes 16,64
+    python benchmarks/archive/bench_yield_throughput.py --sizes 256,1024 --reps 3
+    python benchmarks/archive/bench_yield_throughput.py --steady 60 --frameworks jax --sizes 16,64
 
 ``--steady N`` instead times N steady saves per setting (each after a
 training step and after the previous write finished, so the gate is closed
@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
-from benchmarks.bench_slots import _bench_state, _checkpointer
+from benchmarks.archive.bench_slots import _bench_state, _checkpointer
 
 
 def _on_and_off(fw: str, state, workdir: str, *, warm_saves: int) -> dict:

@@ -9,7 +9,7 @@ with 8, 16 and 32 reads in flight; once without the page-cache probe
 (every file opened ``O_DIRECT`` as if known cold: what the probe costs);
 once into one region for all files; once without checksums.
 
-Usage: python benchmarks/bench_restore_files.py [--mib 1024] [--files 512] [--reps 5]
+Usage: python benchmarks/archive/bench_restore_files.py [--mib 1024] [--files 512] [--reps 5]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from asyncckpt._engine import fastcrc, reads
 from benchmarks.suite import engines as eng

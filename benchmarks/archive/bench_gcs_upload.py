@@ -14,7 +14,7 @@ checkpoint's single data file, random bytes) to it, interleaved, in three ways:
 Every upload is checked by size. Medians of ``--reps`` interleaved rounds (the
 order rotating), printed as MiB/s and as ratios within the run.
 
-Usage: python benchmarks/bench_gcs_upload.py [--mib 256] [--reps 5] [--parallel 8]
+Usage: python benchmarks/archive/bench_gcs_upload.py [--mib 256] [--reps 5] [--parallel 8]
        [--part-mib 16] [--seed 0] [--server-nice 0] [--out FILE]
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 
 from asyncckpt.storage.gcs import GCSObjectStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from tests.servers import FakeGCS
 

@@ -8,12 +8,12 @@ reported next to a memcpy of the same tensors into warm buffers, timed in the
 same run right after the save, and split into the wait for a free slot (disk
 bound) and the staging itself.
 
-    python benchmarks/bench_slots.py --sizes 16,256 --arrays 20 --saves 5
-    python benchmarks/bench_slots.py --profile jax   # cProfile of 200 16 MiB saves
-    python benchmarks/bench_slots.py --steady 60 --sizes 16,64   # steady saves vs memcpy
-    python benchmarks/bench_slots.py --bursts 8 --sizes 16,64    # back-to-back saves vs memcpy
-    python benchmarks/bench_slots.py --bursts 4 --early-spare both --repeat 3  # A/B, paired
-    python benchmarks/bench_slots.py --bursts 8 --yield-to-saves both --repeat 3  # A/B, paired
+    python benchmarks/archive/bench_slots.py --sizes 16,256 --arrays 20 --saves 5
+    python benchmarks/archive/bench_slots.py --profile jax   # cProfile of 200 16 MiB saves
+    python benchmarks/archive/bench_slots.py --steady 60 --sizes 16,64   # steady saves vs memcpy
+    python benchmarks/archive/bench_slots.py --bursts 8 --sizes 16,64    # back-to-back vs memcpy
+    python benchmarks/archive/bench_slots.py --bursts 4 --early-spare both --repeat 3  # A/B, paired
+    python benchmarks/archive/bench_slots.py --bursts 8 --yield-to-saves both --repeat 3  # A/B
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 
 def _memcpy_floor(arrays: list[np.ndarray], dsts: list[np.ndarray]) -> float:

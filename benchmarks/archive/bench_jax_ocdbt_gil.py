@@ -15,7 +15,7 @@ Cases, each on the same ``--values`` staged buffers of ``--mib`` MiB in all:
 On a machine with more cores than threads here, the stall is the GIL alone;
 on two cores it includes competition for the CPU. Run:
 
-    python benchmarks/bench_jax_ocdbt_gil.py --mib 1024 --values 64 --reps 2
+    python benchmarks/archive/bench_jax_ocdbt_gil.py --mib 1024 --values 64 --reps 2
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 
 class Ticker:

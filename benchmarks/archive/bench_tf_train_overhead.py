@@ -18,7 +18,7 @@ baseline run (no saves) before each, rotating order, medians over rounds:
 Old checkpoints are kept on disk during a run, as ``asyncckpt bench`` does.
 Reports each case's overhead over the baseline and its cost per save. Usage::
 
-    python benchmarks/bench_tf_train_overhead.py --sizes 16,64,256 --rounds 5
+    python benchmarks/archive/bench_tf_train_overhead.py --sizes 16,64,256 --rounds 5
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from benchmarks.suite import engines as eng
 from benchmarks.suite.runner import train_loop

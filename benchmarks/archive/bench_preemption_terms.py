@@ -1,8 +1,10 @@
 """The deadline benchmark, recording the terms of each trial's margin at its final round.
 
-Usage: python benchmarks/bench_preemption_terms.py [bench_preemption_deadline.py options]
+Usage: python benchmarks/archive/bench_preemption_terms.py [python -m benchmarks --preemption
+options]
 
-Runs ``bench_preemption_deadline.py`` unchanged (same options, same output),
+Runs the deadline benchmark (``benchmarks/suite/preemption.py``; ``bench_preemption_deadline.py``
+when these runs were made) unchanged (same options, same output),
 with an observer on ``GraceClock.margin_parts`` and on the final save's
 ``log_bound``: each trial's record (``--json``) gains ``margin_terms``, the
 terms of the last margin computed before the final save started: ``margin``,
@@ -19,24 +21,17 @@ margins of the v5 grids with it.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import statistics
+import sys
+from pathlib import Path
 
-
-def _load_bench():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                        "bench_preemption_deadline.py")
-    spec = importlib.util.spec_from_file_location("bench_preemption_deadline", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 
 def main() -> None:
-    bench = _load_bench()
     from asyncckpt.preemption import _stats, grace
+    from benchmarks.suite import preemption as bench
 
     last: dict = {}
     log_bound, margin_parts = _stats.log_bound, grace.GraceClock.margin_parts

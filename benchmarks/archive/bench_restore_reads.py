@@ -21,7 +21,7 @@ restore's tensors (``--tensors`` 512 and ``--mib`` 1024: 2 MiB files'
 worth, as the JAX chunk files). Prints medians and per-repetition ratios
 to ``raw``.
 
-Usage: python benchmarks/bench_restore_reads.py [--mib 1024] [--tensors 64] [--reps 5]
+Usage: python benchmarks/archive/bench_restore_reads.py [--mib 1024] [--tensors 64] [--reps 5]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from asyncckpt._engine import fastcrc, reads
 from benchmarks.suite import engines as eng

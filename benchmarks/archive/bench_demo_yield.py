@@ -8,7 +8,7 @@ prints each save's blocking over a memcpy of the state timed in the same
 loop). Reports, per setting, the median and the worst of the saves after
 the first, over all rounds, and each round's worst.
 
-    python benchmarks/bench_demo_yield.py --rounds 3
+    python benchmarks/archive/bench_demo_yield.py --rounds 3
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 _ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)x\s+([\d.]+)x\s*$")
 

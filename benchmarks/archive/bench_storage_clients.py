@@ -8,7 +8,7 @@ each client and server: whether it reached the server from the environment,
 put and get throughput of one object, and whether a create-only put of an
 existing key is refused. The choice in docs/storage.md rests on these numbers.
 
-Usage: python benchmarks/bench_storage_clients.py [--mib 128] [--rounds 2]
+Usage: python benchmarks/archive/bench_storage_clients.py [--mib 128] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from tests.servers import FakeGCS, SeaweedS3
 

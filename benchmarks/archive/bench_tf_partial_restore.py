@@ -19,7 +19,7 @@ Reports median times, ratios to the raw read and to TensorFlow, and the
 bytes each case read from the device (``/proc/self/io`` ``read_bytes``).
 Usage::
 
-    python benchmarks/bench_tf_partial_restore.py --reps 5
+    python benchmarks/archive/bench_tf_partial_restore.py --reps 5
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from benchmarks.suite import engines as eng
 from benchmarks.suite.restore import resident_fraction

@@ -15,7 +15,7 @@ memory, next to the host memcpy floor of the same bytes:
 On CPU the "device" is host memory, so every path is a memcpy; on a GPU the
 device-to-host bandwidth bounds them. Run:
 
-    python benchmarks/bench_jax_d2h.py --mib 1024 --reps 5
+    python benchmarks/archive/bench_jax_d2h.py --mib 1024 --reps 5
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ in one process, cases interleaved per repetition:
 
 each for huge pages (``MADV_HUGEPAGE``, as restores use) and 4 KiB pages.
 
-Usage: python benchmarks/bench_fresh_memory.py [--mib 1024] [--reps 3]
+Usage: python benchmarks/archive/bench_fresh_memory.py [--mib 1024] [--reps 3]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from benchmarks.suite import engines as eng
 

@@ -14,7 +14,7 @@ changes hit every case alike (order rotated per repetition):
 
 Prints medians and each case's median ratio to the raw read.
 
-Usage: python benchmarks/bench_jax_checksums.py [--mib 256] [--reps 5] [--dir DIR]
+Usage: python benchmarks/archive/bench_jax_checksums.py [--mib 256] [--reps 5] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import jax
 import asyncckpt.jax as aj
 from asyncckpt import RestoreOptions
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 from asyncckpt._engine import fastcrc
 from asyncckpt._engine.manifest import read_manifest

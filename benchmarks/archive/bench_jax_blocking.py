@@ -1,6 +1,6 @@
 """Blocking time of one JAX save against memcpy floors, paired in one process.
 
-Usage: python benchmarks/bench_jax_blocking.py [--mib 16,64] [--tensors 4,100] [--reps 40]
+Usage: python benchmarks/archive/bench_jax_blocking.py [--mib 16,64] [--tensors 4,100] [--reps 40]
        [--step] [--profile] [--page-sizes] [--phases]
 
 Per state size and tensor count, every repetition runs each case once, in
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 
 def main() -> None:

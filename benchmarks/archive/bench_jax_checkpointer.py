@@ -1,6 +1,6 @@
 """Blocking time of a checkpointer's save: asyncckpt's StandardCheckpointer, its manager, orbax's.
 
-Usage: python benchmarks/bench_jax_checkpointer.py [--mib 64] [--tensors 4] [--reps 15]
+Usage: python benchmarks/archive/bench_jax_checkpointer.py [--mib 64] [--tensors 4] [--reps 15]
 
 One pytree of ``jax.Array``s (``asyncckpt bench``'s JAX state, sharded over
 every device), three savers made once and reused, and in every repetition
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 
 def main() -> None:

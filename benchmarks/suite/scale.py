@@ -1,9 +1,9 @@
 """Scale benchmark: N real ``jax.distributed`` processes saving and restoring many arrays.
 
-Usage: python benchmarks/bench_scale.py [--processes 1,2,4,8] [--leaves 500] [--leaf-kib 64]
+Usage: python -m benchmarks --scale [--processes 1,2,4,8] [--leaves 500] [--leaf-kib 64]
        [--devices 2] [--targets local,s3] [--engines asyncckpt,orbax] [--format zarr,ocdbt]
        [--saves 3] [--out DIR] [--quick]
-(also ``asyncckpt bench --scale [the same arguments]``)
+(or ``python -m benchmarks.suite.scale [the same arguments]``)
 
 For each process count N, N worker processes start on 127.0.0.1 (CPU, ``--devices`` XLA
 host devices each) and join one ``jax.distributed`` run. The state is ``--leaves`` float32
@@ -68,7 +68,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+from benchmarks.suite import ROOT
 
 ENGINES = ("asyncckpt", "orbax")
 FORMATS = ("zarr", "ocdbt")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = make_plan(argv)
     except ValueError as e:
-        print(f"bench_scale: {e}", file=sys.stderr)
+        print(f"python -m benchmarks --scale: {e}", file=sys.stderr)
         return 2
     results = run(plan)
     text = report(results)
@@ -170,7 +170,8 @@ def asyncckpt_formats() -> tuple[str, ...]:
 
 def make_plan(argv: list[str]) -> dict:
     """The cases to run, from the command line; ValueError for arguments that cannot run."""
-    parser = argparse.ArgumentParser(prog="bench_scale", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks --scale",
+                                     description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     processes = _ints(args.processes or ("1,2" if args.quick else "1,2,4,8"), "--processes")
@@ -216,14 +217,14 @@ def make_plan(argv: list[str]) -> dict:
     strace = None if args.no_strace else shutil.which("strace")
     if strace and not _strace_works(strace):
         strace = None
-    out = args.out or os.path.join(Path(__file__).resolve().parent, "results",
+    out = args.out or os.path.join(ROOT, "benchmarks", "results",
                                    time.strftime("scale-%Y%m%d-%H%M%S"))
     return {
         "processes": processes, "leaves": leaves, "leaf_bytes": args.leaf_kib * 1024,
         "devices": args.devices, "saves": saves, "cases": cases, "skipped": skipped,
         "strace": strace, "trace_files": bool(args.trace_files and strace),
         "timeout_s": args.timeout, "scratch": args.scratch, "out": out, "quiet": args.quiet,
-        "command": "bench_scale " + " ".join(shlex.quote(a) for a in argv),
+        "command": "python -m benchmarks --scale " + " ".join(shlex.quote(a) for a in argv),
     }
 
 
@@ -267,7 +268,9 @@ def run(plan: dict) -> dict:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", TMPDIR=work,
                    TF_CPP_MIN_LOG_LEVEL="2",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={plan['devices']}")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root,
+        # The asyncckpt measured first (whatever checkout ``run`` imported), then the
+        # checkout of these benchmarks, whose worker module the processes run.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, str(ROOT),
                                                           env.get("PYTHONPATH")]))
         try:
             if any(c["target"] == "s3" for c in plan["cases"]):
@@ -311,7 +314,7 @@ def _run_processes(n: int, plan: dict, env: dict, root: str, progress) -> tuple[
     procs, logs, traces = [], [], []
     try:
         for i in range(n):
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(i), str(n),
+            cmd = [sys.executable, "-m", "benchmarks.suite.scale", "--worker", str(i), str(n),
                    port, config_path]
             trace = os.path.join(root, f"strace.{i}")
             if plan["strace"]:

@@ -1,6 +1,6 @@
 """Coordination cost of multi-process JAX saves and restores, counted on the real KV client.
 
-Usage: python benchmarks/bench_jax_coordination.py [--processes 2,4] [--leaves 100,500]
+Usage: python benchmarks/archive/bench_jax_coordination.py [--processes 2,4] [--leaves 100,500]
        [--layouts ocdbt,zarr] [--saves 3] [--devices 2]
 
 Runs N real ``jax.distributed`` processes on 127.0.0.1 (``--devices`` CPU
@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks, tests
 
 WORKER = r'''
 import json, os, statistics, sys
