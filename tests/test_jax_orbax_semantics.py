@@ -280,6 +280,18 @@ def test_legacy_manager_spellings(tmp_path):
     with aj.CheckpointManager(tmp_path / "named") as fresh:  # a new manager, no checkpointers
         assert set(fresh.item_metadata(0)) == {"state", "extra"}
 
+    # A JSON item among them (orbax's own checkpointer of its JSON handler).
+    json_too = lambda lib, path: lib.CheckpointManager(path, {  # noqa: E731
+        "state": lib.PyTreeCheckpointer(), "meta": ocp.Checkpointer(ocp.JsonCheckpointHandler())})
+    with json_too(aj, tmp_path / "json") as mgr:
+        mgr.save(0, {"state": tree, "meta": {"epoch": 3}})
+    ours, theirs = managers(tmp_path / "json", json_too)
+    with ours, theirs:
+        got = ours.restore(0, items={"state": target, "meta": None})
+        want = theirs.restore(0, items={"state": target, "meta": None})
+        assert got["meta"] == want["meta"] == {"epoch": 3}
+        _same(got["state"], want["state"])
+
 
 def test_typed_prng_keys_are_saved_and_restored_as_orbax_does(tmp_path):
     nnx = pytest.importorskip("flax.nnx")

@@ -320,22 +320,30 @@ _RESTORE_KWARGS = frozenset({"restore_args", "transforms", "transforms_default_t
                              "partial_restore"})
 
 
-def _legacy_restore(name: str, target: Any, kwargs: Any, by_target: bool) -> RestoreItem:
-    """One item of orbax's older ``restore(step, items, restore_kwargs)`` spelling."""
+def _legacy_restore(name: str, target: Any, kwargs: Any, handler: str) -> RestoreItem:
+    """One item of orbax's older ``restore(step, items, restore_kwargs)`` spelling.
+
+    ``handler``: ``standard``, ``pytree`` or ``json`` (see ``restore_items``).
+    """
+    if handler == "json":
+        if kwargs:
+            raise TypeError(f"item {name!r}: a JSON item takes no restore_kwargs")
+        return RestoreItem(name, "json")
     kwargs = dict(kwargs or {})
     unknown = sorted(set(kwargs) - _RESTORE_KWARGS)
     if unknown:
         raise TypeError(f"item {name!r}: restore_kwargs {unknown} are not supported "
                         f"({', '.join(sorted(_RESTORE_KWARGS))} are)")
     return RestoreItem(name, "pytree", target, kwargs.get("restore_args"),
-                       bool(kwargs.get("partial_restore", False)), by_target=by_target,
+                       bool(kwargs.get("partial_restore", False)),
+                       by_target=handler != "pytree",
                        transforms=kwargs.get("transforms"),
                        transforms_default_to_original=bool(
                            kwargs.get("transforms_default_to_original", True)))
 
 
 def restore_items(target: Any, args: Any, restore_kwargs: Any = None, *,
-                  named_items: bool = False, standard: Mapping[str, bool] | None = None
+                  named_items: bool = False, handlers: Mapping[str, str] | None = None
                   ) -> tuple[list[RestoreItem] | None, bool]:
     """What to restore: items (None: every item on disk) and whether a Composite was asked.
 
@@ -344,16 +352,16 @@ def restore_items(target: Any, args: Any, restore_kwargs: Any = None, *,
     "transforms": ...}``), by item name with ``named_items`` (a manager made
     with a dict of checkpointers).
 
-    ``standard``: by item name, whether its handler is orbax's
-    ``StandardCheckpointHandler`` (the target's leaves say the types) rather
-    than its ``PyTreeCheckpointHandler`` (the target gives the structure);
-    an item not named there: as ``StandardRestore``.
+    ``handlers``: by item name, the kind of its handler when one was given:
+    ``standard`` (orbax's ``StandardCheckpointHandler``: the target's leaves
+    say the types), ``pytree`` (its ``PyTreeCheckpointHandler``: the target
+    gives the structure) or ``json``; an item not named there: ``standard``.
 
     Raises:
         TypeError: both ``target`` and ``args``, or an unknown argument type.
         ValueError: an option asyncckpt cannot honour.
     """
-    standard = standard or {}
+    handlers = handlers or {}
     if target is not None and args is not None:
         raise TypeError("give either the items (target) or args=, not both")
     if named_items and args is None and (target is not None or restore_kwargs is not None):
@@ -362,20 +370,20 @@ def restore_items(target: Any, args: Any, restore_kwargs: Any = None, *,
                             "of its items by name")
         targets, per_item = dict(target or {}), dict(restore_kwargs or {})
         return [_legacy_restore(check_item_name(str(k)), targets.get(k), per_item.get(k),
-                                standard.get(str(k), True))
+                                handlers.get(str(k), "standard"))
                 for k in dict.fromkeys([*targets, *per_item])], True
     if restore_kwargs is not None:
         if args is not None:
             raise TypeError("restore_kwargs go with the target (orbax's older restore(step, "
                             "items, restore_kwargs)); with args= put restore_args in the args")
         return [_legacy_restore(fmt.ITEM, target, restore_kwargs,
-                                standard.get(fmt.ITEM, True))], False
+                                handlers.get(fmt.ITEM, "standard"))], False
     if args is None:
         if target is not None and is_orbax_args(target):
             args = target
         else:
-            return ([RestoreItem(fmt.ITEM, "pytree", target,
-                                 by_target=standard.get(fmt.ITEM, True))]
+            return ([_legacy_restore(fmt.ITEM, target, None,
+                                     handlers.get(fmt.ITEM, "standard"))]
                     if target is not None else None), False
     if is_composite(args):
         return [_one_restore(check_item_name(k), v) for k, v in args.items()], True

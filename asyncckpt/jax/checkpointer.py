@@ -536,19 +536,24 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
 
         ``restore(path)``, ``restore(path, target)``, ``restore(path,
         args=ocp.args.StandardRestore(target))`` (``PyTreeRestore`` with
-        ``restore_args`` / ``partial_restore`` for a PyTree handler), or the
-        args' fields as keywords. Waits for a save of ``path`` still in
-        flight. See ``CheckpointManager.restore`` for the target's leaves.
+        ``restore_args`` / ``partial_restore`` / ``transforms`` for a PyTree
+        handler), or the args' fields as keywords (``restore(path,
+        item=target, restore_args=...)``). Each leaf comes back as orbax's
+        handler gives it back: a Standard handler's target says each leaf's
+        type, a PyTree handler's item only the structure (see
+        ``CheckpointManager.restore``). Waits for a save of ``path`` still
+        in flight.
 
         Raises:
             CheckpointNotFoundError: nothing at ``directory`` (a FileNotFoundError).
             CorruptCheckpointError: the files do not match the manifest (named).
-            ValueError: the target does not match the checkpoint.
+            ValueError: the target does not match the checkpoint (also
+                ``UnsupportedLeafError`` and ``TopologyMismatchError``).
         """
         if len(args) == 1 and not kwargs and not _args.is_orbax_args(args[0]):
             # orbax's PyTreeRestore(item) for a PyTree handler: the structure only counts.
-            items, named = _args.restore_items(args[0], None,
-                                               standard={fmt.ITEM: self._kind == _STANDARD})
+            items, named = _args.restore_items(args[0], None, handlers={
+                fmt.ITEM: "standard" if self._kind == _STANDARD else "pytree"})
         else:
             items, named = _args.restore_items(None, self._orbax_args(args, kwargs,
                                                                        restore=True))
@@ -699,15 +704,19 @@ class StandardCheckpointer(AsyncCheckpointer, _OrbaxStandardCheckpointer):
         """Restores the pytree at ``directory`` into ``target``'s structure and shardings.
 
         ``target`` leaves: ``jax.ShapeDtypeStruct`` (with a sharding: any mesh
-        or device count), ``jax.Array``, NumPy arrays, scalars,
-        ``ocp.PLACEHOLDER``; None returns nested dicts. Waits for a save of
-        ``directory`` still in flight.
+        or device count; without one: the saved sharding, or NumPy for a leaf
+        saved from NumPy), ``jax.Array``, NumPy arrays, scalars, None and
+        ``ocp.PLACEHOLDER`` (not read). ``target`` None returns nested dicts,
+        each leaf as saved (``jax.Array``s on their saved shardings). Waits
+        for a save of ``directory`` still in flight.
 
         Raises:
             CheckpointNotFoundError: nothing at ``directory`` (a FileNotFoundError).
             CorruptCheckpointError: the files do not match the manifest (named).
             ValueError: ``target`` does not match, or ``strict=False``
                 (restoring into other shapes is not supported).
+            TopologyMismatchError: no target sharding, and the saved one
+                cannot be rebuilt on this run's devices (a ValueError).
         """
         if strict is not True:
             raise ValueError("strict=False (restoring into other shapes) is not supported; "

@@ -190,9 +190,12 @@ class CheckpointManager(ClosingContext):
             self._config, use_async=setup.use_async, timeout_s=setup.timeout_s,
             async_options_given=getattr(options, "async_options", None) is not None)
         self._setup = setup
-        # orbax's PyTree handler restores its item for the structure only (PyTreeRestore).
-        self._standard = {name: type(h).__name__ != "PyTreeCheckpointHandler"
-                          for name, h in setup.handlers.items()}
+        # How orbax's handler of each item restores the older items= spelling: its
+        # PyTree handler takes the item for the structure only (PyTreeRestore).
+        self._restore_kinds = {
+            name: ("json" if setup.kinds.get(name) == "json" else
+                   "pytree" if type(h).__name__ == "PyTreeCheckpointHandler" else "standard")
+            for name, h in setup.handlers.items()}
         self._logger = logger
         self._item_names = None if setup.names is None else tuple(
             _args.check_item_name(n) for n in setup.names)
@@ -770,7 +773,7 @@ class CheckpointManager(ClosingContext):
         try:
             requests, named = _args.restore_items(
                 items, args, restore_kwargs, named_items=self._setup.named_items,
-                standard=self._standard)
+                handlers=self._restore_kinds)
             with shared_verdicts(verdicts):
                 restored = self._restore(step, requests, named, directory, tried)
         except Exception as e:
