@@ -102,6 +102,8 @@ def args_by_path(restore_args: Any) -> dict[tuple[str, ...], Any]:
     them made with ``jax.tree.map`` over a target keeps its empty subtrees
     (optax's ``EmptyState()``, ``None``), which are no leaves on disk.
     """
+    if _tree.is_empty_leaf(restore_args):
+        return {}
     leaves, _ = jax.tree_util.tree_flatten(restore_args, is_leaf=_is_args_leaf)
     paths = _tree.paths_of(restore_args, _is_args_leaf)
     return {p.names: a for p, a in zip(paths, leaves, strict=True)
