@@ -40,6 +40,25 @@ class UnsupportedObjectError(AsyncCkptError, TypeError):
     """The state holds an object asyncckpt cannot stage to host memory."""
 
 
+class UnsupportedLeafError(UnsupportedObjectError, ValueError):
+    """A pytree (or one of its leaves) that orbax's handlers refuse too.
+
+    The JAX front end's ``UnsupportedObjectError``: also a ``ValueError``,
+    which orbax raises for the same trees (a ``str`` leaf in a standard
+    pytree, an empty tree, a bare array, a target leaf of another type), so
+    code written against orbax catches it as it did.
+    """
+
+
+class TopologyMismatchError(AsyncCkptError, ValueError):
+    """A checkpoint's saved sharding cannot be rebuilt on this run's devices.
+
+    Raised by a restore that keeps the saved sharding (no target, or a
+    ``jax.ShapeDtypeStruct`` without one), as orbax raises a ``ValueError``
+    there: give a target with the shardings to restore onto.
+    """
+
+
 class DirectoryLockedError(AsyncCkptError, RuntimeError):
     """Another live process already writes checkpoints into this directory."""
 

@@ -146,9 +146,9 @@ def test_two_processes_save_and_restore(tmp_path):
     assert "No space left on device" in p1["failure"], p1["failure"]
     assert "process 1" in p0["failure"] and "No space left" in p0["failure"], p0["failure"]
     assert p0["steps_after_failure"] == [2, 3]
-    assert p1["staging_failure"].startswith("UnsupportedObjectError"), p1["staging_failure"]
+    assert p1["staging_failure"].startswith("UnsupportedLeafError"), p1["staging_failure"]
     assert p0["staging_failure"].startswith("DistributedSaveError"), p0["staging_failure"]
-    assert "UnsupportedObjectError" in p0["staging_failure"]
+    assert "UnsupportedLeafError" in p0["staging_failure"]
     assert p0["staging_failure_s"] < 30  # told by process 1, not a timeout (60 s here)
     leftovers = [n for n in os.listdir(directory) if n.startswith(".asyncckpt-tmp-")]
     assert not leftovers

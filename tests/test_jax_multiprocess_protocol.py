@@ -281,11 +281,11 @@ def test_failures_agreed_keys_aligned_reaped_and_restore_verdicts_shared(tmp_pat
         "peer_read_failure"]
     assert p0["after_peer_failure_7"] and p1["after_peer_failure_7"]
     # Process 0 failed to stage step 9: process 1's save of it fails, naming why.
-    assert p0["primary_staging"].startswith("UnsupportedObjectError"), p0
+    assert p0["primary_staging"].startswith("UnsupportedLeafError"), p0
     assert p1["primary_staging"] is None
     assert p1["primary_staging_wait"].startswith("DistributedSaveError"), p1
     assert "process 0: did not take part" in p1["primary_staging_wait"]
-    assert "UnsupportedObjectError" in p1["primary_staging_wait"]
+    assert "UnsupportedLeafError" in p1["primary_staging_wait"]
     leftovers = [n for n in os.listdir(tmp_path / "a") if n.startswith(".asyncckpt-tmp-")]
     assert not leftovers
 

@@ -224,8 +224,10 @@ def test_asyncckpt_reads_orbaxs_own_ocdbt_partially_and_resharded(ckpt_dir):
     mesh = _mesh((8,), ("d",))
     w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "d")))
     with aj.CheckpointManager(ckpt_dir) as mgr:
-        got = mgr.restore(5, args=ocp.args.PyTreeRestore({"params": {"w": w}},
-                                                         partial_restore=True))
+        # A PyTree handler's item gives the structure: the sharding comes from restore_args.
+        got = mgr.restore(5, args=ocp.args.PyTreeRestore(
+            {"params": {"w": w}}, partial_restore=True,
+            restore_args={"params": {"w": ocp.ArrayRestoreArgs(sharding=w.sharding)}}))
         np.testing.assert_array_equal(np.asarray(got["params"]["w"]),
                                       np.asarray(state["params"]["w"]))
         assert got["params"]["w"].sharding == w.sharding

@@ -394,8 +394,11 @@ def test_asyncckpt_reads_orbaxs_own_zarr3_partially_and_resharded(ckpt_dir, use_
         assert codecs[0]["name"] == "sharding_indexed"
         assert not _reads_raw(item)  # not asyncckpt's raw layout: TensorStore decodes it
         with aj.CheckpointManager(directory) as mgr:
-            got = mgr.restore(4, args=ocp.args.PyTreeRestore({"params": {"w": w}},
-                                                             partial_restore=True))
+            # orbax's PyTreeRestore takes the structure from its item; the sharding
+            # comes from restore_args.
+            got = mgr.restore(4, args=ocp.args.PyTreeRestore(
+                {"params": {"w": w}}, partial_restore=True,
+                restore_args={"params": {"w": ocp.ArrayRestoreArgs(sharding=w.sharding)}}))
             assert got["params"]["w"].sharding == w.sharding
             _same(state["params"]["w"], got["params"]["w"])
             _same(state, mgr.restore(4, target=_abstract(state)))

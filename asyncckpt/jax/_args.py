@@ -131,6 +131,12 @@ class RestoreItem:
         restore_args: orbax ``RestoreArgs`` tree, used when given.
         partial: The target may name a subset of the saved leaves.
         handler: The item's handler (``handler`` items).
+        by_target: The target's leaves say what each leaf comes back as
+            (``StandardRestore``, asyncckpt's short spelling); False: the
+            target gives the structure only and leaves come back as saved,
+            as orbax's PyTree handler restores its item (``PyTreeRestore``).
+        transforms: orbax's ``transforms`` (None: none).
+        transforms_default_to_original: orbax's flag of that name.
     """
 
     name: str
@@ -139,6 +145,9 @@ class RestoreItem:
     restore_args: Any = None
     partial: bool = False
     handler: Any = None
+    by_target: bool = True
+    transforms: Any = None
+    transforms_default_to_original: bool = True
 
 
 def _orbax_name(obj: Any) -> str | None:
@@ -314,7 +323,7 @@ def _one_restore(name: str, arg: Any, handler: Any = None) -> RestoreItem:
         return RestoreItem(name, "auto", handler=handler)
     kind = _orbax_name(arg)
     if handler is None and kind in _PYTREE_RESTORE:
-        for field, default in (("transforms", None), ("legacy_transform_fn", None),
+        for field, default in (("legacy_transform_fn", None),
                                ("fallback_sharding", None), ("support_layout", False)):
             if getattr(arg, field, default) not in (default,):
                 raise ValueError(f"item {name!r}: {kind}.{field} is not supported by asyncckpt")
@@ -322,7 +331,11 @@ def _one_restore(name: str, arg: Any, handler: Any = None) -> RestoreItem:
             raise ValueError(f"item {name!r}: strict=False (restoring into other shapes) is not "
                              "supported; shapes must match the checkpoint")
         return RestoreItem(name, "pytree", arg.item, getattr(arg, "restore_args", None),
-                           bool(getattr(arg, "partial_restore", False)))
+                           bool(getattr(arg, "partial_restore", False)),
+                           by_target=kind.startswith("Standard"),
+                           transforms=getattr(arg, "transforms", None),
+                           transforms_default_to_original=bool(
+                               getattr(arg, "transforms_default_to_original", True)))
     if handler is None and kind in _JSON_RESTORE:
         return RestoreItem(name, "json")
     if not is_orbax_args(arg):
@@ -332,42 +345,86 @@ def _one_restore(name: str, arg: Any, handler: Any = None) -> RestoreItem:
                        handler=handler if handler is not None else _handlers.handler_for_args(arg))
 
 
-def restore_items(target: Any, args: Any, restore_kwargs: Any = None,
+# orbax's older restore_kwargs: the fields of its PyTreeRestore other than the item.
+_RESTORE_KWARGS = frozenset({"restore_args", "transforms", "transforms_default_to_original",
+                             "partial_restore"})
+
+
+def _legacy_restore(name: str, target: Any, kwargs: Any, kind: str,
+                    handler: Any = None) -> RestoreItem:
+    """One item of orbax's older ``restore(step, items, restore_kwargs)`` spelling.
+
+    ``kind``: ``standard``, ``pytree`` or ``json`` (see ``restore_items``);
+    ``handler``: the item's own handler, which restores it (its restore args
+    made from ``target``, as orbax makes them).
+    """
+    if handler is not None:
+        return RestoreItem(name, "handler", _handlers.restore_args(handler, target),
+                           handler=handler)
+    if kind == "json":
+        if kwargs:
+            raise TypeError(f"item {name!r}: a JSON item takes no restore_kwargs")
+        return RestoreItem(name, "json")
+    kwargs = dict(kwargs or {})
+    unknown = sorted(set(kwargs) - _RESTORE_KWARGS)
+    if unknown:
+        raise TypeError(f"item {name!r}: restore_kwargs {unknown} are not supported "
+                        f"({', '.join(sorted(_RESTORE_KWARGS))} are)")
+    return RestoreItem(name, "pytree", target, kwargs.get("restore_args"),
+                       bool(kwargs.get("partial_restore", False)),
+                       by_target=kind != "pytree",
+                       transforms=kwargs.get("transforms"),
+                       transforms_default_to_original=bool(
+                           kwargs.get("transforms_default_to_original", True)))
+
+
+def restore_items(target: Any, args: Any, restore_kwargs: Any = None, *,
+                  named_items: bool = False, kinds: Mapping[str, str] | None = None,
                   handlers: _handlers.ItemHandlers | None = None
                   ) -> tuple[list[RestoreItem] | None, bool]:
     """What to restore: items (None: every item on disk) and whether a Composite was asked.
 
-    ``restore_kwargs`` is orbax's older spelling, ``{"restore_args": tree}``
-    with ``target`` as ``items``. ``handlers``: the items' own handlers (those
-    not written by asyncckpt itself), by item name: they restore their items.
+    ``target`` is also orbax's older ``items`` and ``restore_kwargs`` its
+    older spelling of the restore's options (``{"restore_args": tree,
+    "transforms": ...}``), by item name with ``named_items`` (a manager made
+    with a dict of checkpointers).
+
+    ``kinds``: by item name, the kind of its handler when one was given:
+    ``standard`` (orbax's ``StandardCheckpointHandler``: the target's leaves
+    say the types), ``pytree`` (its ``PyTreeCheckpointHandler``: the target
+    gives the structure) or ``json``; an item not named there: ``standard``.
+    ``handlers``: the items' own handlers (those not written by asyncckpt
+    itself), by item name (and args type): they restore their items.
 
     Raises:
         TypeError: both ``target`` and ``args``, or an unknown argument type.
         ValueError: an option asyncckpt cannot honour.
     """
+    kinds = kinds or {}
+    own = handlers if handlers is not None else _handlers.ItemHandlers()
     if target is not None and args is not None:
-        raise TypeError("give either target= or args=, not both")
+        raise TypeError("give either the items (target) or args=, not both")
+    if named_items and args is None and (target is not None or restore_kwargs is not None):
+        if target is not None and not isinstance(target, Mapping):
+            raise TypeError("this manager was given a dict of checkpointers: restore a dict "
+                            "of its items by name")
+        targets, per_item = dict(target or {}), dict(restore_kwargs or {})
+        return [_legacy_restore(check_item_name(str(k)), targets.get(k), per_item.get(k),
+                                kinds.get(str(k), "standard"), own.get(str(k)))
+                for k in dict.fromkeys([*targets, *per_item])], True
     if restore_kwargs is not None:
         if args is not None:
             raise TypeError("restore_kwargs go with the target (orbax's older restore(step, "
                             "items, restore_kwargs)); with args= put restore_args in the args")
-        kwargs = dict(restore_kwargs)
-        restore_args = kwargs.pop("restore_args", None)
-        if kwargs:
-            raise TypeError(f"restore_kwargs {sorted(kwargs)} are not supported "
-                            "(restore_args is)")
-        return [RestoreItem(fmt.ITEM, "pytree", target, restore_args)], False
-    own = handlers if handlers is not None else _handlers.ItemHandlers()
-    if args is None and target is not None and fmt.ITEM in own and not is_orbax_args(target):
-        handler = own[fmt.ITEM]  # orbax's older restore(step, items): the handler's args
-        return [RestoreItem(fmt.ITEM, "handler", _handlers.restore_args(handler, target),
-                            handler=handler)], False
+        return [_legacy_restore(fmt.ITEM, target, restore_kwargs,
+                                kinds.get(fmt.ITEM, "standard"), own.get(fmt.ITEM))], False
     if args is None:
         if target is not None and is_orbax_args(target):
             args = target
         else:
-            return ([RestoreItem(fmt.ITEM, "pytree", target)] if target is not None
-                    else None), False
+            return ([_legacy_restore(fmt.ITEM, target, None, kinds.get(fmt.ITEM, "standard"),
+                                     own.get(fmt.ITEM))]
+                    if target is not None else None), False
     if is_composite(args):
         return [_one_restore(check_item_name(k), v, own.get(k) or own.for_args(v))
                 for k, v in args.items()], True

@@ -21,7 +21,7 @@ from asyncckpt._engine import fastcrc, reads
 from asyncckpt._engine.files import FileRecord
 from asyncckpt._engine.manifest import Manifest
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.jax._format import in_item
+from asyncckpt.jax._format import ARRAY_METADATAS, in_item
 
 _READERS = 8  # parallel file reads: enough to keep a disk's queue full
 
@@ -228,10 +228,12 @@ class ChunkStore:
         def wanted(name: str) -> bool:
             parts = name.split("/")
             if not item:
-                return len(parts) == 1 or params is None or parts[0] in params
+                return (len(parts) == 1 or params is None or parts[0] in params
+                        or parts[0] == ARRAY_METADATAS)
             if len(parts) <= 2:  # step-level files and the item's own metadata files
                 return len(parts) == 1 or parts[0] == item
-            return parts[0] == item and (params is None or parts[1] in params)
+            return parts[0] == item and (params is None or parts[1] in params
+                                         or parts[1] == ARRAY_METADATAS)
 
         return [name for name in sorted(self._records) if wanted(name)]
 

@@ -43,6 +43,9 @@ ITEM = "default"
 ROOT_ITEM = ""
 TREE_METADATA = "_METADATA"
 SHARDING_FILE = "_sharding"
+# orbax's per-process array metadata (a typed PRNG key's impl among it).
+ARRAY_METADATAS = "array_metadatas"
+RANDOM_KEY_IMPL = "random_key_impl"
 STEP_METADATA = "_CHECKPOINT_METADATA"
 ZARRAY = ".zarray"
 ZARR_JSON = "zarr.json"  # zarr v3's array metadata
@@ -533,6 +536,78 @@ def is_ocdbt(item_dir: str) -> bool:
 
 # Reads one chunk file's raw bytes (None if the file does not exist).
 ChunkSource = Callable[[str], "np.ndarray | None"]
+
+
+def array_metadatas_file(arrays: Sequence[tuple[str, Any, Sequence[int], str | None]],
+                         process_index: int = 0) -> tuple[str, str]:
+    """orbax's ``array_metadatas/process_<i>`` file: ``(name, text)`` in the item.
+
+    ``arrays``: ``(param, write_shape, chunk_shape, key_impl)`` of each
+    ``jax.Array`` leaf; ``key_impl`` (None for other arrays) is the impl of a
+    typed PRNG key, which orbax reads back to wrap the key data it restores.
+    """
+    body = {"array_metadatas": [
+        {"array_metadata": {
+            "param_name": param,
+            "write_shape": list(write_shape) if write_shape is not None else None,
+            "chunk_shape": list(chunk_shape),
+            "ext_metadata": None if impl is None else {RANDOM_KEY_IMPL: impl},
+        }} for param, write_shape, chunk_shape, impl in arrays]}
+    return f"{ARRAY_METADATAS}/process_{process_index}", json.dumps(body)
+
+
+def read_key_impls(item_dir: str) -> dict[str, str]:
+    """The typed PRNG keys of an item: parameter name -> impl (``array_metadatas``).
+
+    orbax (and asyncckpt) record a key's impl in the ``array_metadatas``
+    files; an item without them has no keys. As orbax, the first process's
+    file that names a parameter is the one read.
+
+    Raises:
+        CorruptCheckpointError: a file there is not orbax's JSON.
+    """
+    folder = os.path.join(item_dir, ARRAY_METADATAS)
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.startswith("process_"))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    impls: dict[str, str] = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                body = json.load(f)
+            for entry in body.get("array_metadatas", []):
+                meta = entry.get("array_metadata", entry)
+                ext = meta.get("ext_metadata") or {}
+                impl = ext.get(RANDOM_KEY_IMPL) if isinstance(ext, dict) else None
+                if impl is not None:
+                    impls.setdefault(str(meta["param_name"]), str(impl))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptCheckpointError(
+                f"array metadata {path!r} is unreadable: {e}",
+                checkpoint=os.path.dirname(item_dir), file=path) from e
+    return impls
+
+
+def read_shardings(item_dir: str) -> dict[str, str]:
+    """The item's ``_sharding`` file: parameter name -> orbax's sharding description ({}
+    when there is none: orbax writes it only if it can describe every jax.Array).
+
+    Raises:
+        CorruptCheckpointError: the file is not orbax's JSON.
+    """
+    path = os.path.join(item_dir, SHARDING_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = json.load(f)
+        return {base64.urlsafe_b64decode(k.encode()).decode(): str(v)
+                for k, v in body.items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, AttributeError, TypeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"sharding file {path!r} is unreadable: {e}",
+                                     checkpoint=os.path.dirname(item_dir), file=path) from e
 
 
 def read_file_bytes(path: str) -> np.ndarray | None:

@@ -245,15 +245,17 @@ class JaxSaveJob(SaveJob):
         keys of this process's database; the item's own files (``_METADATA``,
         ``_sharding``) stay files. Item ``""`` is a checkpointer's pytree, at
         the step's root: its arrays' files are ``<param>/...``, and the
-        step's own files (``_CHECKPOINT_METADATA``...) stay files too.
+        step's own files (``_CHECKPOINT_METADATA``...) stay files too, as do
+        orbax's ``array_metadatas/process_<i>``.
         """
         if fmt.ROOT_ITEM in self._ocdbt:
-            if "/" not in name:
+            if "/" not in name or name.startswith(fmt.ARRAY_METADATAS + "/"):
                 return None
             item = fmt.ROOT_ITEM
         else:
             item, _, rest = name.partition("/")
-            if item not in self._ocdbt or "/" not in rest:
+            if (item not in self._ocdbt or "/" not in rest
+                    or rest.startswith(fmt.ARRAY_METADATAS + "/")):
                 return None
         db = self._dbs.get(item)
         if db is None:

@@ -25,16 +25,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from asyncckpt import layout
 from asyncckpt._engine.manifest import has_owner_marker, load_manifest, verify_files
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    UnsupportedObjectError,
 )
-from asyncckpt.jax import _args, _handlers, _metadata, _tree, _tsarrays
+from asyncckpt.jax import _args, _handlers, _leaves, _metadata, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._chunks import ChunkStore
 from asyncckpt.jax._options import StepNames
@@ -115,35 +113,44 @@ def restore_tree(
     partial: bool = False,
     restore_args: Any = None,
     remote: Any = None,
+    by_target: bool = True,
+    transforms: Any = None,
+    transforms_default_to_original: bool = True,
 ) -> Any:
     """Verifies and reads the pytree of one item of a step directory.
 
     Only the bytes of the arrays asked for are read: leaves of the target
-    that are ``PLACEHOLDER`` (``...``), and with ``partial`` saved leaves the
-    target leaves out, are neither read nor checked beyond their size.
+    that are ``PLACEHOLDER`` (``...``) or None, and with ``partial`` saved
+    leaves the target leaves out, are neither read nor checked beyond their
+    size. Each leaf comes back as orbax restores it (``_leaves``).
 
     Args:
         step_dir: The checkpoint's directory.
-        target: A pytree like the saved one whose leaves say what to restore
-            into: ``jax.ShapeDtypeStruct`` (with a sharding) or ``jax.Array``
-            (onto its sharding), NumPy arrays and scalars, Python scalars,
-            ``PLACEHOLDER`` (skipped, returned as is). None restores nested
-            dicts/lists, arrays on the default device.
+        target: A pytree like the saved one (None: the saved structure, as
+            nested dicts and lists).
         checksums: Check checksums against the manifest (sizes are always checked).
         item: The item directory (``default`` for an unnamed item).
         partial: ``target`` may hold a subset of the saved leaves.
-        restore_args: orbax ``RestoreArgs``/``ArrayRestoreArgs`` tree; says
-            the type, dtype and sharding of each leaf (and, without a target,
-            the tree's structure).
+        restore_args: orbax ``RestoreArgs``/``ArrayRestoreArgs`` tree, matched
+            to the saved leaves by key path: each leaf's type, dtype, sharding.
         remote: ``step_dir`` is a remote step's cache (``LazyStep``): its
             metadata files are there and every file's size was checked
             against the store's listing; chunk files are fetched as read.
+        by_target: The target's leaves say what each leaf is restored as
+            (orbax's ``StandardRestore``); False: only its structure counts,
+            leaves come back as saved (a PyTree handler's item).
+        transforms: orbax's ``transforms`` (``PyTreeRestore``), applied by
+            orbax's ``transform_utils`` to the leaves read.
+        transforms_default_to_original: orbax's flag of the same name.
 
     Raises:
         CorruptCheckpointError: a file is missing, truncated or corrupt (named),
             or the manifest is damaged; nothing is placed on devices then.
         ValueError: ``target``'s structure or a leaf's shape does not match.
-        UnsupportedObjectError: a target leaf of a type that cannot be restored.
+        UnsupportedLeafError: a target leaf of a type that cannot be restored
+            (also a ValueError, as orbax raises).
+        TopologyMismatchError: a saved sharding kept (no target sharding)
+            cannot be rebuilt on this run's devices.
     """
     manifest = load_manifest(layout.jax_manifest_path(step_dir), checkpoint=step_dir,
                              owned=has_owner_marker(step_dir))  # asyncckpt's: must have one
@@ -161,79 +168,49 @@ def restore_tree(
         remote.fetch_names([n for n in remote.records if n.startswith(fmt.in_item(item, ""))])
     elif opener.index is not None:
         store.use_values(item, opener.index)  # [ocdbt] chunks are byte ranges of data files
-    if restore_args is not None:
-        target = _target_from_restore_args(entries, target, restore_args, opener)
+    facts = _leaves.SavedFacts(item_dir)
+    args = {} if restore_args is None else _leaves.args_by_path(restore_args)
+    if transforms is not None:
+        reads = _leaves.transformed_reads(entries, target, args, transforms,
+                                          transforms_default_to_original)
+        wants = [_leaves.resolve(e, leaf, arg, by_target=False, facts=facts)
+                 for e, leaf, arg in reads]
+        values = _read_all(step_dir, item, store, opener, [e for e, _, _ in reads], wants)
+        original = _tree.build_tree((e.path, v) for (e, _, _), v in zip(reads, values,
+                                                                        strict=True))
+        from orbax.checkpoint import transform_utils
+
+        return transform_utils.apply_transformations(original, transforms, target,
+                                                     transforms_default_to_original)
     if target is None:
-        pairs = [(e, None) for e in entries]
-        treedef = None
+        matched, leaves, treedef = entries, [_leaves.NO_TARGET] * len(entries), None
     else:
         leaves, treedef = _tree.flatten(target)
-        pairs = list(zip(_match(step_dir, entries, target, partial=partial), leaves,
-                         strict=True))
-    selected = [(e, leaf) for e, leaf in pairs if not e.skipped and leaf is not PLACEHOLDER]
-    arrays = {e.path.param: opener(e.path.param) for e, _ in selected}
-    for e, leaf in selected:  # check every leaf before reading any bytes
-        _check_target(e, arrays[e.path.param], leaf, step_dir)
-    whole = opener.through_tensorstore or opener.index is not None  # files shared by arrays
-    verified(store, [path for e, leaf in selected
-                     for path in _chunks_needed(arrays[e.path.param], leaf)],
-             item, None if whole else {e.path.param for e, _ in selected},
-             step_dir, lambda: [path for e, leaf in selected
-                                for path in _chunks_read_by_any(arrays[e.path.param], leaf)])
-    values = [leaf if leaf is PLACEHOLDER else _read_leaf(e, arrays.get(e.path.param), leaf)
-              for e, leaf in pairs]
+        matched = _match(step_dir, entries, target, partial=partial)
+    wants = [_leaves.resolve(e, leaf, args.get(e.path.names), by_target=by_target, facts=facts)
+             for e, leaf in zip(matched, leaves, strict=True)]
+    values = _read_all(step_dir, item, store, opener, matched, wants)
     if treedef is None:
-        return _tree.build_tree((e.path, v) for (e, _), v in zip(pairs, values, strict=True))
+        return _tree.build_tree((e.path, v) for e, v in zip(matched, values, strict=True))
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-PLACEHOLDER = ...  # orbax.checkpoint.PLACEHOLDER
-
-
-def _target_from_restore_args(entries: list[fmt.TreeEntry], target: Any, restore_args: Any,
-                              opener: _tsarrays.ItemArrays) -> Any:
-    """A target tree from orbax ``RestoreArgs``: each leaf's type, dtype and sharding."""
-    by_param = {e.path.param: e for e in entries}
-    args_leaves, args_def = jax.tree_util.tree_flatten(
-        restore_args, is_leaf=lambda x: type(x).__name__ in ("RestoreArgs", "ArrayRestoreArgs")
-    )
-    if target is not None:
-        target_leaves, target_def = _tree.flatten(target)
-        if target_def != args_def:
-            raise ValueError("restore_args must have the same tree structure as the item")
-    else:
-        target_leaves = [None] * len(args_leaves)
-    paths = _tree.leaf_paths(jax.tree_util.tree_unflatten(args_def, args_leaves))
-    out = []
-    for path, arg, given in zip(paths, args_leaves, target_leaves, strict=True):
-        entry = by_param.get(path.param)
-        if given is PLACEHOLDER or arg is PLACEHOLDER or entry is None or entry.skipped:
-            out.append(PLACEHOLDER if PLACEHOLDER in (given, arg) else given)
-            continue
-        saved = opener(entry.path.param)
-        dtype = np.dtype(getattr(arg, "dtype", None) or saved.dtype)
-        shape = tuple(getattr(arg, "global_shape", None) or getattr(arg, "shape", None)
-                      or saved.shape)
-        kind = getattr(arg, "restore_type", None)
-        sharding = getattr(arg, "sharding", None)
-        mesh = getattr(arg, "mesh", None)
-        if sharding is None and mesh is not None:
-            sharding = jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(*(getattr(arg, "mesh_axes", None) or ())))
-        if type(arg).__name__ == "ArrayRestoreArgs" or kind is jax.Array:
-            out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
-        elif kind is np.ndarray or (kind is None and entry.value_type == fmt.NUMPY_ARRAY):
-            out.append(np.zeros(shape, dtype))
-        elif kind in (int, float, bool):
-            out.append(kind(0))
-        elif kind is None and entry.value_type == fmt.SCALAR:
-            out.append(saved.dtype.type(0).item())
-        elif kind is None:
-            out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
-        else:
-            raise UnsupportedObjectError(f"leaf {path.display}: restore_type {kind!r} is not "
-                                         "supported (jax.Array, np.ndarray, int, float, bool)")
-    return jax.tree_util.tree_unflatten(args_def, out)
+def _read_all(step_dir: str, item: str, store: ChunkStore, opener: _tsarrays.ItemArrays,
+              entries: list[fmt.TreeEntry], wants: list[_leaves.Want]) -> list[Any]:
+    """The values of ``entries`` as ``wants`` say: every shape checked and every file
+    needed verified before any byte is placed on a device."""
+    selected = [(e, w) for e, w in zip(entries, wants, strict=True) if w.how != _leaves.SKIP]
+    arrays = {e.path.param: opener(e.path.param) for e, _ in selected}
+    for e, w in selected:  # check every leaf before reading any bytes
+        _leaves.check_shape(e, w, arrays[e.path.param].shape, step_dir)
+    whole = opener.through_tensorstore or opener.index is not None  # files shared by arrays
+    verified(store, [path for e, w in selected
+                     for path in _chunks_needed(arrays[e.path.param], w.sharding)],
+             item, None if whole else {e.path.param for e, _ in selected},
+             step_dir, lambda: [path for e, w in selected
+                                for path in _chunks_read_by_any(arrays[e.path.param], w.sharding)])
+    return [_leaves.read(e, arrays.get(e.path.param), w) for e, w in zip(entries, wants,
+                                                                          strict=True)]
 
 
 def _match(step_dir: str, entries: list[fmt.TreeEntry], target: Any, *,
@@ -267,102 +244,27 @@ def _match(step_dir: str, entries: list[fmt.TreeEntry], target: Any, *,
     return [by_param[p.param] for p in paths]
 
 
-def _chunks_needed(array: Array, target: Any) -> list[str]:
-    """The chunk files this process reads for one leaf."""
-    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and target.sharding is not None:
-        regions = target.sharding.addressable_devices_indices_map(array.shape).values()
-        return [p for index in {_key(i, array.shape): i for i in regions}.values()
+def _chunks_needed(array: Array, sharding: Any) -> list[str]:
+    """The chunk files this process reads for one leaf (``sharding`` None: all of it)."""
+    if sharding is not None:
+        regions = sharding.addressable_devices_indices_map(array.shape).values()
+        return [p for index in {_leaves.region_key(i, array.shape): i for i in regions}.values()
                 for p in array.chunk_paths(index)]
     return array.chunk_paths(None)
 
 
-def _chunks_read_by_any(array: Array, target: Any) -> list[str]:
+def _chunks_read_by_any(array: Array, sharding: Any) -> list[str]:
     """The chunk files any process of this run reads for one leaf (``_chunks_needed`` of each).
 
-    Every process computes the same list from the target's sharding (its
-    devices' regions, whichever process holds them), so which files are
-    read, and so checked, is known without a word between the processes.
+    Every process computes the same list from the sharding (its devices'
+    regions, whichever process holds them), so which files are read, and so
+    checked, is known without a word between the processes.
     """
-    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and target.sharding is not None:
-        regions = target.sharding.devices_indices_map(array.shape).values()
-        return [p for index in {_key(i, array.shape): i for i in regions}.values()
+    if sharding is not None:
+        regions = sharding.devices_indices_map(array.shape).values()
+        return [p for index in {_leaves.region_key(i, array.shape): i for i in regions}.values()
                 for p in array.chunk_paths(index)]
     return array.chunk_paths(None)  # every process reads all of it
-
-
-def _key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
-    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
-
-
-def _check_target(entry: fmt.TreeEntry, array: Array, target: Any,
-                  step_dir: str) -> None:
-    display = entry.path.display
-    if target is None:
-        return
-    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
-        _check_shape(display, array.shape, tuple(target.shape), step_dir)
-    elif isinstance(target, np.generic) or type(target) in (bool, int, float):
-        _check_shape(display, array.shape, (), step_dir)
-    elif _tree.is_empty_leaf(target):
-        raise ValueError(
-            f"leaf {display}: the checkpoint holds an array of shape {array.shape} there, "
-            f"the target an empty {type(target).__name__}"
-        )
-    else:
-        raise UnsupportedObjectError(
-            f"target leaf {display} is a {type(target).__module__}."
-            f"{type(target).__qualname__}; give a jax.ShapeDtypeStruct (with a sharding), a "
-            "jax.Array, a NumPy array or a scalar for each leaf"
-        )
-
-
-def _read_leaf(entry: fmt.TreeEntry, array: Array | None, target: Any) -> Any:
-    if entry.skipped or array is None:
-        if target is None or _tree.is_empty_leaf(target):
-            return _tree.empty_value(entry.value_type) if target is None else target
-        raise ValueError(
-            f"leaf {entry.path.display}: the checkpoint holds an empty {entry.value_type} "
-            f"there, the target a {type(target).__name__}"
-        )
-    if target is None:
-        if entry.value_type == fmt.SCALAR:
-            return array.read().item()
-        if entry.value_type == fmt.NUMPY_ARRAY:
-            return array.read().copy()
-        return jax.device_put(array.read())
-    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
-        return _to_device(array, np.dtype(target.dtype), target.sharding)
-    if isinstance(target, np.ndarray):
-        return array.read().astype(target.dtype, copy=True)
-    if isinstance(target, np.generic):
-        return target.dtype.type(array.read()[()])
-    return type(target)(array.read().item())
-
-
-def _check_shape(display: str, saved: tuple, wanted: tuple, step_dir: str) -> None:
-    if tuple(saved) != tuple(wanted):
-        raise ValueError(
-            f"leaf {display}: checkpoint {step_dir!r} holds shape {tuple(saved)}, "
-            f"the target asks for {tuple(wanted)}"
-        )
-
-
-def _to_device(array: Array, dtype: np.dtype, sharding: Any) -> jax.Array:
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    seen: set[tuple] = set()
-
-    def region(index: tuple[slice, ...]) -> np.ndarray:
-        key = _key(index, array.shape)
-        data = array.read(index).astype(dtype, copy=False)
-        if key in seen:
-            # A replicated region: a private copy per device, since on CPU a
-            # device buffer may alias the host array it is made from.
-            data = data.copy()
-        seen.add(key)
-        return data
-
-    return jax.make_array_from_callback(array.shape, sharding, region)
 
 
 def restore_newest(steps: list[int], root: str, attempt: Callable[[int], Any]) -> Any:
@@ -488,4 +390,6 @@ def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool,
         return fmt.read_json_item(item_dir)
     return restore_tree(step_dir, request.target, checksums=checksums, item=request.name,
                         partial=request.partial, restore_args=request.restore_args,
-                        remote=remote)
+                        remote=remote, by_target=request.by_target,
+                        transforms=request.transforms,
+                        transforms_default_to_original=request.transforms_default_to_original)

@@ -24,6 +24,7 @@ new buffers that no later device computation touches.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import operator
@@ -37,7 +38,7 @@ import numpy as np
 
 from asyncckpt._engine._copy import copy_arrays
 from asyncckpt._engine.slots import Slot
-from asyncckpt.errors import UnsupportedObjectError
+from asyncckpt.errors import UnsupportedLeafError, UnsupportedObjectError
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _tree
 from asyncckpt.jax._ocdbt import held_copy_bytes
@@ -97,6 +98,11 @@ class LeafPlan:
     ``whole`` marks a host-view leaf on one device: its one chunk is the view
     of the whole array (``np.asarray(leaf)``), taken without building the
     shard's single-device array (``_arrays``) first.
+
+    ``key_impl`` marks a typed PRNG key (``jax.random.key``): as orbax, its
+    key data (``jax.random.key_data``, unsigned integers with the impl's
+    trailing dimensions) is what is planned and written, and the impl's name
+    is recorded in ``array_metadatas`` (``_format.array_metadatas_json``).
     """
 
     kind: str
@@ -106,6 +112,7 @@ class LeafPlan:
     pinned: Any = None  # the leaf's sharding in pinned host memory, when used
     host_view: bool = False
     whole: bool = False
+    key_impl: str | None = None  # a typed PRNG key: its impl; its key data is written
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,7 @@ class Plan:
             writes this plan's values (``_ocdbt.held_copy_bytes``): those of
             small chunks and of the ``.zarray`` keys; none for chunks written
             by reference.
+        keys: Indices of the typed PRNG key leaves (staged as their key data).
     """
 
     leaves: tuple[LeafPlan, ...]
@@ -140,8 +148,11 @@ class Plan:
     transfers: tuple[int, ...] = field(init=False, compare=False, repr=False)
     nbytes: int = field(init=False, compare=False, repr=False)
     ocdbt_copy: int = field(init=False, compare=False, repr=False)
+    keys: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", tuple(
+            i for i, lp in enumerate(self.leaves) if lp.key_impl is not None))
         chunked = tuple(i for i, lp in enumerate(self.leaves) if lp.chunks)
         live = tuple(i for i in chunked if self.leaves[i].kind == "jax")
         pinned = tuple(i for i in live if self.leaves[i].pinned is not None)
@@ -432,11 +443,15 @@ def _plan_jax_leaf(
     display = path.display
     if leaf.is_deleted():
         raise UnsupportedObjectError(f"leaf {display} is a deleted (donated) jax.Array")
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-        raise UnsupportedObjectError(
-            f"leaf {display} has the extended dtype {leaf.dtype} (a typed PRNG key?); save "
-            "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data on restore"
-        )
+    key_impl = None
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        # As orbax: the key data is written, the impl recorded beside it.
+        key_impl = str(jax.random.key_impl(leaf))
+        leaf = jax.random.key_data(leaf)
+    elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+        raise UnsupportedLeafError(
+            f"leaf {display} has the extended dtype {leaf.dtype}, which neither orbax nor "
+            "asyncckpt writes (typed PRNG keys are written as their key data)")
     dtype = np.dtype(leaf.dtype)
     zdtype = fmt.array_dtype(dtype, what=f"leaf {display}", zarr3=zarr3)
     chunk = _chunk_grid(leaf, display)
@@ -474,7 +489,8 @@ def _plan_jax_leaf(
     host_view = all(d.platform == "cpu" for d in devices)
     whole = (host_view and len(devices) == 1 and len(chunks) == 1 and chunks[0].region is None
              and chunks[0].source is None)
-    return LeafPlan("jax", display, dtype, tuple(chunks), pinned, host_view, whole), entry
+    return LeafPlan("jax", display, dtype, tuple(chunks), pinned, host_view, whole,
+                    key_impl), entry
 
 
 def _pieces(path: _tree.LeafPath, chunk: tuple[int, ...], disk_chunk: tuple[int, ...],
@@ -554,7 +570,7 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
             plan = LeafPlan("empty", path.display, None, ())
             entry = fmt.TreeEntry(path, _tree.empty_type_name(leaf) or "None")
         else:
-            raise UnsupportedObjectError(
+            raise UnsupportedLeafError(
                 f"leaf {path.display} is a {type(leaf).__module__}.{type(leaf).__qualname__}; "
                 "asyncckpt.jax saves jax.Array, NumPy arrays and scalars, and Python "
                 "bool/int/float (convert other values, or keep them out of the saved state)"
@@ -567,6 +583,10 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
     # orbax reads _sharding only if every jax.Array leaf is described in it.
     if shardings and all(v is not None for v in shardings.values()):
         files.append((fmt.SHARDING_FILE, fmt.sharding_file_json(shardings)))  # type: ignore[arg-type]
+    if any(p.key_impl is not None for p in plans):  # orbax finds a key's impl there
+        files.append(fmt.array_metadatas_file(
+            [(e.path.param, e.write_shape, _disk_chunk(files, e.path.param), p.key_impl)
+             for p, e in zip(plans, entries, strict=True) if p.kind == "jax"]))
     metadata = tuple((name, text.encode()) for name, text in files) if primary else ()
     return Plan(tuple(plans), metadata, tuple(entries))
 
@@ -629,6 +649,15 @@ class Snapshotter:
         empty subtrees takes the general path (its full definition differs).
         ``layout`` (``SaveArgs`` chunking, per leaf) is part of the plan's key.
         """
+        plan, leaves = self._plan(tree, layout, ocdbt, zarr3)
+        if plan.keys:  # typed PRNG keys are staged as their key data (no copy: a view)
+            leaves = list(leaves)
+            for i in plan.keys:
+                leaves[i] = jax.random.key_data(leaves[i])
+        return plan, leaves
+
+    def _plan(self, tree: Any, layout: tuple | None, ocdbt: int | None,
+              zarr3: bool) -> tuple[Plan, list[Any]]:
         if layout is not None:
             return self._plan_general(tree, layout, ocdbt, zarr3)
         last = self._last
@@ -778,3 +807,10 @@ def _set_scalar(buf: np.ndarray, value: Any, lp: LeafPlan) -> None:
             f"leaf {lp.display} = {value!r} does not fit in {lp.dtype}"
         ) from e
 
+
+
+def _disk_chunk(files: list[tuple[str, str]], param: str) -> tuple[int, ...]:
+    """The zarr chunk shape planned for ``param`` (from its ``.zarray``, among ``files``)."""
+    name = f"{param}/{fmt.ZARRAY}"
+    text = next(text for f, text in files if f == name)
+    return tuple(json.loads(text)["chunks"])

@@ -9,13 +9,13 @@ with orbax's, and checks that every name can be a directory name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from asyncckpt.errors import UnsupportedObjectError
+from asyncckpt.errors import UnsupportedLeafError
 
 # Key kinds of orbax's tree metadata.
 SEQUENCE_KEY = 1
@@ -24,6 +24,7 @@ DICT_KEY = 2
 # orbax's names for empty subtrees, which it records as skipped leaves.
 EMPTY_TYPES: dict[type, str] = {type(None): "None", dict: "Dict", list: "List", tuple: "Tuple"}
 _EMPTY_VALUES = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tuple}
+EMPTY_NAMES = frozenset(_EMPTY_VALUES)  # the value types of empty subtrees in _METADATA
 
 # Names used by the item directory's own files; a leaf may not take them.
 RESERVED_NAMES = frozenset(
@@ -96,7 +97,8 @@ def empty_value(type_name: str) -> Any:
     return _EMPTY_VALUES[type_name]()
 
 
-def _key(entry: Any) -> tuple[str, int]:
+def key_of(entry: Any) -> tuple[str, int]:
+    """A key path entry's name (as text) and kind (``SEQUENCE_KEY`` or ``DICT_KEY``)."""
     if isinstance(entry, jax.tree_util.SequenceKey):
         return str(entry.idx), SEQUENCE_KEY
     if isinstance(entry, jax.tree_util.DictKey):
@@ -105,7 +107,7 @@ def _key(entry: Any) -> tuple[str, int]:
         return entry.name, DICT_KEY
     if isinstance(entry, jax.tree_util.FlattenedIndexKey):
         return str(entry.key), SEQUENCE_KEY
-    raise UnsupportedObjectError(f"unsupported pytree key {entry!r} ({type(entry).__name__})")
+    raise UnsupportedLeafError(f"unsupported pytree key {entry!r} ({type(entry).__name__})")
 
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:
@@ -117,13 +119,22 @@ def leaf_paths(tree: Any) -> list[LeafPath]:
     """The path of every leaf, in ``flatten`` order, checked for usable names.
 
     Raises:
-        UnsupportedObjectError: a key cannot be a file name, or two leaves get
+        UnsupportedLeafError: a key cannot be a file name, or two leaves get
             the same parameter name (``{"a.b": x, "a": {"b": y}}``).
     """
-    with_path, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty_leaf)
+    return paths_of(tree, is_empty_leaf)
+
+
+def paths_of(tree: Any, is_leaf: Callable[[Any], bool]) -> list[LeafPath]:
+    """``leaf_paths`` with another leaf test (a tree of orbax ``RestoreArgs``)."""
+    with_path, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    if len(with_path) == 1 and not with_path[0][0] and is_empty_leaf(with_path[0][1]):
+        raise UnsupportedLeafError(
+            f"the state is empty ({with_path[0][1]!r}): there is nothing to save, as orbax "
+            "says of an empty item")
     paths = []
     for keypath, _leaf in with_path:
-        names, kinds = zip(*(_key(k) for k in keypath), strict=True) if keypath else ((), ())
+        names, kinds = zip(*(key_of(k) for k in keypath), strict=True) if keypath else ((), ())
         paths.append(LeafPath(tuple(names), tuple(kinds)))
     check_names(paths)
     return paths
@@ -135,7 +146,7 @@ def check_names(paths: Sequence[LeafPath]) -> None:
     for p in paths:
         name = p.param
         if not p.names:
-            raise UnsupportedObjectError(
+            raise UnsupportedLeafError(
                 "the state must be a container (dict, list, tuple...) of arrays, not a bare leaf"
             )
         if (
@@ -146,13 +157,13 @@ def check_names(paths: Sequence[LeafPath]) -> None:
             or name.startswith(".")
             or name in RESERVED_NAMES
         ):
-            raise UnsupportedObjectError(
+            raise UnsupportedLeafError(
                 f"leaf {p.display} cannot be saved: its name {name!r} is not usable as a "
                 "directory name in the orbax layout (no '/', no leading '.', not one of "
                 f"{sorted(RESERVED_NAMES)})"
             )
         if name in seen:
-            raise UnsupportedObjectError(
+            raise UnsupportedLeafError(
                 f"leaves {seen[name].display} and {p.display} would both be stored as "
                 f"{name!r}; rename one of the keys"
             )

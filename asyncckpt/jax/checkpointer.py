@@ -12,11 +12,18 @@ checkpointers restore the result.
 The four classes are orbax's spellings: ``Checkpointer(handler)`` and
 ``PyTreeCheckpointer()`` return from ``save`` once the checkpoint is durable,
 as orbax's synchronous ones; ``AsyncCheckpointer(handler)`` and
-``StandardCheckpointer()`` return after the copy. All are subclasses of
-orbax's ``AbstractCheckpointer`` when orbax is installed (importing this
-module imports orbax; ``import asyncckpt.jax`` does not), and expose orbax's
-handler object as ``handler``. What each orbax option does here is in
-``docs/compat.md``.
+``StandardCheckpointer()`` return after the copy. When orbax is installed
+each is a subclass of orbax's class of the same name (so
+``isinstance(c, ocp.AsyncCheckpointer)`` holds, which Flax's
+``checkpoints`` module tests before it waits for a save), as the
+TensorFlow front end's manager subclasses TensorFlow's. Importing this
+module imports orbax; ``import asyncckpt.jax`` does not. orbax's
+constructors are deliberately not run: they build orbax's own handler
+machinery, metadata store and background thread, none of which an
+asyncckpt checkpointer uses; every method orbax's classes offer is
+asyncckpt's own, or refuses by name (``cancel``, orbax's temporary-path
+hooks). They expose orbax's handler object as ``handler``. What each orbax
+option does here is in ``docs/compat.md``.
 """
 
 from __future__ import annotations
@@ -41,15 +48,22 @@ from asyncckpt.jax._metadata import StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt, handler_uses_zarr3
 from asyncckpt.jax._restore import restore_tree, shared_verdicts
 from asyncckpt.jax._snapshot import Snapshotter, StagedTree
+from asyncckpt.jax.manager import register_with_orbax
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.url import is_url
 
 try:
-    from orbax.checkpoint import AbstractCheckpointer as _OrbaxCheckpointer
+    from orbax.checkpoint import AsyncCheckpointer as _OrbaxAsyncCheckpointer
+    from orbax.checkpoint import Checkpointer as _OrbaxCheckpointer
+    from orbax.checkpoint import PyTreeCheckpointer as _OrbaxPyTreeCheckpointer
+    from orbax.checkpoint import StandardCheckpointer as _OrbaxStandardCheckpointer
 except ImportError:  # pragma: no cover - asyncckpt[jax] installs orbax
-    _OrbaxCheckpointer = object
+    _OrbaxCheckpointer = _OrbaxAsyncCheckpointer = object
+    _OrbaxStandardCheckpointer = _OrbaxPyTreeCheckpointer = object
 
 logger = logging.getLogger(__name__)
+
+register_with_orbax()  # this module imports orbax: the manager is orbax's kind from now on
 
 __all__ = ["AsyncCheckpointer", "Checkpointer", "PyTreeCheckpointer", "StandardCheckpointer"]
 
@@ -446,6 +460,48 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         if self._finalized is not None:
             self._finalized.raise_pending()
 
+    def cancel(self) -> None:
+        """orbax's ``AsyncCheckpointer.cancel``: not supported (raises).
+
+        A save in flight cannot be withdrawn here: its state is staged and
+        its write queued. Wait for it (``wait_until_finished``) and delete
+        the path, or ``close()``.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            "asyncckpt's checkpointers cannot cancel a save in flight: wait_until_finished() "
+            "and delete the path, or close()")
+
+    def get_temporary_path(self, directory: Any) -> Any:
+        """orbax's hook for its own commit: not used by asyncckpt (raises).
+
+        Raises:
+            NotImplementedError: always (asyncckpt publishes by rename itself).
+        """
+        raise NotImplementedError("asyncckpt's checkpointers make and publish their "
+                                  "temporary directory themselves; save(path, ...) directly")
+
+    async def create_temporary_path(self, temporary_path: Any) -> None:
+        """orbax's hook for its own commit: not used by asyncckpt (raises).
+
+        Raises:
+            NotImplementedError: always (asyncckpt publishes by rename itself).
+        """
+        raise NotImplementedError("asyncckpt's checkpointers make and publish their "
+                                  "temporary directory themselves; save(path, ...) directly")
+
+    def synchronize_next_awaitable_signal_operation_id(self) -> None:
+        """orbax's hook for its own multi-process barriers: not used by asyncckpt (raises).
+
+        Raises:
+            NotImplementedError: always (asyncckpt's processes agree through
+                JAX's distributed key-value store).
+        """
+        raise NotImplementedError("asyncckpt's checkpointers coordinate processes themselves; "
+                                  "call save(path, ...) on every process")
+
     def _wait_for(self, path: str) -> None:
         """Waits for a save of ``path`` still in flight; raises its failure."""
         with self._lock:
@@ -475,17 +531,24 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
 
         ``restore(path)``, ``restore(path, target)``, ``restore(path,
         args=ocp.args.StandardRestore(target))`` (``PyTreeRestore`` with
-        ``restore_args`` / ``partial_restore`` for a PyTree handler), or the
-        args' fields as keywords. Waits for a save of ``path`` still in
-        flight. See ``CheckpointManager.restore`` for the target's leaves.
+        ``restore_args`` / ``partial_restore`` / ``transforms`` for a PyTree
+        handler), or the args' fields as keywords (``restore(path,
+        item=target, restore_args=...)``). Each leaf comes back as orbax's
+        handler gives it back: a Standard handler's target says each leaf's
+        type, a PyTree handler's item only the structure (see
+        ``CheckpointManager.restore``). Waits for a save of ``path`` still
+        in flight.
 
         Raises:
             CheckpointNotFoundError: nothing at ``directory`` (a FileNotFoundError).
             CorruptCheckpointError: the files do not match the manifest (named).
-            ValueError: the target does not match the checkpoint.
+            ValueError: the target does not match the checkpoint (also
+                ``UnsupportedLeafError`` and ``TopologyMismatchError``).
         """
         if len(args) == 1 and not kwargs and not _args.is_orbax_args(args[0]):
-            items, named = _args.restore_items(args[0], None)
+            # orbax's PyTreeRestore(item) for a PyTree handler: the structure only counts.
+            items, named = _args.restore_items(args[0], None, kinds={
+                fmt.ITEM: "standard" if self._kind == _STANDARD else "pytree"})
         else:
             items, named = _args.restore_items(None, self._orbax_args(args, kwargs,
                                                                        restore=True))
@@ -501,10 +564,11 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                 if request is None:
                     return restore_tree(path, checksums=self._restore_options.checksums,
                                         item=ROOT)
-                return restore_tree(path, request.target,
-                                    checksums=self._restore_options.checksums,
-                                    item=ROOT, partial=request.partial,
-                                    restore_args=request.restore_args)
+                return restore_tree(
+                    path, request.target, checksums=self._restore_options.checksums,
+                    item=ROOT, partial=request.partial, restore_args=request.restore_args,
+                    by_target=request.by_target, transforms=request.transforms,
+                    transforms_default_to_original=request.transforms_default_to_original)
         except Exception as e:
             if verdicts is not None and not isinstance(e, PeerFailedError):
                 verdicts.abort(e)
@@ -539,7 +603,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                                    item_handlers=handler)
 
 
-class AsyncCheckpointer(Checkpointer):
+class AsyncCheckpointer(Checkpointer, _OrbaxAsyncCheckpointer):
     """orbax's ``AsyncCheckpointer(handler)``: ``save`` returns once the state is copied.
 
     The write, checksums, fsync and commit run on the background writer, as
@@ -565,7 +629,7 @@ class AsyncCheckpointer(Checkpointer):
         super().__init__(handler, **kwargs)
 
 
-class StandardCheckpointer(AsyncCheckpointer):
+class StandardCheckpointer(AsyncCheckpointer, _OrbaxStandardCheckpointer):
     """orbax's ``StandardCheckpointer()``: asynchronous saves of a pytree to a path.
 
     Example (Flax NNX)::
@@ -635,15 +699,19 @@ class StandardCheckpointer(AsyncCheckpointer):
         """Restores the pytree at ``directory`` into ``target``'s structure and shardings.
 
         ``target`` leaves: ``jax.ShapeDtypeStruct`` (with a sharding: any mesh
-        or device count), ``jax.Array``, NumPy arrays, scalars,
-        ``ocp.PLACEHOLDER``; None returns nested dicts. Waits for a save of
-        ``directory`` still in flight.
+        or device count; without one: the saved sharding, or NumPy for a leaf
+        saved from NumPy), ``jax.Array``, NumPy arrays, scalars, None and
+        ``ocp.PLACEHOLDER`` (not read). ``target`` None returns nested dicts,
+        each leaf as saved (``jax.Array``s on their saved shardings). Waits
+        for a save of ``directory`` still in flight.
 
         Raises:
             CheckpointNotFoundError: nothing at ``directory`` (a FileNotFoundError).
             CorruptCheckpointError: the files do not match the manifest (named).
             ValueError: ``target`` does not match, or ``strict=False``
                 (restoring into other shapes is not supported).
+            TopologyMismatchError: no target sharding, and the saved one
+                cannot be rebuilt on this run's devices (a ValueError).
         """
         if strict is not True:
             raise ValueError("strict=False (restoring into other shapes) is not supported; "
@@ -652,7 +720,7 @@ class StandardCheckpointer(AsyncCheckpointer):
         return self._restore(directory, None if items is None else self._one_item(items, named))
 
 
-class PyTreeCheckpointer(Checkpointer):
+class PyTreeCheckpointer(Checkpointer, _OrbaxPyTreeCheckpointer):
     """orbax's ``PyTreeCheckpointer()``: ``save`` returns once the checkpoint is durable.
 
     Takes orbax's ``PyTreeSave``/``PyTreeRestore`` forms (``restore_args``,

@@ -7,6 +7,7 @@ import functools
 import logging
 import operator
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -174,6 +175,7 @@ class CheckpointManager(ClosingContext):
         remote_options: RemoteOptions | None = None,
         format_options: FormatOptions | None = None,
     ):
+        register_with_orbax()  # orbax imported since this module was: register now
         if options is not None:
             if (max_to_keep, save_interval_steps, keep_period, best_fn, best_mode,
                     keep_checkpoints_without_metrics) != (None, 1, None, None, "max", True):
@@ -196,6 +198,12 @@ class CheckpointManager(ClosingContext):
         # Items saved by their own handlers (given, or chosen by a save's args).
         self._handlers = setup.own_handlers
         self._handler_saves: HandlerSaves | None = None  # the last save with handler items
+        # How orbax's handler of each item restores the older items= spelling: its
+        # PyTree handler takes the item for the structure only (PyTreeRestore).
+        self._restore_kinds = {
+            name: ("json" if setup.kinds.get(name) == "json" else
+                   "pytree" if type(h).__name__ == "PyTreeCheckpointHandler" else "standard")
+            for name, h in setup.handlers.items()}
         self._logger = logger
         self._item_names = None if setup.names is None else tuple(
             _args.check_item_name(n) for n in setup.names)
@@ -274,13 +282,18 @@ class CheckpointManager(ClosingContext):
 
     # -- listing ----------------------------------------------------------------
 
-    def all_steps(self) -> list[int]:
+    def all_steps(self, read: bool = False) -> list[int]:
         """Steps saved or being saved, oldest first, as orbax lists them.
 
         A step is listed from the moment ``save`` returns; steps that
         retention will delete once the newest save is durable are not.
         Temporaries of interrupted saves (asyncckpt's or orbax's) never are.
+        ``read``: list the directory (and a remote tier's bucket) now rather
+        than trust what was listed before, as orbax's ``read=True``.
         """
+        if read:
+            self._view.invalidate()
+            return self._listed(fresh=True)
         return self._listed()
 
     def _listed(self, on_disk: frozenset[int] | None = None, *, fresh: bool = False) -> list[int]:
@@ -393,6 +406,14 @@ class CheckpointManager(ClosingContext):
         remote = self._tiers.open_remote(step, checksums=self._restore_options.checksums)
         return _metadata.read_step_metadata(step, self._view.step_dir(step) if remote is None
                                             else remote.path)
+
+    def metrics(self, step: int) -> Any:
+        """The ``metrics`` saved with a step (None if none), as orbax's ``metrics(step)``.
+
+        Raises:
+            CheckpointNotFoundError: no such step.
+        """
+        return self.metadata(operator.index(step)).metrics  # type: ignore[union-attr]
 
     def item_metadata(self, step: int) -> Any:
         """Shapes and dtypes of a step's items (``metadata(step).item_metadata``)."""
@@ -710,10 +731,12 @@ class CheckpointManager(ClosingContext):
     def restore(
         self,
         step: int | None = None,
-        target: Any = None,
+        items: Any = None,
         restore_kwargs: Any = None,
         directory: str | os.PathLike | None = None,
         args: Any = None,
+        *,
+        target: Any = None,
     ) -> Any:
         """Restores a step (default: the newest that verifies).
 
@@ -725,18 +748,27 @@ class CheckpointManager(ClosingContext):
 
         Args:
             step: The step to restore, or None for the newest valid one.
-            target: A pytree like the saved one; each leaf says what to
-                restore: ``jax.ShapeDtypeStruct`` with a sharding (any mesh or
-                device count), ``jax.Array`` (onto its sharding), NumPy arrays,
-                NumPy or Python scalars, ``ocp.PLACEHOLDER`` (not read). None
-                returns nested dicts/lists with arrays on the default device.
-            args: orbax's spelling instead of ``target``: ``StandardRestore``,
-                ``PyTreeRestore`` (``restore_args``, ``partial_restore``),
-                ``JsonRestore``, or a ``Composite`` of them by item name
-                (returns a ``Composite``; items left out are not read).
-            restore_kwargs: orbax's older spelling with ``target``:
-                ``{"restore_args": tree of ocp.RestoreArgs}``.
+            items: A pytree like the saved one (orbax's older name; ``target=``
+                is the same); each leaf says what to restore, as orbax's
+                ``StandardRestore``: ``jax.ShapeDtypeStruct`` with a sharding
+                (any mesh or device count; without one: the saved sharding, or
+                NumPy for a leaf saved from NumPy), ``jax.Array`` (onto its
+                sharding), NumPy arrays, NumPy or Python scalars, None and
+                ``ocp.PLACEHOLDER`` (not read). With a manager made with a
+                ``PyTreeCheckpointer`` (or its handler), only its structure
+                counts, as orbax's ``PyTreeRestore``. With a dict of
+                checkpointers: a dict of items by name. None returns nested
+                dicts/lists, each leaf as it was saved (a ``jax.Array`` on its
+                saved sharding, NumPy with its own dtype).
+            args: orbax's spelling instead of ``items``: ``StandardRestore``,
+                ``PyTreeRestore`` (``restore_args``, ``partial_restore``,
+                ``transforms``), ``JsonRestore``, or a ``Composite`` of them by
+                item name (returns a ``Composite``; items left out are not read).
+            restore_kwargs: orbax's older spelling with ``items``:
+                ``{"restore_args": tree of ocp.RestoreArgs, "transforms": ...}``
+                (by item name with a dict of checkpointers).
             directory: Restore from this directory instead (same step names).
+            target: ``items``, by asyncckpt's earlier name.
 
         Raises:
             CheckpointNotFoundError: no such step or item, or no checkpoint at all.
@@ -749,9 +781,14 @@ class CheckpointManager(ClosingContext):
         verdicts = None if self._coord is None else self._coord.restore_verdicts()
         self._engine.make_room_for_restore()  # idle staging gives way (host memory budget)
         t0, tried = time.time(), []
+        if target is not None:
+            if items is not None:
+                raise TypeError("give items or target= (the same argument), not both")
+            items = target
         try:
-            requests, named = _args.restore_items(target, args, restore_kwargs,
-                                                  handlers=self._handlers)
+            requests, named = _args.restore_items(
+                items, args, restore_kwargs, named_items=self._setup.named_items,
+                kinds=self._restore_kinds, handlers=self._handlers)
             with shared_verdicts(verdicts):
                 restored = self._restore(step, requests, named, directory, tried)
         except Exception as e:
@@ -788,6 +825,36 @@ class CheckpointManager(ClosingContext):
         return restore_listed(root, steps, step, requests, named, names=names,
                               checksums=checksums, open_remote=None, tried=tried,
                               handlers=self._handlers)
+
+
+_REGISTERED: list[bool] = []
+
+
+def register_with_orbax() -> bool:
+    """Makes ``CheckpointManager`` a virtual subclass of orbax's ``AbstractCheckpointManager``.
+
+    Once orbax is imported (asyncckpt does not import it for the manager's
+    sake: 0.2 s, and a manager works without it). Registration rather than
+    subclassing: the base is a ``typing.Protocol`` of abstract methods only,
+    so subclassing would inherit nothing but the import of orbax when
+    ``asyncckpt.jax`` is imported. Either way ``abc``'s checks see it
+    (``functools.singledispatch``, ``abc.ABCMeta.__instancecheck__``); a
+    plain ``isinstance`` against that protocol raises ``TypeError`` in
+    Python for every class, orbax's own manager included, as the protocol is
+    not ``runtime_checkable``. Returns whether it is registered.
+    """
+    if _REGISTERED:
+        return True
+    module = sys.modules.get("orbax.checkpoint")
+    base = getattr(module, "AbstractCheckpointManager", None)
+    if base is None:  # not imported (or being imported): the next call registers
+        return False
+    base.register(CheckpointManager)
+    _REGISTERED.append(True)
+    return True
+
+
+register_with_orbax()  # orbax imported before asyncckpt.jax: registered at once
 
 
 def _delete_step(view: _view.StepView, todelete_subdir: str | None,

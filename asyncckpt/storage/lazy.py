@@ -43,12 +43,13 @@ def is_chunk(name: str) -> bool:
 
     In the OCDBT layout the data files are ``item/ocdbt.process_<i>/ocdbt_data/*``;
     the databases' manifests and B-tree nodes (``manifest.ocdbt``,
-    ``ocdbt_meta/*``: small, and needed to list an item's arrays) are metadata.
+    ``ocdbt_meta/*``: small, and needed to list an item's arrays) are metadata,
+    as is orbax's ``item/array_metadatas/process_<i>`` (a PRNG key's impl).
     """
     parts = name.split("/")
     if len(parts) < 3 or parts[-1].startswith(".") or parts[-1] == "manifest.ocdbt":
         return False
-    return "ocdbt_meta" not in parts[1:-1]
+    return "ocdbt_meta" not in parts[1:-1] and parts[1] != "array_metadatas"
 
 
 class LazyStep:

@@ -11,10 +11,8 @@ not, with ``SaveArgs(chunk_byte_size=...)`` on every leaf and the same
 ``asyncckpt.jax.CheckpointManager`` for orbax's. The same function with
 orbax's own class restores what asyncckpt wrote.
 
-Two of MaxText's calls are still refused by asyncckpt (strict xfails, each
-naming the place): ``load_state_if_possible``'s ``restore_args`` tree on a
-``TrainState`` (issue 35 item 3), and the target data file size it passes
-to a save without OCDBT.
+One of MaxText's calls is still refused by asyncckpt (a strict xfail naming
+the place): the target data file size it passes to a save without OCDBT.
 
 Written for asyncckpt, following MaxText's code; none of it is copied.
 """
@@ -276,11 +274,6 @@ def test_maxtext_checkpointing_saves_with_asyncckpts_manager_and_resumes(
         assert embed["chunk_grid"]["configuration"]["chunk_shape"] == [32 if split else 64, 64]
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "issue 35 item 3, not this change: asyncckpt/jax/_restore.py "
-    "_target_from_restore_args refuses restore_args on a TrainState holding optax's "
-    "EmptyState ('restore_args must have the same tree structure as the item'): the item "
-    "is flattened with empty subtrees as leaves, restore_args without"))
 def test_maxtext_load_state_if_possible_with_asyncckpts_manager(tmp_path):
     """MaxText's ``load_state_if_possible`` (its ``ArrayRestoreArgs`` tree) run with
     asyncckpt's manager."""

@@ -151,3 +151,16 @@ def test_a_corrupt_needed_remote_chunk_fails_and_restore_falls_back(remote_url, 
         out = mgr.restore(2, args=ocp.args.Composite(
             opt=ocp.args.StandardRestore(_items(0)["opt"])))
         assert _equal(out["opt"], _items(2)["opt"])
+
+
+def test_a_typed_prng_key_restores_from_the_bucket_alone(remote_url):
+    """Its impl is in ``array_metadatas``, a metadata file fetched with the others."""
+    assert not is_chunk("default/array_metadatas/process_0")
+    state = {"rng": jax.random.key(3), "w": jnp.arange(4.0)}
+    with aj.CheckpointManager(remote_url, format_options=PLAIN) as mgr:
+        assert mgr.save(1, state)
+    with aj.CheckpointManager(remote_url) as mgr:  # fresh scratch: only the remote has it
+        got = mgr.restore(1)
+    assert jax.dtypes.issubdtype(got["rng"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(got["rng"]),
+                                  jax.random.key_data(state["rng"]))
