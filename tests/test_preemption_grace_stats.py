@@ -16,6 +16,7 @@ import time
 import pytest
 
 from asyncckpt._coordination import InProcessCoordinator
+from asyncckpt._engine._jobs import SaveJob
 from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.preemption import _stats
 from asyncckpt.preemption import agreement as agreement_lib
@@ -196,20 +197,18 @@ def test_the_final_bound_reaches_a_stall_above_the_center_of_its_population():
         assert clock.save_seconds() == pytest.approx(statistical.save_seconds())
 
 
-class _SlowJob:
-    """A save job whose write takes ``seconds`` (a slow disk)."""
+class _SlowJob(SaveJob):
+    """A save job whose write takes ``seconds`` (a slow disk); it publishes nothing."""
 
     def __init__(self, seconds: float, nbytes: int = 1000):
-        self.label, self.step, self.nbytes, self.seconds = "job", None, nbytes, seconds
+        super().__init__(label="job", step=None, nbytes=nbytes)
+        self.seconds = seconds
         self.release = threading.Event()
 
     def write(self):
         self.release.wait(self.seconds)  # the slow disk at work
 
     def commit(self, stats):
-        pass
-
-    def abort(self):
         pass
 
 

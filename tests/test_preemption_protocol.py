@@ -18,6 +18,7 @@ import time
 import pytest
 
 from asyncckpt._coordination import InProcessCoordinator
+from asyncckpt._engine._jobs import SaveJob
 from asyncckpt._engine.writer import AsyncEngine
 from asyncckpt.errors import PeerFailedError
 from asyncckpt.preemption import _estimates as estimates_lib
@@ -273,11 +274,12 @@ def test_estimates_round_trip_through_the_fixed_layout():
     assert estimates_lib.decode_estimates([1.0] * 6) == {}  # another layout: ignored
 
 
-class _SlowJob:
-    """A save job whose write takes ``seconds`` (a slow disk)."""
+class _SlowJob(SaveJob):
+    """A save job whose write takes ``seconds`` (a slow disk); it publishes nothing."""
 
     def __init__(self, seconds: float, nbytes: int = 1000, label: str = "job"):
-        self.label, self.step, self.nbytes, self.seconds = label, None, nbytes, seconds
+        super().__init__(label=label, step=None, nbytes=nbytes)
+        self.seconds = seconds
         self.started = threading.Event()
 
     def write(self):
@@ -285,9 +287,6 @@ class _SlowJob:
         time.sleep(self.seconds)  # the slow disk at work
 
     def commit(self, stats):
-        pass
-
-    def abort(self):
         pass
 
 
