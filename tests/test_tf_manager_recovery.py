@@ -29,12 +29,12 @@ import tensorflow as tf
 import asyncckpt.tf as at
 from asyncckpt.tf import _dirview
 
-real = _dirview.DirectoryView._write_state_file
-def write_state_file(self, text):
-    if "ckpt-2" in text:
+real = _dirview.ManagedCheckpoints._write_state_file
+def write_state_file(self, deleting):
+    if "ckpt-2" in self._state_text(deleting):
         os._exit(9)  # killed after checkpoint 2 is committed, before the state file names it
-    return real(self, text)
-_dirview.DirectoryView._write_state_file = write_state_file
+    return real(self, deleting)
+_dirview.ManagedCheckpoints._write_state_file = write_state_file
 
 v = tf.Variable(np.zeros(1000, np.float32))
 mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), sys.argv[1], max_to_keep=3)

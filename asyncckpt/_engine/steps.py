@@ -137,17 +137,31 @@ class StepDirectory:
 
     # -- the listing -------------------------------------------------------------
 
-    def add(self, name: str, record: StepRecord, *, committed: bool = True) -> None:
-        """Lists a checkpoint the front end found committed (TensorFlow's state file)."""
+    def add(self, name: str, record: StepRecord, *, newest: bool = False) -> None:
+        """Lists a committed checkpoint the front end found (TensorFlow's state file);
+        ``newest``: it is also the latest (one a killed process committed last)."""
         with self.lock:
             self._names.pop(name, None)
             self._names[name] = None
             self._records[name] = record
-            if committed:
-                self._committed.add(name)
-                self._latest = name
-                if self._latest_durable is None or self._latest_durable[0] <= 0:
-                    self._latest_durable = (0, name)
+            self._committed.add(name)
+            if newest:
+                self.found_latest(name)
+
+    def found_latest(self, name: str) -> None:
+        """The front end's record names ``name`` the latest checkpoint, listed or not
+        (TensorFlow's state file can name one its retention no longer manages)."""
+        with self.lock:
+            self._latest = name
+            self._latest_durable = (0, name)
+            self._committed.add(name)
+
+    def drop(self, name: str) -> None:
+        """Stops listing ``name`` without deleting it (no longer managed, as TensorFlow's
+        manager drops checkpoints its clock rules no longer manage)."""
+        with self.lock:
+            if not self._in_flight[name]:
+                self._unlist(name)
 
     def sync(self, committed: Iterable[str]) -> None:
         """The committed checkpoints on disk now (a directory scan): lists the new ones and

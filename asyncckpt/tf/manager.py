@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from asyncckpt import layout
 from asyncckpt._closing import ClosingContext
-from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine import retention
+from asyncckpt._engine.steps import Reservation, StepDirectory
 from asyncckpt._engine.writer import SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
@@ -220,12 +220,12 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
     @property
     def latest_checkpoint(self) -> str | None:
         """Prefix of the newest checkpoint, from its ``save()`` call on (as in TF)."""
-        return self._path(self._view.latest)
+        return self._path(self._view.steps.latest)
 
     @property
     def checkpoints(self) -> list[str]:
         """Managed checkpoints, oldest first, including saves still being written."""
-        return [self._path(n) for n in self._view.names()]
+        return [self._path(n) for n in self._view.steps.listed()]
 
     @property
     def checkpoint(self):
@@ -245,7 +245,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
     @property
     def retention_failures(self) -> int:
         """Failed state-file writes or deletions after a durable save (retried later)."""
-        return self._view.retention_failures
+        return self._view.steps.retention_failures
 
     # -- tf.train.CheckpointManager's private state, as TensorFlow reads it ----
 
@@ -272,7 +272,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
 
     @property
     def _last_preserved_timestamp(self) -> float:
-        return self._view.last_preserved
+        return self._view.steps.last_preserved
 
     def _sweep(self):
         raise NotImplementedError(
@@ -345,30 +345,30 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         prefix = f"{self._checkpoint_prefix}-{number}"
         shown = self._path(f"{self._checkpoint_name}-{number}")
         view = self._view
-        ticket = view.record_save(view.rel(prefix), self._policy)
+        res = view.record_save(view.rel(prefix), self._policy)
         try:
             handle = stage_save(
-                self._ckpt, prefix, wopts, number, functools.partial(view.committed, ticket),
+                self._ckpt, prefix, wopts, number, functools.partial(view.committed, res),
                 {_dirview.MANAGED_KEY: True},
                 on_published=(None if self._tiers.remote is None
                               else functools.partial(_hand_to_tiers, self._tiers)),
             )
         except BaseException:
             counter.assign_sub(1)
-            view.save_failed(ticket)
+            view.steps.failed(res)
             raise
-        handle.committed.add_done_callback(functools.partial(_undo_if_failed, view, ticket))
-        view.track(handle.committed, self)
+        handle.committed.add_done_callback(functools.partial(_undo_if_failed, view.steps, res))
+        view.steps.attach(res, handle.committed)
+        view.steps.track(handle.committed, self)
         if shown != prefix:
             _inflight.register(shown, handle)  # restore(url) waits for it, as for a path
         return shown
 
     def _take_directory(self) -> None:
-        if self._view.take(self):
-            # First writer of this directory in this process, holding the lock:
-            # nobody else writes here, so temporaries are stale.
-            commit_lib.cleanup_stale_temps(self._view.abs_dir)
-            self._remove_orphans()
+        # The first writer of this directory in this process takes its lock and
+        # removes what interrupted saves left (nobody else writes here then).
+        self._view.steps.join(self)
+        self._view.steps.prepare(self._remove_orphans)
 
     def _remove_orphans(self) -> None:
         """Deletes files of this manager's checkpoints that never got their index.
@@ -463,7 +463,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self._ckpt.wait_until_finished(timeout)
-        if not self._view.wait_orphans(_remaining(deadline)):
+        if not self._view.steps.wait_orphans(_remaining(deadline)):
             raise TimeoutError(
                 f"saves of {self._view.abs_dir} by a dropped manager still in flight after "
                 f"{timeout} s"
@@ -483,7 +483,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
                 self._ckpt.wait_until_finished(timeout)
         finally:
             try:
-                self._view.leave(self)
+                self._view.steps.leave(self)
             finally:
                 self._tiers.close(timeout)
 
@@ -500,6 +500,6 @@ def _hand_to_tiers(tiers: TieredDirectory, prefix: str) -> None:
     tiers.after_commit(os.path.basename(prefix))
 
 
-def _undo_if_failed(view: _dirview.DirectoryView, ticket: _dirview.SaveTicket, future) -> None:
+def _undo_if_failed(steps: StepDirectory, res: Reservation, future) -> None:
     if future.exception() is not None:
-        view.save_failed(ticket)
+        steps.failed(res)
