@@ -36,7 +36,7 @@ from asyncckpt._engine import retention
 from asyncckpt._engine.lock import DirectoryLock
 from asyncckpt._engine.manifest import Manifest
 from asyncckpt._engine.metrics import SaveStats
-from asyncckpt.tf import _compat
+from asyncckpt.tf import _compat, _statefile
 from asyncckpt.tf._job import delete_checkpoint, manifest_path
 
 # In the manifest's ``extra`` of every checkpoint a manager saves.
@@ -105,7 +105,7 @@ class DirectoryView:
 
     def _load(self) -> None:
         now = time.time()
-        state = _compat.read_checkpoint_state(self.abs_dir)
+        state = _statefile.read_state(self.abs_dir)  # a damaged one rebuilt from disk
         if state is None:
             self.last_preserved = now - 1.0
             self._adopt_unrecorded([], now)
