@@ -155,7 +155,10 @@ def restore_tree(
     item_dir = os.path.join(step_dir, item)
     entries = fmt.read_tree_metadata(item_dir)
     store = ChunkStore(step_dir, manifest, checksums=checksums, remote=remote)
-    opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store)
+    # Every file an OCDBT B-tree names: inside the step, and listed in its manifest.
+    opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store,
+                                  check=lambda name, source: store.listed(
+                                      fmt.in_item(item, name), source=source))
     if opener.through_tensorstore and remote is not None:
         # TensorStore reads the item's files itself: all of them are fetched first.
         remote.fetch_names([n for n in remote.records if n.startswith(fmt.in_item(item, ""))])
@@ -174,6 +177,12 @@ def restore_tree(
     arrays = {e.path.param: opener(e.path.param) for e, _ in selected}
     for e, leaf in selected:  # check every leaf before reading any bytes
         _check_target(e, arrays[e.path.param], leaf, step_dir)
+    for e, _ in selected:  # and its metadata against the files, before sizing anything from it
+        array = arrays[e.path.param]
+        if isinstance(array, fmt.ZarrArray):
+            store.check_layout(array)
+        elif opener.index is None:  # TensorStore reads the array's files: listed ones only
+            store.check_tree(os.path.join(item_dir, e.path.param))
     whole = opener.through_tensorstore or opener.index is not None  # files shared by arrays
     verified(store, [path for e, leaf in selected
                      for path in _chunks_needed(arrays[e.path.param], leaf)],
@@ -432,6 +441,8 @@ def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named:
     ``remote``: ``step_dir`` is a remote step opened file by file
     (``asyncckpt.storage.lazy.LazyStep``); only the files read are fetched.
     """
+    if remote is None:
+        _check_made(step_dir)
     handlers = fmt.read_step_metadata(step_dir).get("item_handlers") or {}
     on_disk = _metadata.item_names(step_dir, handlers if isinstance(handlers, dict) else {})
     default_mode = on_disk == [fmt.ITEM]
@@ -449,6 +460,28 @@ def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named:
     out = {r.name: _restore_item(step_dir, r, checksums=checksums, remote=remote)
            for r in requests}
     return _args.composite(out) if named else out[fmt.ITEM]
+
+
+def _check_made(step_dir: str) -> None:
+    """Refuses a step directory that holds no checkpoint: empty, or left half made.
+
+    One with asyncckpt's manifest (or owner marker) is judged by the
+    manifest; another library's holds at least one item directory.
+
+    Raises:
+        CorruptCheckpointError: naming the step directory.
+    """
+    if has_owner_marker(step_dir) or os.path.lexists(layout.jax_manifest_path(step_dir)):
+        return
+    try:
+        names = os.listdir(step_dir)
+    except OSError as e:
+        raise CorruptCheckpointError(f"checkpoint {step_dir!r} cannot be listed: {e}",
+                                     checkpoint=step_dir, file=step_dir) from e
+    if not any(os.path.isdir(os.path.join(step_dir, n)) for n in names if not n.startswith(".")):
+        raise CorruptCheckpointError(
+            f"checkpoint {step_dir!r} is empty or half made: no manifest and no item "
+            f"directory (it holds {sorted(names)[:10]})", checkpoint=step_dir, file=step_dir)
 
 
 def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool,
