@@ -34,7 +34,7 @@ from asyncckpt import layout
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine import retention
 from asyncckpt._engine.lock import DirectoryLock
-from asyncckpt._engine.manifest import Manifest
+from asyncckpt._engine.manifest import read_manifest
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.tf import _compat, _statefile
 from asyncckpt.tf._job import delete_checkpoint, manifest_path
@@ -449,8 +449,7 @@ def _managed_checkpoints(directory: str) -> list[str]:
             continue
         prefix = os.path.join(directory, entry[: -len(".index")])
         try:
-            with open(manifest_path(prefix)) as f:
-                manifest = Manifest.from_json(f.read(), path=prefix)
+            manifest = read_manifest(manifest_path(prefix))  # (a FIFO there: no wait)
         except (OSError, ValueError):
             continue  # not ours, or not whole: never adopted
         if manifest.extra.get(MANAGED_KEY):
