@@ -115,13 +115,16 @@ class ChunkStore:
                                 f"{array.chunks} for shape {array.shape}; the checkpoint "
                                 f"holds {room} files")
         need = array.chunk_nbytes
-        top = None if index is None else os.path.join(self._dir, self._values[0])
+        skip = 0 if index is None else len(in_item(self._values[0], ""))  # key = name[skip:]
         for path in array.chunk_paths(None):
+            name = self._name(path)  # (the parameter's name was checked with its metadata)
             if index is None:
-                rec = self.listed(self._name(path), source=meta)
+                rec = self._records.get(name)
+                if rec is None:
+                    raise self._corrupt(path, "is not listed in the manifest: it is not read")
                 have = rec.size
             else:
-                where = index.get(os.path.relpath(path, top).replace(os.sep, "/"))
+                where = index.get(name[skip:])
                 if where is None:
                     raise self._corrupt(path, "is a chunk the OCDBT database does not hold")
                 have = len(where) if isinstance(where, bytes) else where[2]
