@@ -173,9 +173,10 @@ def _verify(directory: str, args: argparse.Namespace) -> int:
         except CorruptCheckpointError as e:
             bad += 1
             print(f"FAIL  {c.name}: {e}")
-    # A directory's TensorFlow state file must name checkpoints that are there.
-    named = ([] if args.step is not None or catalog.checkpoint_at(directory) is not None
-             else catalog.state_file_problems(directory))
+    # A directory of TensorFlow checkpoints: its state file must name checkpoints that are there.
+    whole = args.step is None and catalog.checkpoint_at(directory) is None
+    named = (catalog.state_file_problems(directory)
+             if whole and any(c.framework == "tensorflow" for c in chosen) else [])
     for e in named:
         print(f"FAIL  {layout.TF_STATE_FILE}: {e}")
     what = "sizes" if args.sizes_only else "sizes and checksums"

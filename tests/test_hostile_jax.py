@@ -156,6 +156,21 @@ def test_a_tree_metadata_key_outside_is_never_opened(jax_dir, layout, outside, c
     outside.assert_untouched()
 
 
+def test_an_item_name_outside_in_the_step_metadata_is_never_opened(jax_dir, layout, outside):
+    outside.write("_METADATA", b"{}")
+    step_dir = jax_dir / "2"
+    meta = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+    meta["item_handlers"] = {"../../outside": meta["item_handlers"]["default"]}
+    (step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+    remanifest(step_dir)
+    outside.arm()
+
+    assert_restores(jax_dir, layout, 1)
+    err = assert_refused(jax_dir, layout, 2, step_dir / "_CHECKPOINT_METADATA")
+    assert "'../../outside'" in str(err)
+    outside.assert_untouched()
+
+
 def _rebuild_database(item_dir) -> None:
     """The item's OCDBT database written again as one database with uncompressed B-tree nodes.
 
