@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import asyncckpt.tf as at
 from asyncckpt import cli
+from asyncckpt._engine import fastcrc
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.tf import _bundle, _sstable
 from tests.helpers import subprocess_env
@@ -178,9 +179,52 @@ def test_a_data_file_the_manifest_does_not_list_is_an_integrity_error(tf_dir, ca
 # -- 2. validate before allocating or calling into TensorFlow -----------------------
 
 
-def edit_index(prefix, *, entry, header=None) -> None:
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        value |= (buf[pos] & 0x7F) << shift
+        pos += 1
+        if buf[pos - 1] < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _trailed(block: bytes, kind: int) -> bytes:
+    crc = fastcrc.crc32c_extend(fastcrc.crc32c_extend(0, block), bytes([kind]))
+    return block + bytes([kind]) + fastcrc.mask(crc).to_bytes(4, "little")
+
+
+def snappy_table(raw: bytes) -> bytes:
+    """The same one-data-block table with that block Snappy-compressed (TensorFlow reads it).
+
+    Literals only (valid Snappy); a new index block maps a key past every
+    key to it. The entries are then out of reach of a reader of
+    uncompressed blocks only.
+    """
+    footer = raw[-48:]
+    meta_offset, pos = _varint(footer, 0)
+    meta_size, _ = _varint(footer, pos)
+    data = raw[:meta_offset - 5]  # the one data block, then its trailer
+    packed = bytearray(_sstable.varint(len(data)))
+    for i in range(0, len(data), 60):
+        packed += bytes([(len(data[i:i + 60]) - 1) << 2]) + data[i:i + 60]
+    out = _trailed(bytes(packed), 1)
+    meta_at = len(out)
+    out += raw[meta_offset:meta_offset + meta_size + 5]
+    handle = _sstable.varint(0) + _sstable.varint(len(packed))
+    index = bytes([0, 1, len(handle)]) + b"\xff" + handle + (0).to_bytes(4, "little") + (
+        1).to_bytes(4, "little")
+    index_at = len(out)
+    out += _trailed(index, 0)
+    handles = (_sstable.varint(meta_at) + _sstable.varint(meta_size)
+               + _sstable.varint(index_at) + _sstable.varint(len(index)))
+    return out + handles.ljust(40, b"\x00") + footer[-8:]
+
+
+def edit_index(prefix, *, entry, header=None, snappy: bool = False) -> None:
     """Rewrites ``prefix.index`` with ``entry(key, proto)`` applied to each tensor's entry
-    (and ``header`` to the header), then its manifest (checksums recomputed)."""
+    (and ``header`` to the header; ``snappy``: its data block compressed), then its
+    manifest (checksums recomputed)."""
     head, stored = _bundle.stored_entries((prefix.parent / (prefix.name + ".index")).read_bytes())
     if header is not None:
         header(head)
@@ -188,7 +232,9 @@ def edit_index(prefix, *, entry, header=None) -> None:
     for key, proto in stored:
         entry(key, proto)
         items.append((key, proto.SerializeToString()))
-    (prefix.parent / (prefix.name + ".index")).write_bytes(_sstable.build_table(sorted(items)))
+    table = _sstable.build_table(sorted(items))
+    (prefix.parent / (prefix.name + ".index")).write_bytes(
+        snappy_table(table) if snappy else table)
     manifest = prefix.parent / (prefix.name + ".asyncckpt-manifest.json")
     if manifest.exists():
         rewrite_manifest(manifest, prefix.parent)
@@ -208,10 +254,12 @@ def _offset(key, e):
         e.offset = 1 << 20
 
 
-INDEX_EDITS = {
-    "negative dimension": (_shape([-4, -4]), "with the shape (-4, -4)"),
-    "4 TiB shape": (_shape([1 << 40]), "of shape [1099511627776] (which needs 4398046511104)"),
-    "bytes past the data file": (_offset, "at bytes 1048576..1048640 of a data file of"),
+INDEX_EDITS = {  # name: (edit, in a Snappy block, words of the error)
+    "negative dimension": (_shape([-4, -4]), False, "with the shape (-4, -4)"),
+    "4 TiB shape": (_shape([1 << 40]), False,
+                    "of shape [1099511627776] (which needs 4398046511104)"),
+    "bytes past the data file": (_offset, False, "at bytes 1048576..1048640 of a data file of"),
+    "negative dimension, Snappy": (_shape([-4, -4]), True, "with the shape (-4, -4)"),
 }
 
 # Restores each crafted checkpoint in a child process: without the checks, TensorFlow's
@@ -247,14 +295,14 @@ _CHILD = textwrap.dedent("""
 
 def test_an_index_describing_the_impossible_is_refused_before_anything_is_sized(tmp_path):
     cases = []
-    for n, (edit, _) in enumerate(INDEX_EDITS.values()):
+    for n, (edit, snappy, _) in enumerate(INDEX_EDITS.values()):
         d = tmp_path / f"case{n}"
         v = tf.Variable(tf.zeros(SHAPE))
         with _manager(d, v) as m:
             for i in (1, 2, 3):
                 v.assign(tf.fill(SHAPE, float(i)))
                 m.save()
-        edit_index(d / "ckpt-3", entry=edit)
+        edit_index(d / "ckpt-3", entry=edit, snappy=snappy)
         cases.append((str(d), str(d / "ckpt-3")))
     # A checkpoint TensorFlow wrote (no manifest) goes to TensorFlow's reader: checked first.
     plain = tmp_path / "plain" / "ckpt"
@@ -266,7 +314,7 @@ def test_an_index_describing_the_impossible_is_refused_before_anything_is_sized(
                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]  # (-6: SIGABRT)
     got = json.loads(child.stdout.strip().splitlines()[-1])
-    for (d, prefix), (name, (_, words)) in zip(cases, INDEX_EDITS.items(), strict=False):
+    for (d, prefix), (name, (*_, words)) in zip(cases, INDEX_EDITS.items(), strict=False):
         one = got[prefix]
         assert one["restored"] == os.path.join(d, "ckpt-2"), name
         assert one["values"] == np.full(SHAPE, 2.0).tolist(), name

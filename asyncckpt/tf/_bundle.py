@@ -92,14 +92,67 @@ def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
             raise BundleFormatError("varint too long")
 
 
-def _block(data: bytes, offset: int, size: int) -> list[tuple[bytes, bytes]]:
-    """The (key, value) entries of one block at ``offset``."""
+_SNAPPY = 1  # tsl::table::kSnappyCompression, the one compression TensorFlow's tables know
+
+
+def unsnappy(data: bytes) -> bytes:
+    """A Snappy-compressed block, decompressed (bounded by what its bytes can expand to).
+
+    Raises:
+        BundleFormatError: not valid Snappy.
+    """
+    n, pos = read_varint(data, 0)
+    if n > 32 * len(data):  # a 3-byte copy makes at most 64 bytes
+        raise BundleFormatError("Snappy block declares more than it can hold")
+    out = bytearray()
+    while pos < len(data):
+        tag = data[pos]
+        pos += 1
+        if tag & 3 == 0:  # literal
+            length = tag >> 2
+            if length >= 60:
+                extra = length - 59
+                length = int.from_bytes(data[pos:pos + extra], "little")
+                pos += extra
+            length += 1
+            if pos + length > len(data):
+                raise BundleFormatError("Snappy literal past the block")
+            out += data[pos:pos + length]
+            pos += length
+        else:  # a copy of earlier output
+            if tag & 3 == 1:
+                length, offset, width = ((tag >> 2) & 7) + 4, (tag >> 5) << 8, 1
+            else:
+                length, offset, width = (tag >> 2) + 1, 0, 2 if tag & 3 == 2 else 4
+            if pos + width > len(data):
+                raise BundleFormatError("Snappy copy past the block")
+            offset |= int.from_bytes(data[pos:pos + width], "little")
+            pos += width
+            if not 0 < offset <= len(out) or len(out) + length > n:
+                raise BundleFormatError("bad Snappy copy")
+            for _ in range(length):
+                out.append(out[-offset])
+        if len(out) > n:
+            raise BundleFormatError("Snappy block longer than it declares")
+    if len(out) != n:
+        raise BundleFormatError("Snappy block shorter than it declares")
+    return bytes(out)
+
+
+def _block(data: bytes, offset: int, size: int, *,
+           decompress: bool = False) -> list[tuple[bytes, bytes]]:
+    """The (key, value) entries of one block at ``offset`` (``decompress``: Snappy too)."""
     end = offset + size
-    if end + _TRAILER > len(data) or size < 4:
+    if end + _TRAILER > len(data) or size < 0:
         raise BundleFormatError("block out of the file")
-    if data[end] != 0:
+    if data[end] == _SNAPPY and decompress:
+        block = unsnappy(data[offset:end])
+    elif data[end] != 0:
         raise BundleFormatError(f"compressed block (type {data[end]})")
-    block = data[offset:end]
+    else:
+        block = data[offset:end]
+    if len(block) < 4:
+        raise BundleFormatError("block shorter than its restart count")
     (restarts,) = struct.unpack_from("<I", block, len(block) - 4)
     limit = len(block) - 4 - 4 * restarts
     if limit < 0:
@@ -120,11 +173,17 @@ def _block(data: bytes, offset: int, size: int) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def stored_entries(data: bytes) -> tuple[object, list[tuple[bytes, object]]]:
+def stored_entries(data: bytes, *, decompress: bool = False
+                   ) -> tuple[object, list[tuple[bytes, object]]]:
     """The header and every ``(key, BundleEntryProto)`` of an index, as stored.
 
+    Args:
+        data: The ``.index`` file.
+        decompress: Read Snappy-compressed blocks too (TensorFlow's reader
+            does; asyncckpt's reads only the uncompressed ones TensorFlow writes).
+
     Raises:
-        BundleFormatError: Not an uncompressed SSTable of bundle entries.
+        BundleFormatError: Not an (uncompressed) SSTable of bundle entries.
     """
     from google.protobuf.message import DecodeError
     from tensorflow.core.protobuf import tensor_bundle_pb2
@@ -142,10 +201,10 @@ def stored_entries(data: bytes) -> tuple[object, list[tuple[bytes, object]]]:
     header = None
     entries = []
     try:
-        for _, handle in _block(data, index_offset, index_size):
+        for _, handle in _block(data, index_offset, index_size, decompress=decompress):
             offset, p = read_varint(handle, 0)
             size, _ = read_varint(handle, p)
-            for key, value in _block(data, offset, size):
+            for key, value in _block(data, offset, size, decompress=decompress):
                 if key == b"":
                     header = tensor_bundle_pb2.BundleHeaderProto.FromString(value)
                 else:
@@ -261,14 +320,14 @@ def check_for_reader(prefix: str, *, data_sizes: dict[str, int] | None = None) -
 
     TensorFlow's reader trusts the ``.index``: a negative dimension aborts
     the process, a huge shape sizes a huge buffer. This reads the index as
-    stored (``stored_entries``: whatever this module would not restore
-    itself, slices or keys TensorFlow lays out otherwise, are still
-    entries) and checks each entry (``entry_problem``) against the data
-    files' sizes: ``data_sizes`` (file name -> size, a manifest's) or the
-    files found beside it. An index that is not an uncompressed SSTable of
-    entries cannot be checked and is left to TensorFlow (``data_sizes``
-    given: asyncckpt wrote it, never so: damage). A missing index is left
-    to TensorFlow too (its own "not found").
+    stored (``stored_entries``, Snappy-compressed blocks too: whatever this
+    module would not restore itself, compressed blocks, slices or keys
+    TensorFlow lays out otherwise, are still entries) and checks each entry
+    (``entry_problem``) against the data files' sizes: ``data_sizes`` (file
+    name -> size, a manifest's) or the files found beside it. An index that
+    is no SSTable of entries cannot be checked: with a manifest it is damage,
+    another tool's is left to TensorFlow (which refuses it). A missing index
+    is left to TensorFlow too (its own "not found").
 
     Raises:
         CorruptCheckpointError: naming the ``.index``.
@@ -282,10 +341,10 @@ def check_for_reader(prefix: str, *, data_sizes: dict[str, int] | None = None) -
     except FileNotFoundError:
         return
     try:
-        header, raw = stored_entries(data)
+        header, raw = stored_entries(data, decompress=True)
     except BundleFormatError as e:
         if data_sizes is None:
-            return  # another tool's index, in a form this module does not read: TensorFlow's
+            return  # another tool's index, not a table this module reads: TensorFlow's
         raise CorruptCheckpointError(
             f"checkpoint {prefix!r} is corrupt: file {path!r} is not a bundle index ({e})",
             checkpoint=prefix, file=path) from e
