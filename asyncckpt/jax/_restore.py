@@ -475,6 +475,8 @@ def _check_made(step_dir: str) -> None:
         return
     try:
         names = os.listdir(step_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"no checkpoint at {step_dir!r}") from None
     except OSError as e:
         raise CorruptCheckpointError(f"checkpoint {step_dir!r} cannot be listed: {e}",
                                      checkpoint=step_dir, file=step_dir) from e
