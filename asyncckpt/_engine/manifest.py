@@ -77,9 +77,9 @@ class Manifest:
         """Parses and self-checks a manifest.
 
         Every file name must stay inside the checkpoint's directory
-        (``contained.name_problem``) and be listed once, with a size of 0
-        or more: whoever wrote the manifest chose them, and its own CRC can
-        be recomputed after any edit.
+        (``contained.name_problem``), with a size of 0 or more: whoever
+        wrote the manifest chose them, and its own CRC can be recomputed
+        after any edit.
 
         Raises:
             CorruptCheckpointError: The manifest is not valid JSON, lacks
@@ -116,16 +116,12 @@ class Manifest:
 
 
 def _check_records(files: Sequence[FileRecord]) -> None:
-    seen: set[str] = set()
     for rec in files:
         problem = contained.name_problem(rec.name)
         if problem is not None:
             raise ValueError(f"it names the file {rec.name!r}, which {problem}")
         if rec.size < 0:
             raise ValueError(f"it records {rec.size} bytes for {rec.name!r}")
-        if rec.name in seen:
-            raise ValueError(f"it lists {rec.name!r} twice")
-        seen.add(rec.name)
 
 
 def read_manifest(path: str, *, checkpoint: str | None = None) -> Manifest:
