@@ -405,3 +405,9 @@ def test_the_next_save_writes_a_whole_state_file_again(tf_dir):
     state = tf.train.get_checkpoint_state(str(tf_dir))
     assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == [
         "ckpt-1", "ckpt-2", "ckpt-3", "ckpt-4"]
+
+
+def test_the_rebuild_knows_manager_checkpoints_by_the_key_managers_write():
+    from asyncckpt.tf import _dirview, _statefile
+
+    assert _statefile.MANAGED_KEY == _dirview.MANAGED_KEY
