@@ -13,6 +13,7 @@ TensorFlow.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncckpt import layout
+from asyncckpt._engine import contained
 from asyncckpt._engine.commit import is_temp_name
 from asyncckpt._engine.manifest import Manifest, read_manifest, verify_files
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -183,6 +185,94 @@ def verify(info: CheckpointInfo, *, checksums: bool = True) -> Manifest:
     return manifest
 
 
+# One field of a ``checkpoint`` state file (protobuf text format, as TensorFlow writes it).
+_STATE_FIELD = re.compile(
+    r"""\s*([A-Za-z_]\w*)\s*:\s*(?:"((?:[^"\\]|\\.)*)"|'((?:[^'\\]|\\.)*)'|([-+.\w]+))\s*""")
+_STATE_PATHS = ("model_checkpoint_path", "all_model_checkpoint_paths")
+_STATE_NUMBERS = ("all_model_checkpoint_timestamps", "last_preserved_timestamp")
+
+
+def state_file_paths(directory: str) -> list[str] | None:
+    """The checkpoints a TensorFlow ``checkpoint`` state file names, the latest first.
+
+    Read without TensorFlow. None when there is no state file.
+
+    Raises:
+        CorruptCheckpointError: the state file is damaged (not text, not a
+            state file, no latest checkpoint), or is a directory, a FIFO...
+    """
+    path = os.path.join(directory, layout.TF_STATE_FILE)
+    try:
+        data = contained.read_file(path, checkpoint=directory)
+    except FileNotFoundError:
+        return None
+
+    def damaged(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"the state file {path!r} is damaged: {what}",
+                                      checkpoint=directory, file=path)
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise damaged(f"not UTF-8 text ({e})") from None
+    latest, listed = None, []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        m = _STATE_FIELD.fullmatch(line)
+        quoted = None if m is None else (m.group(2) if m.group(2) is not None else m.group(3))
+        if m is None or (m.group(1) in _STATE_PATHS) != (quoted is not None) or (
+                m.group(1) not in _STATE_PATHS + _STATE_NUMBERS):
+            raise damaged(f"line {number} is not a field of a state file: {line[:80]!r}")
+        if quoted is None:
+            continue
+        try:
+            value = codecs.escape_decode(quoted.encode("utf-8"))[0].decode("utf-8")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise damaged(f"line {number}: {e}") from None
+        if m.group(1) == _STATE_PATHS[0]:
+            latest = value
+        else:
+            listed.append(value)
+    if not latest:
+        raise damaged("it names no latest checkpoint (model_checkpoint_path)")
+    return [latest] + [p for p in listed if p != latest]
+
+
+def state_file_problems(directory: str) -> list[CorruptCheckpointError]:
+    """What is wrong with the checkpoints a TensorFlow state file in ``directory`` names.
+
+    Each checkpoint it names must be in ``directory`` (a name leading
+    elsewhere is reported, not followed) with its ``.index`` a file there; a
+    damaged state file is one problem. Empty when there is no state file.
+    """
+    try:
+        paths = state_file_paths(directory)
+    except CorruptCheckpointError as e:
+        return [e]
+    state = os.path.join(directory, layout.TF_STATE_FILE)
+    problems = []
+    for path in paths or ():
+        full = contained.inside(directory, path)
+        if full is None:
+            problems.append(CorruptCheckpointError(
+                f"the state file {state!r} names {path!r}, which is not in {directory!r} "
+                "(not followed)", checkpoint=directory, file=state))
+            continue
+        index = full + layout.TF_INDEX_SUFFIX
+        try:
+            contained.regular_size(index, checkpoint=full)
+        except FileNotFoundError:
+            problems.append(CorruptCheckpointError(
+                f"the state file {state!r} names checkpoint {path!r}, whose index {index!r} "
+                "is missing", checkpoint=full, file=index))
+        except (CorruptCheckpointError, OSError) as e:
+            problems.append(CorruptCheckpointError(
+                f"the state file {state!r} names checkpoint {path!r}: {e}",
+                checkpoint=full, file=index))
+    return problems
+
+
 @dataclass(frozen=True)
 class ArrayInfo:
     """One saved array: name, shape, dtype and bytes."""
@@ -198,8 +288,8 @@ def describe_arrays(info: CheckpointInfo) -> list[ArrayInfo]:
     if info.framework == ARRAYS:
         return _describe_array_store(info.path)
     if info.framework == "jax":
-        return _describe_zarr_tree(info.path)
-    return _describe_tf(info.path)
+        return _describe_zarr_tree(info.path, info.manifest())
+    return _describe_tf(info.path, info.manifest())
 
 
 def _describe_array_store(step_dir: str) -> list[ArrayInfo]:
@@ -218,29 +308,50 @@ def _describe_array_store(step_dir: str) -> list[ArrayInfo]:
 _ZARR_METADATA = (".zarray", "zarr.json")
 
 
-def _zarr_metadata(item_dir: str) -> list[tuple[str, dict]]:
+def _zarr_metadata(item_dir: str, checkpoint: str,
+                   listed: set[str] | None) -> list[tuple[str, dict]]:
     """``(leaf, .zarray or zarr.json contents)`` of each array of a zarr item, OCDBT or not.
 
     An OCDBT item (``manifest.ocdbt``) keeps these entries in its database,
-    read through TensorStore (imported only then).
+    read through TensorStore (imported only then); the files its B-tree
+    names must stay in the checkpoint and, where there is a manifest
+    (``listed``: its names relative to ``item_dir``), be listed in it.
     """
     if os.path.isfile(os.path.join(item_dir, "manifest.ocdbt")):
-        import tensorstore as ts
+        from asyncckpt._ocdbtindex import OcdbtIndex
 
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item_dir}/"}).result()
+        def check(name: str, source: str) -> None:
+            contained.check_name(name, checkpoint=checkpoint, source=source)
+            if listed is not None and name not in listed:
+                path = os.path.join(item_dir, *name.split("/"))
+                raise CorruptCheckpointError(
+                    f"checkpoint {checkpoint!r} is corrupt: file {path!r} is not listed in "
+                    "the manifest: it is not read", checkpoint=checkpoint, file=path)
+
+        index = OcdbtIndex(item_dir, checkpoint=checkpoint, check=check)
         out = []
-        for key in sorted(k.decode() for k in kv.list().result()):
+        for key in sorted(index):
             leaf, _, name = key.partition("/")
-            if name in _ZARR_METADATA:
-                out.append((leaf, json.loads(kv.read(key).result().value)))
+            if name not in _ZARR_METADATA:
+                continue
+            value = index.get(key)
+            if not isinstance(value, bytes):  # in a data file (checked above): read its range
+                file, offset, length = value
+                path = os.path.join(item_dir, *file.split("/"))
+                fd = contained.open_regular(path, checkpoint=checkpoint)
+                try:
+                    value = os.pread(fd, max(0, min(length, os.fstat(fd).st_size - offset)),
+                                     offset)
+                finally:
+                    os.close(fd)
+            out.append((leaf, json.loads(value)))
         return out
     out = []
     for leaf in sorted(os.listdir(item_dir)):
         for name in _ZARR_METADATA:
             path = os.path.join(item_dir, leaf, name)
             if os.path.isfile(path):
-                with open(path, encoding="utf-8") as f:
-                    out.append((leaf, json.load(f)))
+                out.append((leaf, json.loads(contained.read_file(path, checkpoint=checkpoint))))
                 break
     return out
 
@@ -253,7 +364,7 @@ def _is_zarr_item(directory: str) -> bool:
                for leaf in os.listdir(directory) for name in _ZARR_METADATA)
 
 
-def _describe_zarr_tree(step_dir: str) -> list[ArrayInfo]:
+def _describe_zarr_tree(step_dir: str, manifest: Manifest | None) -> list[ArrayInfo]:
     """The arrays of a manager's step (one item per subdirectory) or of a checkpointer's path.
 
     A checkpointer writes its pytree at the path itself (orbax's item at the
@@ -265,8 +376,11 @@ def _describe_zarr_tree(step_dir: str) -> list[ArrayInfo]:
         items = [(item, os.path.join(step_dir, item)) for item in sorted(os.listdir(step_dir))
                  if os.path.isdir(os.path.join(step_dir, item))]
     arrays = []
+    names = None if manifest is None else {r.name for r in manifest.files}
     for item, item_dir in items:
-        for leaf, meta in _zarr_metadata(item_dir):
+        listed = None if names is None else {
+            n[len(item) + 1:] if item else n for n in names if not item or n.startswith(item + "/")}
+        for leaf, meta in _zarr_metadata(item_dir, step_dir, listed):
             shape = tuple(int(d) for d in meta["shape"])
             dtype = str(meta["data_type"] if "data_type" in meta else meta["dtype"])
             itemsize = _itemsize(dtype)
@@ -282,7 +396,7 @@ def _itemsize(zarr_dtype: str) -> int:
         return {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int4": 1}.get(zarr_dtype, 0)
 
 
-def _describe_tf(prefix: str) -> list[ArrayInfo]:
+def _describe_tf(prefix: str, manifest: Manifest | None) -> list[ArrayInfo]:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter out
     try:
         import tensorflow as tf
@@ -290,6 +404,11 @@ def _describe_tf(prefix: str) -> list[ArrayInfo]:
         raise ImportError(
             "describing a TensorFlow checkpoint needs TensorFlow: pip install 'asyncckpt[tf]'"
         ) from e
+    from asyncckpt.tf import _bundle
+
+    # TensorFlow's reader trusts the index (a negative dimension aborts the process).
+    _bundle.check_for_reader(prefix, data_sizes=None if manifest is None else {
+        r.name: r.size for r in manifest.files})
     reader = tf.train.load_checkpoint(prefix)
     shapes = reader.get_variable_to_shape_map()
     dtypes = reader.get_variable_to_dtype_map()

@@ -7,10 +7,11 @@ checkpoints are listed; ``inspect`` and ``verify`` download the checkpoints
 they look at into a temporary directory). ``inspect`` and ``verify`` also
 take one checkpoint's own path or URL: a TensorFlow prefix, a step
 directory, or (locally) the path a JAX checkpointer saved to. ``verify`` exits with 0
-only if every checked checkpoint matches its manifest, and both exit with 1
-where there is no checkpoint. The benchmarks are not part of the package: they
-run from a source checkout (``python -m benchmarks``); ``asyncckpt bench``, their
-old entry point, only says so.
+only if every checked checkpoint matches its manifest (and, for a whole
+directory, every checkpoint its TensorFlow ``checkpoint`` state file names is
+there), and both exit with 1 where there is no checkpoint. The benchmarks are
+not part of the package: they run from a source checkout (``python -m
+benchmarks``); ``asyncckpt bench``, their old entry point, only says so.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from asyncckpt import catalog
+from asyncckpt import catalog, layout
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 
@@ -96,10 +97,14 @@ def _cmd_list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'name':<24} {'framework':<11} {'step':>8} {'size':>12} {'files':>6}  committed")
     for c in found:
-        m = c.manifest()
+        try:
+            m = c.manifest()
+            missing = "no manifest"
+        except CorruptCheckpointError:
+            m, missing = None, "manifest damaged"
         size = _mib(m.nbytes) if m else "?"
         files = str(len(m.files)) if m else "?"
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)) if m else "no manifest"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)) if m else missing
         step = "" if c.step is None else str(c.step)
         print(f"{c.name:<24} {c.framework:<11} {step:>8} {size:>12} {files:>6}  {when}")
     return 0
@@ -167,9 +172,16 @@ def _verify(directory: str, args: argparse.Namespace) -> int:
         except CorruptCheckpointError as e:
             bad += 1
             print(f"FAIL  {c.name}: {e}")
+    # A directory of TensorFlow checkpoints: its state file must name checkpoints that are there.
+    whole = args.step is None and catalog.checkpoint_at(directory) is None
+    named = (catalog.state_file_problems(directory)
+             if whole and any(c.framework == "tensorflow" for c in chosen) else [])
+    for e in named:
+        print(f"FAIL  {layout.TF_STATE_FILE}: {e}")
     what = "sizes" if args.sizes_only else "sizes and checksums"
-    print(f"{len(chosen) - bad}/{len(chosen)} checkpoint(s) verified ({what})")
-    return 0 if bad == 0 else 1
+    print(f"{len(chosen) - bad}/{len(chosen)} checkpoint(s) verified ({what})"
+          + (f"; {len(named)} problem(s) with the state file" if named else ""))
+    return 0 if bad == 0 and not named else 1
 
 
 # The benchmarks live beside the package in a source checkout (``benchmarks/``), not in it:

@@ -18,6 +18,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from asyncckpt._engine import contained
 from asyncckpt._engine.files import FileRecord
 from asyncckpt._version import __version__
 from asyncckpt.errors import CorruptCheckpointError
@@ -75,9 +76,15 @@ class Manifest:
     def from_json(cls, text: str, *, path: str) -> Manifest:
         """Parses and self-checks a manifest.
 
+        Every file name must stay inside the checkpoint's directory
+        (``contained.name_problem``), with a size of 0 or more: whoever
+        wrote the manifest chose them, and its own CRC can be recomputed
+        after any edit.
+
         Raises:
             CorruptCheckpointError: The manifest is not valid JSON, lacks
-                fields, or its own CRC does not match.
+                fields, its own CRC does not match, or it names a file
+                outside its checkpoint.
         """
         try:
             body = json.loads(text)
@@ -90,11 +97,13 @@ class Manifest:
                     f"manifest format {body['format']} is newer than this asyncckpt "
                     f"understands ({MANIFEST_FORMAT}); upgrade asyncckpt"
                 )
+            files = tuple(FileRecord.from_json(f) for f in body["files"])
+            _check_records(files)
             return cls(
                 framework=body["framework"],
                 label=body["label"],
                 step=body["step"],
-                files=tuple(FileRecord.from_json(f) for f in body["files"]),
+                files=files,
                 stats=body.get("stats", {}),
                 extra=body.get("extra", {}),
                 created=body["created"],
@@ -106,16 +115,29 @@ class Manifest:
             ) from e
 
 
-def read_manifest(path: str) -> Manifest:
+def _check_records(files: Sequence[FileRecord]) -> None:
+    for rec in files:
+        problem = contained.name_problem(rec.name)
+        if problem is not None:
+            raise ValueError(f"it names the file {rec.name!r}, which {problem}")
+        if rec.size < 0:
+            raise ValueError(f"it records {rec.size} bytes for {rec.name!r}")
+
+
+def read_manifest(path: str, *, checkpoint: str | None = None) -> Manifest:
     """Reads a manifest file.
+
+    Args:
+        path: The manifest.
+        checkpoint: Its checkpoint, for errors (default: ``path``).
 
     Raises:
         FileNotFoundError: There is no manifest at ``path``.
-        CorruptCheckpointError: The manifest is damaged.
+        CorruptCheckpointError: The manifest is damaged, or a directory,
+            FIFO or device is where it should be.
     """
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    return Manifest.from_json(text, path=path)
+    data = contained.read_file(path, checkpoint=checkpoint or path)
+    return Manifest.from_json(data.decode("utf-8", errors="replace"), path=path)
 
 
 def verify_files(
@@ -134,12 +156,14 @@ def verify_files(
         checkpoint: Checkpoint path used in error messages.
 
     Raises:
-        CorruptCheckpointError: naming the first file that does not match.
+        CorruptCheckpointError: naming the first file that does not match (or
+            that is a directory, a FIFO... where a file should be), or a
+            name that leads outside ``root``.
     """
     for rec in files:
-        path = os.path.join(root, *rec.name.split("/"))
+        path = contained.member(root, rec.name, checkpoint=checkpoint, source=checkpoint)
         try:
-            size = os.path.getsize(path)
+            size = contained.regular_size(path, checkpoint=checkpoint)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"checkpoint {checkpoint!r} is incomplete: file {path!r} is missing",
@@ -194,8 +218,8 @@ def has_owner_marker(root: str) -> bool:
 
 def _read_owned(directory: str) -> dict[str, int]:
     try:
-        with open(os.path.join(directory, OWNED_RECORD), encoding="utf-8") as f:
-            body = json.load(f)
+        path = os.path.join(directory, OWNED_RECORD)
+        body = json.loads(contained.read_file(path, checkpoint=directory))
         owned = body.get("checkpoints", {})
         return {str(k): int(v) for k, v in owned.items()} if isinstance(owned, dict) else {}
     except (OSError, ValueError, TypeError, AttributeError):
@@ -265,7 +289,7 @@ def load_manifest(path: str, *, checkpoint: str, owned: bool) -> Manifest | None
             checkpoint asyncckpt wrote.
     """
     try:
-        return read_manifest(path)
+        return read_manifest(path, checkpoint=checkpoint)
     except FileNotFoundError:
         if owned:
             raise CorruptCheckpointError(

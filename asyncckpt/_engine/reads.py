@@ -62,6 +62,7 @@ from asyncckpt.errors import AsyncCkptError
 PIECE = 8 << 20  # bytes per read call: large enough for the disk, small enough to spread
 DIRECT_ALIGN = 4096  # O_DIRECT: file offsets, lengths and addresses aligned like this
 HUGE = 2 << 20  # destinations this large are huge-page memory
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)  # no effect on regular files
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """``crc_combine`` for zlib's CRC32."""
@@ -202,7 +203,7 @@ class FileRead:
         """
         with self._lock:
             if self._fds is None:
-                fd = os.open(self.path, os.O_RDONLY)
+                fd = os.open(self.path, _READ_FLAGS)  # (a FIFO put there meanwhile: no wait)
                 direct_fd = -1
                 if any(p.direct for p in self.pieces) and (
                         direct if direct is not None
@@ -256,7 +257,7 @@ def _open_direct(path: str) -> int:
     if not flag:
         return -1
     try:
-        return os.open(path, os.O_RDONLY | flag)
+        return os.open(path, _READ_FLAGS | flag)
     except OSError:
         return -1
 

@@ -6,6 +6,11 @@ and checks the other files of the restored arrays in the same batch. In an
 OCDBT item (``use_values``) the chunks are byte ranges of the databases'
 data files: each data file is read once, the ranges straight into their
 buffers, and checked whole in the same pass.
+
+In a checkpoint with a manifest, every file read is one the manifest lists
+(a chunk file, an OCDBT data file): any other is an integrity error naming
+it, never an unchecked read, and ``check_layout`` holds each array's
+metadata to the files before anything is sized from it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncckpt._engine import fastcrc, reads
+from asyncckpt._engine import contained, fastcrc, reads
 from asyncckpt._engine.files import FileRecord
 from asyncckpt._engine.manifest import Manifest
 from asyncckpt.errors import CorruptCheckpointError
@@ -42,14 +47,15 @@ class ChunkStore:
                  remote: Any = None):
         self._dir = step_dir
         self._remote = remote
+        self.has_manifest = manifest is not None
         self._records = {r.name: r for r in manifest.files} if manifest else {}
         self._checksums = checksums
         self._data: dict[str, np.ndarray | None] = {}
         self._checked: set[str] = set()  # names of files checked without keeping their bytes
-        self._values: tuple[str, Any] | None = None  # OCDBT: (item, its OcdbtIndex)
+        self._values: tuple[str, Any] | None = None  # OCDBT: (item, its ``OcdbtIndex``)
 
     def use_values(self, item: str, index: Any) -> None:
-        """Chunks of ``item`` are values of its OCDBT database (``_tsarrays.OcdbtIndex``)."""
+        """Chunks of ``item`` are values of its OCDBT database (``_ocdbtindex.OcdbtIndex``)."""
         self._values = (item, index)
 
     @property
@@ -69,11 +75,81 @@ class ChunkStore:
         return CorruptCheckpointError(f"checkpoint {self._dir!r} is corrupt: file {path!r} {what}",
                                       checkpoint=self._dir, file=path)
 
+    def listed(self, name: str, *, source: str) -> FileRecord | None:
+        """The record of ``name`` (relative to the step), a file about to be read.
+
+        ``source``: the file that named it. The name must stay inside the
+        step (``contained.check_name``); in a checkpoint with a manifest it
+        must be listed there. None: no manifest (another library's
+        checkpoint, read unverified).
+
+        Raises:
+            CorruptCheckpointError: it leads outside, or is not listed.
+        """
+        contained.check_name(name, checkpoint=self._dir, source=source)
+        rec = self._records.get(name)
+        if rec is None and self.has_manifest:
+            raise self._corrupt(os.path.join(self._dir, *name.split("/")),
+                                "is not listed in the manifest: it is not read")
+        return rec
+
+    def check_layout(self, array: Any) -> None:
+        """Holds a ``ZarrArray``'s metadata to the checkpoint's files before anything is sized.
+
+        With a manifest, every chunk of the array's grid must be a listed
+        file (or, in OCDBT, a value of the database) of exactly one
+        chunk's bytes: then no buffer sized from the metadata is larger
+        than the files it is read from. Without a manifest nothing is
+        checked here (each chunk is still checked as it is read).
+
+        Raises:
+            CorruptCheckpointError: naming the array's metadata, or the chunk.
+        """
+        if not self.has_manifest:
+            return
+        meta = os.path.join(array.dir, ".zarray")
+        index = self._values[1] if self._values is not None else None
+        room = len(index) if index is not None else len(self._records)
+        if array.chunk_count > room:
+            raise self._corrupt(meta, f"describes {array.chunk_count} chunks of shape "
+                                f"{array.chunks} for shape {array.shape}; the checkpoint "
+                                f"holds {room} files")
+        need = array.chunk_nbytes
+        skip = 0 if index is None else len(in_item(self._values[0], ""))  # key = name[skip:]
+        for path in array.chunk_paths(None):
+            name = self._name(path)  # (the parameter's name was checked with its metadata)
+            if index is None:
+                rec = self._records.get(name)
+                if rec is None:
+                    raise self._corrupt(path, "is not listed in the manifest: it is not read")
+                have = rec.size
+            else:
+                where = index.get(name[skip:])
+                if where is None:
+                    raise self._corrupt(path, "is a chunk the OCDBT database does not hold")
+                have = len(where) if isinstance(where, bytes) else where[2]
+            if have != need:
+                raise self._corrupt(path, f"holds {have} bytes, a chunk of {meta!r} "
+                                    f"needs {need}")
+
+    def check_tree(self, directory: str) -> None:
+        """With a manifest: every file under ``directory`` (read by TensorStore) is listed.
+
+        Raises:
+            CorruptCheckpointError: naming a file the manifest does not list.
+        """
+        if not self.has_manifest:
+            return
+        for dirpath, _, names in os.walk(directory):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                self.listed(self._name(path), source=path)
+
     def _plan(self, path: str) -> tuple[reads.FileRead, np.ndarray] | None:
         """The read of one chunk file into an aligned buffer of its size (None: no file)."""
-        rec = self._record(path)
+        rec = self.listed(self._name(path), source=path)
         try:
-            size = os.stat(path).st_size
+            size = contained.regular_size(path, checkpoint=self._dir)
         except FileNotFoundError:
             if rec is not None:
                 raise CorruptCheckpointError(
@@ -103,7 +179,7 @@ class ChunkStore:
         """The read of a file only checked (its bytes are not kept)."""
         path = os.path.join(self._dir, *rec.name.split("/"))
         try:
-            size = os.stat(path).st_size
+            size = contained.regular_size(path, checkpoint=self._dir)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"checkpoint {self._dir!r} is incomplete: file {path!r} is missing",
@@ -124,31 +200,37 @@ class ChunkStore:
         assert self._values is not None
         item, index = self._values
         top = os.path.join(self._dir, item)
+        source = os.path.join(top, "manifest.ocdbt")
         todo = sorted(set(paths) - set(self._data))
-        by_file: dict[str, list[tuple[int, np.ndarray, str]]] = {}
+        ranges: dict[str, list[tuple[int, int, str]]] = {}
         for path in todo:
             where = index.get(os.path.relpath(path, top).replace(os.sep, "/"))
+            if where is None and self.has_manifest:
+                raise self._corrupt(path, "is a chunk the OCDBT database does not hold")
             if where is None or isinstance(where, bytes):
                 self._data[path] = None if where is None else np.frombuffer(where, np.uint8).copy()
                 continue
             file, offset, length = where
-            buf = reads.aligned_empty(length, file_offset=offset)
-            by_file.setdefault(in_item(item, file), []).append((offset, buf, path))
+            ranges.setdefault(in_item(item, file), []).append((offset, length, path))
+        for name in ranges:
+            self.listed(name, source=source)  # inside the step, and in the manifest
         if self._remote is not None:
-            self._remote.fetch_names(list(by_file))
+            self._remote.fetch_names(list(ranges))
         plans = []
-        for name, dests in sorted(by_file.items()):
+        for name, spans in sorted(ranges.items()):
             rec = self._records.get(name)
             path = os.path.join(self._dir, *name.split("/"))
             try:
-                size = os.stat(path).st_size
+                size = contained.regular_size(path, checkpoint=self._dir)
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"checkpoint {self._dir!r} is incomplete: file {path!r} is missing",
                     checkpoint=self._dir, file=path) from None
-            if any(o + len(b) > size for o, b, _ in dests):
+            if any(o < 0 or n < 0 or o + n > size for o, n, _ in spans):
                 raise self._corrupt(path, f"has {size} bytes, shorter than its values in the "
                                     "database's B-tree (truncated)")
+            # Sized only now: every range lies in the file.
+            dests = [(o, reads.aligned_empty(n, file_offset=o), p) for o, n, p in spans]
             checksum = (self._checksums and rec is not None and rec.crc is not None
                         and (mine is None or name in mine) and name not in self._checked
                         and not self._checked_on_fetch(name))

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncckpt._engine import contained
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedObjectError
 from asyncckpt.jax import _handlers
 from asyncckpt.jax._tree import DICT_KEY, SEQUENCE_KEY, LeafPath
@@ -358,20 +359,32 @@ def tree_metadata_json(entries: Sequence[TreeEntry], custom_metadata: Any = None
 def read_tree_metadata(item_dir: str) -> list[TreeEntry]:
     """Parses ``_METADATA`` (written by asyncckpt or orbax).
 
+    Each leaf's parameter name becomes a directory name (or a key of the
+    item's database): one that could lead outside the item
+    (``contained.name_problem``) is damage, and so is a list index that
+    no list of this tree can have (``build_tree`` would size the list by it).
+
     Raises:
-        CorruptCheckpointError: missing or unreadable.
+        CorruptCheckpointError: missing, unreadable, a directory or a FIFO,
+            or naming a leaf outside the item.
     """
     path = os.path.join(item_dir, TREE_METADATA)
+    checkpoint = os.path.dirname(item_dir)
     try:
-        with open(path, encoding="utf-8") as f:
-            body = json.load(f)
+        body = json.loads(contained.read_file(path, checkpoint=checkpoint))
+        tree = body["tree_metadata"]
         entries = []
-        for info in body["tree_metadata"].values():
+        for info in tree.values():
             keys = info["key_metadata"]
             names = tuple(str(k["key"]) for k in keys)
             kinds = tuple(int(k["key_type"]) for k in keys)
             if any(k not in (SEQUENCE_KEY, DICT_KEY) for k in kinds):
                 raise ValueError(f"unknown key type in {keys}")
+            for name, kind in zip(names, kinds, strict=True):
+                if kind == SEQUENCE_KEY and not (
+                        name.isascii() and name.isdigit() and int(name) < len(tree)):
+                    raise ValueError(f"list index {name!r} in {keys} (the tree has "
+                                     f"{len(tree)} leaves)")
             value = info["value_metadata"]
             shape = value.get("write_shape")
             entries.append(
@@ -381,26 +394,35 @@ def read_tree_metadata(item_dir: str) -> list[TreeEntry]:
                     tuple(shape) if shape is not None else None,
                 )
             )
-        return entries
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{item_dir!r} has no {TREE_METADATA} file: not an orbax/asyncckpt pytree",
-            checkpoint=os.path.dirname(item_dir),
+            checkpoint=checkpoint,
             file=path,
         ) from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
         raise CorruptCheckpointError(
             f"tree metadata {path!r} is unreadable: {e}",
-            checkpoint=os.path.dirname(item_dir),
+            checkpoint=checkpoint,
             file=path,
         ) from e
+    for e in entries:
+        if not e.skipped:
+            contained.check_name(e.path.param, checkpoint=checkpoint, source=path)
+    return entries
+
+
+def _read_json(path: str) -> Any:
+    """A small JSON file of a checkpoint (a FIFO, a directory...: ``CorruptCheckpointError``)."""
+    return json.loads(contained.read_file(path, checkpoint=os.path.dirname(path)))
 
 
 def tree_flag(item_dir: str, name: str) -> Any:
     """A top-level field of ``_METADATA`` (``use_ocdbt``, ``use_zarr3``); None if absent."""
     try:
-        with open(os.path.join(item_dir, TREE_METADATA), encoding="utf-8") as f:
-            body = json.load(f)
+        body = _read_json(os.path.join(item_dir, TREE_METADATA))
     except (OSError, ValueError):
         return None
     return body.get(name) if isinstance(body, dict) else None
@@ -474,8 +496,7 @@ def step_metadata_json(
 def read_step_metadata(step_dir: str) -> dict:
     """``_CHECKPOINT_METADATA`` as a dict ({} when absent or unreadable)."""
     try:
-        with open(os.path.join(step_dir, STEP_METADATA), encoding="utf-8") as f:
-            body = json.load(f)
+        body = _read_json(os.path.join(step_dir, STEP_METADATA))
         return body if isinstance(body, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -522,9 +543,10 @@ def read_json_item(item_dir: str) -> Any:
                                      checkpoint=os.path.dirname(item_dir))
     path = os.path.join(item_dir, names[0])
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return _read_json(path)
     except ValueError as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
         raise CorruptCheckpointError(f"JSON item {path!r} is unreadable: {e}",
                                      checkpoint=os.path.dirname(item_dir), file=path) from e
 
@@ -613,9 +635,14 @@ def read_shardings(item_dir: str) -> dict[str, str]:
 def read_file_bytes(path: str) -> np.ndarray | None:
     """A whole file as a uint8 array (None if it does not exist)."""
     try:
-        return np.fromfile(path, dtype=np.uint8)
+        fd = contained.open_regular(path, checkpoint=os.path.dirname(path))
     except FileNotFoundError:
         return None
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return np.fromfile(f, dtype=np.uint8)
+    finally:
+        os.close(fd)
 
 
 def _raw_codecs(codecs: Any, itemsize: int) -> bool:
@@ -681,8 +708,7 @@ class ZarrArray:
         order, filters = "C", None
         try:
             if metadata is None:
-                with open(meta_path, "rb") as f:
-                    metadata = f.read()
+                metadata = contained.read_file(meta_path, checkpoint=checkpoint)
             meta = json.loads(metadata)
             self.shape = tuple(int(d) for d in meta["shape"])
             if zarr3:
@@ -701,6 +727,8 @@ class ZarrArray:
                 file=meta_path,
             ) from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
+            if isinstance(e, CorruptCheckpointError):
+                raise
             raise CorruptCheckpointError(
                 f"zarr metadata {meta_path!r} is unreadable: {e}",
                 checkpoint=checkpoint,
@@ -709,12 +737,15 @@ class ZarrArray:
         if (
             len(self.chunks) != len(self.shape)
             or any(c < 1 for c in self.chunks)
+            or any(d < 0 for d in self.shape)
+            or self.dtype.hasobject or self.dtype.fields is not None or self.dtype.itemsize < 1
             or order != "C"
             or filters
         ):
             raise CorruptCheckpointError(
                 f"zarr metadata {meta_path!r} describes a layout asyncckpt does not read "
-                f"(chunks {self.chunks} for shape {self.shape}, order {order}, filters {filters})",
+                f"(chunks {self.chunks} for shape {self.shape}, dtype {self.dtype}, order "
+                f"{order}, filters {filters})",
                 checkpoint=checkpoint,
                 file=meta_path,
             )
@@ -754,6 +785,16 @@ class ZarrArray:
             return chunk_name(coords)
         parts = (*self._prefix, *(str(c) for c in coords))
         return self._separator.join(parts) if parts else "0"
+
+    @property
+    def chunk_count(self) -> int:
+        """How many chunks the array's grid holds (0 for an empty array)."""
+        return math.prod(-(-d // c) for d, c in zip(self.shape, self.chunks, strict=True))
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one (whole, uncompressed) chunk."""
+        return math.prod(self.chunks) * self.dtype.itemsize
 
     def chunk_path(self, coords: Sequence[int]) -> str:
         return os.path.join(self.dir, *self.chunk_key(coords).split("/"))

@@ -17,6 +17,7 @@ import numpy as np
 
 from asyncckpt import layout
 from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine import contained
 from asyncckpt._engine.manifest import read_manifest
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.jax import _args, _handlers, _tree, _tsarrays
@@ -96,9 +97,24 @@ def read_step_metadata(step: int, step_dir: str, *, with_items: bool = True) -> 
 
 
 def item_names(step_dir: str, handlers: dict | None = None) -> list[str]:
-    """The item directories of a step (the metrics item excluded)."""
+    """The item directories of a step (the metrics item excluded).
+
+    Named by ``handlers`` (read from ``_CHECKPOINT_METADATA``) when given:
+    each must be a plain directory name of the step.
+
+    Raises:
+        CorruptCheckpointError: a handler's item name that is not one.
+    """
     if handlers:
-        names = list(handlers)
+        names = [str(n) for n in handlers]
+        source = os.path.join(step_dir, fmt.STEP_METADATA)
+        for n in names:
+            contained.check_name(n, checkpoint=step_dir, source=source)
+            if "/" in n:
+                raise CorruptCheckpointError(
+                    f"checkpoint {step_dir!r} is corrupt: {source!r} names the item {n!r}, "
+                    "which is not a directory name of the step", checkpoint=step_dir,
+                    file=source)
     else:
         names = [n for n in sorted(os.listdir(step_dir))
                  if os.path.isdir(os.path.join(step_dir, n)) and not n.startswith(".")]
@@ -145,10 +161,10 @@ def describe_items(step_dir: str, handlers: dict) -> Any:
 
 def read_root_metadata(directory: str) -> RootMetadata | None:
     """The manager-level metadata, or None if none was written."""
+    path = os.path.join(directory, fmt.ROOT_METADATA)
     try:
-        with open(os.path.join(directory, fmt.ROOT_METADATA), encoding="utf-8") as f:
-            body = json.load(f)
-    except (OSError, ValueError):
+        body = json.loads(contained.read_file(path, checkpoint=directory))
+    except (OSError, ValueError):  # (a FIFO, a directory there: CorruptCheckpointError)
         return None
     custom = body.get("custom_metadata") if isinstance(body, dict) else None
     return RootMetadata(custom_metadata=dict(custom or {}))

@@ -162,7 +162,10 @@ def restore_tree(
     item_dir = os.path.join(step_dir, item)
     entries = fmt.read_tree_metadata(item_dir)
     store = ChunkStore(step_dir, manifest, checksums=checksums, remote=remote)
-    opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store)
+    # Every file an OCDBT B-tree names: inside the step, and listed in its manifest.
+    opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store,
+                                  check=lambda name, source: store.listed(
+                                      fmt.in_item(item, name), source=source))
     if opener.through_tensorstore and remote is not None:
         # TensorStore reads the item's files itself: all of them are fetched first.
         remote.fetch_names([n for n in remote.records if n.startswith(fmt.in_item(item, ""))])
@@ -203,6 +206,13 @@ def _read_all(step_dir: str, item: str, store: ChunkStore, opener: _tsarrays.Ite
     arrays = {e.path.param: opener(e.path.param) for e, _ in selected}
     for e, w in selected:  # check every leaf before reading any bytes
         _leaves.check_shape(e, w, arrays[e.path.param].shape, step_dir)
+    item_dir = os.path.join(step_dir, item)
+    for e, _ in selected:  # and its metadata against the files, before sizing anything from it
+        array = arrays[e.path.param]
+        if isinstance(array, fmt.ZarrArray):
+            store.check_layout(array)
+        elif opener.index is None:  # TensorStore reads the array's files: listed ones only
+            store.check_tree(os.path.join(item_dir, e.path.param))
     whole = opener.through_tensorstore or opener.index is not None  # files shared by arrays
     verified(store, [path for e, w in selected
                      for path in _chunks_needed(arrays[e.path.param], w.sharding)],
@@ -340,13 +350,16 @@ def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named:
     (``asyncckpt.storage.lazy.LazyStep``); only the files read are fetched.
     ``handlers``: see ``restore_listed``.
     """
+    if remote is None:
+        _check_made(step_dir)
     recorded = fmt.read_step_metadata(step_dir).get("item_handlers") or {}
     recorded = recorded if isinstance(recorded, dict) else {}
     on_disk = _metadata.item_names(step_dir, recorded)
     default_mode = on_disk == [fmt.ITEM]
     if requests is None:
         if default_mode and not named:
-            return _restore_item(step_dir, _args.RestoreItem(fmt.ITEM, "auto"),
+            kind = "auto" if fmt.ITEM in recorded else "pytree"  # (a handler's item: auto)
+            return _restore_item(step_dir, _args.RestoreItem(fmt.ITEM, kind),
                                  checksums=checksums, remote=remote, recorded=recorded,
                                  handlers=handlers)
         everything = on_disk + ([fmt.METRICS_ITEM] if os.path.isdir(
@@ -360,6 +373,30 @@ def restore_step(step_dir: str, requests: list[_args.RestoreItem] | None, named:
                                  recorded=recorded, handlers=handlers)
            for r in requests}
     return _args.composite(out) if named else out[fmt.ITEM]
+
+
+def _check_made(step_dir: str) -> None:
+    """Refuses a step directory that holds no checkpoint: empty, or left half made.
+
+    One with asyncckpt's manifest (or owner marker) is judged by the
+    manifest; another library's holds at least one item directory.
+
+    Raises:
+        CorruptCheckpointError: naming the step directory.
+    """
+    if has_owner_marker(step_dir) or os.path.lexists(layout.jax_manifest_path(step_dir)):
+        return
+    try:
+        names = os.listdir(step_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"no checkpoint at {step_dir!r}") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"checkpoint {step_dir!r} cannot be listed: {e}",
+                                     checkpoint=step_dir, file=step_dir) from e
+    if not any(os.path.isdir(os.path.join(step_dir, n)) for n in names if not n.startswith(".")):
+        raise CorruptCheckpointError(
+            f"checkpoint {step_dir!r} is empty or half made: no manifest and no item "
+            f"directory (it holds {sorted(names)[:10]})", checkpoint=step_dir, file=step_dir)
 
 
 def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool,
@@ -382,7 +419,10 @@ def _restore_item(step_dir: str, request: _args.RestoreItem, *, checksums: bool,
                 step_dir, request.name, handler,
                 _handlers.default_restore_args(request.name, handler),
                 checksums=checksums, remote=remote)
-        kind = "json" if _metadata.is_json_item(step_dir, request.name) else "pytree"
+        if typestr is not None:  # as the step's metadata records the item
+            kind = _handlers.recorded_kind(typestr)
+        else:
+            kind = "json" if _metadata.is_json_item(step_dir, request.name) else "pytree"
     if kind == "handler":
         return _handlers.restore_item(step_dir, request.name, request.handler, request.target,
                                       checksums=checksums, remote=remote)

@@ -3,10 +3,11 @@
 asyncckpt reads uncompressed zarr arrays itself (``_format.ZarrArray``: zarr
 v2 with no compressor, zarr v3 with no codec but ``bytes``, as asyncckpt
 writes both): from chunk files, or, in an OCDBT database, from the byte
-ranges of its data files that its B-tree names (``OcdbtIndex``, read through
-TensorStore's ``ocdbt.dump``), each file checked in the same pass
-(``_chunks``). Compressed arrays and zarr v3 arrays with other codecs
-(orbax's defaults: zstd; ``sharding_indexed``) are read through
+ranges of its data files that its B-tree names
+(``asyncckpt._ocdbtindex.OcdbtIndex``, read through TensorStore's
+``ocdbt.dump``, every file it names checked first), each file checked in the
+same pass (``_chunks``). Compressed arrays and zarr v3 arrays with other
+codecs (orbax's defaults: zstd; ``sharding_indexed``) are read through
 TensorStore's zarr drivers (``TsArray``), the library orbax reads them
 with, after the item's files are checked. ``ItemArrays`` picks the reader.
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncckpt._ocdbtindex import Check, OcdbtIndex
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._ocdbt import kvstore_spec, load_tensorstore
@@ -86,61 +88,6 @@ class TsArray:
                 f"read: {e}", checkpoint=self._checkpoint, file=self.dir) from e
 
 
-class OcdbtIndex:
-    """Where each key of an OCDBT database is: its value inline, or a byte range of a file.
-
-    Read from the database's B-tree through TensorStore's ``ocdbt.dump``
-    (the manifest, then the nodes), so a restore reads each chunk's bytes
-    itself, straight into the buffer its array is made from, and checks each
-    data file's checksum in the same pass (as for chunk files).
-
-    Args:
-        item_dir: The directory of the (root) database.
-        checkpoint: For error messages.
-
-    Raises:
-        CorruptCheckpointError: the database cannot be read.
-    """
-
-    def __init__(self, item_dir: str, *, checkpoint: str):
-        ts = load_tensorstore()
-        self._entries: dict[str, bytes | tuple[str, int, int]] = {}
-        try:
-            base = ts.KvStore.open({"driver": "file", "path": item_dir.rstrip("/") + "/"}).result()
-            manifest = ts.ocdbt.dump(base).result()
-            versions = manifest.get("versions") or []
-            root = (versions[-1].get("root") or {}).get("location") if versions else None
-            if root:
-                self._walk(ts, base, root, b"")
-        except (ValueError, RuntimeError, KeyError, TypeError) as e:
-            raise CorruptCheckpointError(
-                f"checkpoint {checkpoint!r}: the OCDBT database {item_dir!r} is unreadable: {e}",
-                checkpoint=checkpoint, file=os.path.join(item_dir, "manifest.ocdbt")) from e
-
-    def _walk(self, ts: Any, base: Any, location: str, prefix: bytes) -> None:
-        node = ts.ocdbt.dump(base, node=location).result()
-        entries = node.get("entries") or []
-        if node.get("height", 0):
-            for e in entries:
-                if "location" in e:
-                    self._walk(ts, base, e["location"],
-                               prefix + (e.get("subtree_common_prefix") or b""))
-            return
-        for e in entries:
-            key = (prefix + e["key"]).decode()
-            if e.get("inline_value") is not None:
-                self._entries[key] = bytes(e["inline_value"])
-            else:  # "value:<base path>:<relative path>:<offset>:<length>"
-                ref, offset, length = e["indirect_value"].rsplit(":", 2)
-                base_path, _, relative = ref.split(":", 1)[1].partition(":")
-                self._entries[key] = (base_path + relative, int(offset), int(length))
-
-    def get(self, key: str) -> bytes | tuple[str, int, int] | None:
-        """A key's value (bytes), its ``(file relative to the database, offset, length)``,
-        or None when the database has no such key."""
-        return self._entries.get(key)
-
-
 def _item_flags(item_dir: str, entries: Sequence[fmt.TreeEntry],
                 index: OcdbtIndex | None, zarr3: bool) -> bool:
     """Whether an item's arrays must be read through TensorStore (not stored raw).
@@ -180,6 +127,8 @@ class ItemArrays:
         entries: Its tree metadata.
         checkpoint: For error messages.
         source: Reads (and checks) chunks by their file path (a ``ChunkStore``).
+        check: Of an OCDBT database, every file its B-tree names, before it
+            is read (``OcdbtIndex``; a restore's wants it in the manifest).
 
     Attributes:
         index: The item's ``OcdbtIndex``, when it is an OCDBT database.
@@ -187,12 +136,13 @@ class ItemArrays:
     """
 
     def __init__(self, item_dir: str, entries: Sequence[fmt.TreeEntry], *, checkpoint: str,
-                 source: fmt.ChunkSource = fmt.read_file_bytes):
+                 source: fmt.ChunkSource = fmt.read_file_bytes, check: Check | None = None):
         self._dir = item_dir
         self._checkpoint = checkpoint
         self._source = source
         self._ocdbt = fmt.is_ocdbt(item_dir)
-        self.index = OcdbtIndex(item_dir, checkpoint=checkpoint) if self._ocdbt else None
+        self.index = (OcdbtIndex(item_dir, checkpoint=checkpoint, check=check) if self._ocdbt
+                      else None)
         self._zarr3 = bool(fmt.tree_flag(item_dir, "use_zarr3"))
         self.through_tensorstore = _item_flags(item_dir, entries, self.index, self._zarr3)
         self._context: Any = None

@@ -79,7 +79,7 @@ def fail(prefix: str, path: str, what: str) -> CorruptCheckpointError:
 
 def aligned_empty(shape: list[int], dtype: np.dtype, file_offset: int) -> np.ndarray:
     """An aligned array for a tensor at ``file_offset`` (``reads.aligned_empty``)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     return reads.aligned_empty(nbytes, file_offset=file_offset).view(dtype).reshape(shape)
 
 
@@ -151,15 +151,21 @@ class Bundle:
 
 
 def open_bundle(prefix: str, manifest: Manifest, *, checksums: bool) -> Bundle | None:
-    """Checks every file's size and the index's checksum; parses the index.
+    """Checks every file's size and the index's checksum; parses and checks the index.
+
+    Every entry of the index is checked (``_bundle.index_problem``) before
+    anything is sized from it: a shape with no negative dimension, whose
+    elements are the bytes recorded, within a data file the manifest lists.
 
     Returns:
         The bundle, or None when this checkpoint is not one asyncckpt reads
-        itself (another index format, files the manifest does not list).
+        itself (another index format: TensorFlow's reader gets it, after
+        ``_bundle.check_for_reader``).
 
     Raises:
         CorruptCheckpointError: A file is missing, has the wrong size, or the
-            index fails its checksum.
+            index fails its checksum, describes a tensor its data files
+            cannot hold, or puts one in a file the manifest does not list.
     """
     directory = os.path.dirname(os.path.abspath(prefix))
     verify_files(directory, manifest.files, checksums=False, checkpoint=prefix)  # sizes
@@ -181,21 +187,25 @@ def open_bundle(prefix: str, manifest: Manifest, *, checksums: bool) -> Bundle |
     except _bundle.BundleFormatError as e:
         logger.info("%s: %s; restoring through TensorFlow's reader", prefix, e)
         return None
+    if not 0 <= index.num_shards <= len(records):
+        raise fail(prefix, index_path, f"names {index.num_shards} data files, the manifest "
+                   f"lists {len(records)} files")
     data_names = [os.path.basename(_bundle.data_file(prefix, s, index.num_shards))
                   for s in range(index.num_shards)]
-    if any(n not in records for n in data_names):
-        return None
-    bundle = Bundle(os.path.abspath(prefix), directory, index, records, data_names,
-                    index_rec.name, checksums, index_id)
-    if any(not 0 <= p.entry.shard_id < index.num_shards for p in bundle.all_pieces()):
-        logger.info("%s: a tensor in a data file that does not exist; restoring through "
-                    "TensorFlow's reader", prefix)
-        return None
-    return bundle
+    unlisted = [n for n in data_names if n not in records]
+    if unlisted:
+        raise fail(prefix, os.path.join(directory, unlisted[0]),
+                   "is a data file of the index that the manifest does not list")
+    problem = _bundle.index_problem(
+        index, {s: records[n].size for s, n in enumerate(data_names)})
+    if problem is not None:
+        raise fail(prefix, index_path, problem)
+    return Bundle(os.path.abspath(prefix), directory, index, records, data_names,
+                  index_rec.name, checksums, index_id)
 
 
 def check_string(bundle: Bundle, path: str, entry, encoded) -> None:
-    count = int(np.prod([d.size for d in entry.shape.dim], dtype=np.int64))
+    count = math.prod(d.size for d in entry.shape.dim)
     try:
         ok = masked(_bundle.string_tensor_crc32c(encoded, count)) == entry.crc32c
     except _bundle.BundleFormatError:

@@ -32,14 +32,11 @@ from collections.abc import Callable
 from asyncckpt import layout
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine import retention
-from asyncckpt._engine.manifest import Manifest
+from asyncckpt._engine.manifest import read_manifest
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt._engine.steps import Reservation, StepDirectory, StepRecord, shared
-from asyncckpt.tf import _compat
+from asyncckpt.tf import _compat, _statefile
 from asyncckpt.tf._job import delete_checkpoint, manifest_path
-
-# In the manifest's ``extra`` of every checkpoint a manager saves.
-MANAGED_KEY = "managed"
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +58,7 @@ class ManagedCheckpoints:
 
     def _load(self) -> None:
         now = time.time()
-        state = _compat.read_checkpoint_state(self.abs_dir)
+        state = _statefile.read_state(self.abs_dir)  # a damaged one rebuilt from disk
         if state is None:
             self.steps.last_preserved = now - 1.0
             self._adopt_unrecorded([], now)
@@ -274,11 +271,10 @@ def _managed_checkpoints(directory: str) -> list[str]:
             continue
         prefix = os.path.join(directory, entry[: -len(".index")])
         try:
-            with open(manifest_path(prefix)) as f:
-                manifest = Manifest.from_json(f.read(), path=prefix)
+            manifest = read_manifest(manifest_path(prefix))  # (a FIFO there: no wait)
         except (OSError, ValueError):
             continue  # not ours, or not whole: never adopted
-        if manifest.extra.get(MANAGED_KEY):
+        if manifest.extra.get(_statefile.MANAGED_KEY):
             names.append(entry[: -len(".index")])
     return names
 

@@ -72,7 +72,7 @@ import numpy as np
 
 from asyncckpt._engine import fastcrc, reads
 from asyncckpt._engine.manifest import Manifest, is_owned, load_manifest, verify_files
-from asyncckpt.tf import _bundleread
+from asyncckpt.tf import _bundle, _bundleread
 from asyncckpt.tf._bundleread import Bundle, fail, masked
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import manifest_path
@@ -252,14 +252,18 @@ def prepared(prefix: str, *, checksums: bool, options, verify, root=None) -> Ser
     say which tensors the restore will ask for.
     """
     fast = None
+    manifest = None
     io_device = getattr(options, "experimental_io_device", None) if options else None
-    if os.path.exists(prefix + ".index") and not io_device and tf.executing_eagerly():
+    if os.path.exists(prefix + ".index"):
         owned = is_owned(prefix, marker_suffix=".index")
         manifest = load_manifest(manifest_path(prefix), checkpoint=prefix, owned=owned)
-        if manifest is not None:
+        if manifest is not None and not io_device and tf.executing_eagerly():
             fast = prefetch(prefix, manifest, checksums=checksums, root=root)
     if fast is None:
         verify(prefix, checksums=checksums)
+        # TensorFlow's reader trusts the index: it gets none that asks for the impossible.
+        _bundle.check_for_reader(prefix, data_sizes=None if manifest is None else {
+            r.name: r.size for r in manifest.files})
     return Serving(fast)
 
 

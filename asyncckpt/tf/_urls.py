@@ -39,6 +39,7 @@ from asyncckpt.storage import protocol
 from asyncckpt.storage.base import retry_call
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, url_directory_options
 from asyncckpt.storage.url import UnsupportedURLError, is_url, parse_location
+from asyncckpt.tf import _statefile
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +223,8 @@ def latest_checkpoint(checkpoint_dir: str, latest_filename: str | None = None) -
     nothing is committed there.
     """
     if not is_url(checkpoint_dir):
-        from asyncckpt.tf._compat import tf
-
-        return tf.train.latest_checkpoint(checkpoint_dir, latest_filename)
+        # TensorFlow's, but a damaged state file is rebuilt from the committed checkpoints.
+        return _statefile.latest_checkpoint(os.fspath(checkpoint_dir), latest_filename)
     from asyncckpt.storage.stores import open_store
 
     loc = parse_location(checkpoint_dir)

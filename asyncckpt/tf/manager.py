@@ -20,7 +20,7 @@ from asyncckpt._engine.writer import SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions, TieredDirectory, register_owner
-from asyncckpt.tf import _compat, _dirview, _inflight, _urls
+from asyncckpt.tf import _compat, _dirview, _inflight, _statefile, _urls
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf.checkpoint import (
     Checkpoint,
@@ -349,7 +349,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         try:
             handle = stage_save(
                 self._ckpt, prefix, wopts, number, functools.partial(view.committed, res),
-                {_dirview.MANAGED_KEY: True},
+                {_statefile.MANAGED_KEY: True},
                 on_published=(None if self._tiers.remote is None
                               else functools.partial(_hand_to_tiers, self._tiers)),
             )
