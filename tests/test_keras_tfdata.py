@@ -37,13 +37,15 @@ durable = threading.Event()  # a backup of this run is durable
 class Backup(ak.BackupAndRestore):
     def _make_store(self):
         store = super()._make_store()
-        retention = store._on_commit
+        real_save = store.save
 
-        def on_commit(step, stats):
-            retention(step, stats)
-            durable.set()
+        def save(*args, **kwargs):  # each backup: durable.set() once it is durable
+            handle = real_save(*args, **kwargs)
+            handle.committed.add_done_callback(
+                lambda f: f.exception() is None and durable.set())
+            return handle
 
-        store._on_commit = on_commit
+        store.save = save
         return store
 
 

@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent import futures
@@ -276,10 +277,17 @@ class StepDirectory:
             decision = decide([(n, self.record(n)) for n in listed], self.last_preserved)
             self.last_preserved = decision.last_preserved_timestamp
             self._preserved.update(c.key for c in decision.preserve)
-            for c in decision.delete:
-                self._condemned[c.key] = res
-                res.condemned.append(c.key)
+            self.condemn(res, [c.key for c in decision.delete])
             return list(res.condemned)
+
+    def condemn(self, res: Reservation, names: Iterable[str]) -> None:
+        """Takes ``names`` out of the listing; deleted once ``res`` is durable, listed again
+        if it fails (a backup taken again replaces its first copy)."""
+        with self.lock:
+            for name in names:
+                if name in self._names and name not in self._condemned:
+                    self._condemned[name] = res
+                    res.condemned.append(name)
 
     def committed(self, res: Reservation, *, delete: Callable[[str], None] | None,
                   on_change: Callable[[frozenset[str]], None] | None = None) -> None:
@@ -372,6 +380,7 @@ class StepDirectory:
         with self._settled:
             if not res.settled:
                 res.settled = True
+                res.future = None  # (its callbacks refer to the reservation: no cycle left)
                 self._unsettled[res.name] -= 1
                 self._open.remove(res)
             self._settled.notify_all()
@@ -477,6 +486,19 @@ class StepDirectory:
             if not self._users and not any(self._in_flight.values()):
                 self.dir_lock.release()
                 self._prepared = False
+
+
+def remove_dir(steps: StepDirectory, path: str) -> None:
+    """Deletes a checkpoint's directory: renamed out of the listing first (one rename, on
+    the calling thread), so a half-deleted checkpoint is never seen; its files are then
+    removed by ``steps``' background remover."""
+    doomed = commit_lib.claim_temp(os.path.join(
+        os.path.dirname(path),
+        f"{commit_lib.TEMP_PREFIX}deleted-{os.path.basename(path)}-{uuid.uuid4().hex[:8]}"))
+    if not commit_lib.move_aside(path, doomed):
+        commit_lib.forget_temp(doomed)
+        return
+    steps.removals.submit(doomed)
 
 
 _S = TypeVar("_S")

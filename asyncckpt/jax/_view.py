@@ -23,13 +23,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine import retention
-from asyncckpt._engine.steps import Reservation, StepDirectory, StepRecord, shared
+from asyncckpt._engine.steps import (
+    Reservation,
+    StepDirectory,
+    StepRecord,
+    remove_dir,
+    shared,
+)
 from asyncckpt.jax import _metadata, _policies
 from asyncckpt.jax._options import ManagerConfig, StepNames
 
@@ -58,7 +64,10 @@ class StepView:
         self.names = names
         self.commit_marker = None if legacy_ok else commit_marker
         self.commit_mode = (commit_marker, legacy_ok)
-        self.steps = StepDirectory(directory, order=names.parse, load_record=self._read_record)
+        me = weakref.ref(self)  # the step directory keeps no reference back: no cycle to
+        # wait for, so a dropped manager's directory lock goes with its last save
+        self.steps = StepDirectory(directory, order=names.parse,
+                                   load_record=lambda name: me()._read_record(name))
         # (mtime_ns, steps, steps whose name is taken by an entry that is not an
         # uncommitted step directory, uncommitted step directories (commit-file mode))
         self._listing: tuple[int, frozenset[int], frozenset[int], frozenset[int]] | None = None
@@ -345,12 +354,7 @@ def delete_step_dir(view: StepView, step: int, todelete_subdir: str | None) -> N
         if commit_lib.move_aside(path, target):
             logger.debug("moved step %d to %s", step, trash)
         return
-    doomed = commit_lib.claim_temp(os.path.join(
-        view.directory, f"{commit_lib.TEMP_PREFIX}deleted-{step}-{uuid.uuid4().hex[:8]}"))
-    if not commit_lib.move_aside(path, doomed):
-        commit_lib.forget_temp(doomed)
-        return
-    view.steps.removals.submit(doomed)
+    remove_dir(view.steps, path)
     logger.debug("deleted step %d in %s (files removed in the background)", step, view.directory)
 
 

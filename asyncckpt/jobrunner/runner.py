@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine import retention
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.errors import AsyncCkptError
@@ -210,9 +209,8 @@ class JobRunner:
             # checkpoints would otherwise be taken for its future.
             logger.warning("resuming from epoch %d: deleting the newer checkpoints %s",
                            r.step, newer)
-            self.store.claim()
             for s in newer:
-                commit_lib.remove_tree(self.store.step_dir(s))
+                self.store.delete(s)
         self._record({
             "event": "restore", "epoch": r.step, "restore_s": r.restore_s,
             "bytes": r.bytes_read, "arrays": len(r.arrays),
@@ -292,7 +290,7 @@ class JobRunner:
             busy = set(self._uploading)
         for s in dropped_by_retention(self.store.all_steps(), self.options.max_to_keep):
             if s not in busy:
-                commit_lib.remove_tree(self.store.step_dir(s))
+                self.store.delete(s)
 
     def _raise_upload_error(self) -> None:
         with self._lock:

@@ -20,11 +20,11 @@ restore read (and verify) only the arrays it selects.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -39,10 +39,10 @@ from asyncckpt._engine._copy import copy_arrays
 from asyncckpt._engine._jobs import SaveJob
 from asyncckpt._engine.destinations import RenamedDirectory
 from asyncckpt._engine.files import Checksummed
-from asyncckpt._engine.lock import DirectoryLock
 from asyncckpt._engine.manifest import read_manifest, verify_files
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt._engine.slots import Slot
+from asyncckpt._engine.steps import StepDirectory, StepRecord, remove_dir, shared
 from asyncckpt._engine.transaction import Transaction
 from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -171,6 +171,10 @@ class _ArraysJob(SaveJob):
         self._store._after_commit(self.step, stats)
 
 
+def _remove_step(steps: StepDirectory, directory: str, name: str) -> None:
+    remove_dir(steps, os.path.join(directory, name))
+
+
 def dropped_by_retention(steps: list[int], max_to_keep: int | None) -> list[int]:
     """The steps (oldest first) that retention drops: all but the newest ``max_to_keep``."""
     decision = retention.apply([retention.Candidate(str(s), s, 0.0) for s in steps],
@@ -218,11 +222,16 @@ class ArrayStore:
     Args:
         directory: Where step directories are written.
         max_to_keep: Checkpoints to keep (None keeps all); the newest is
-            never deleted.
+            never deleted. Applied at each ``save()`` call, as the managers
+            apply theirs: what it drops is deleted once the save is durable.
         options: Staging slots, fsync, checksums.
         name: Engine name for logs.
         on_commit: Called on the writer thread with ``(step, stats)`` after a
-            checkpoint is published and retention applied.
+            checkpoint is published.
+
+    The directory's checkpoints are kept by the engine's ``StepDirectory``
+    (``_engine/steps.py``), shared with every store of the directory in the
+    process: listing, reservations, retention, deletions and the lock.
     """
 
     job_class = _ArraysJob  # the background part of a save (tests subclass it to inject faults)
@@ -241,9 +250,10 @@ class ArrayStore:
         self.options = options or AsyncOptions()
         self._engine = AsyncEngine(options=self.options, name=name)
         self._on_commit = on_commit
-        self._lock = DirectoryLock(self.directory)
-        self._joined = False
-        self._mutex = threading.Lock()
+        self._steps, _ = shared("arrays", self.directory,
+                                lambda: StepDirectory(self.directory, order=int))
+        self._steps.join(self)
+        self._policy = retention.RetentionPolicy(max_to_keep=self.max_to_keep)
         self._last: SaveHandle | None = None
 
     # -- listing -------------------------------------------------------------
@@ -266,13 +276,21 @@ class ArrayStore:
             framework=FRAMEWORK, label=str(step), step=step,
             manifest_name=layout.JAX_MANIFEST_NAME, options=self.options)
 
-    def all_steps(self) -> list[int]:
-        """Committed steps, oldest first (temporaries are never listed)."""
+    @staticmethod
+    def committed_steps(directory: str) -> list[int]:
+        """The step directories in ``directory``, oldest first (read only, no store)."""
         try:
-            names = os.listdir(self.directory)
+            with os.scandir(directory) as entries:
+                return sorted(int(e.name) for e in entries if e.name.isdigit() and e.is_dir())
         except FileNotFoundError:
             return []
-        return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(self.step_dir(n)))
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first (temporaries and saves in flight are never listed,
+        nor steps a save's retention dropped)."""
+        steps = self._steps
+        steps.sync(str(s) for s in self.committed_steps(self.directory))
+        return [int(n) for n in steps.listed() if steps.is_committed(n)]
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -281,7 +299,8 @@ class ArrayStore:
     # -- saving ----------------------------------------------------------------
 
     def save(
-        self, step: int, arrays: Mapping[str, Any], metadata: dict | None = None
+        self, step: int, arrays: Mapping[str, Any], metadata: dict | None = None, *,
+        replaces: Iterable[int] = (),
     ) -> SaveHandle:
         """Stages ``arrays`` into host memory and writes them as ``step`` in the background.
 
@@ -291,6 +310,8 @@ class ArrayStore:
             arrays: Names to array-likes (NumPy, JAX, TensorFlow tensors or
                 variables); copied before this returns.
             metadata: JSON-serializable data committed with the arrays.
+            replaces: Steps this one replaces (a backup taken again at the
+                same position): deleted once it is durable.
 
         Returns:
             The save's handle (``result()`` waits until it is durable).
@@ -301,8 +322,18 @@ class ArrayStore:
         meta = json.loads(json.dumps(metadata or {}))
         self._engine.raise_pending_error()
         self.claim()
-        if os.path.lexists(self.step_dir(step)):
-            raise ValueError(f"step {step} already exists in {self.directory!r}")
+        steps, name = self._steps, str(step)
+        with steps.lock:
+            if os.path.lexists(self.step_dir(step)) or steps.in_flight(name):
+                raise ValueError(f"step {step} already exists in {self.directory!r}")
+            self.all_steps()  # the listing retention sees: what is on disk now
+            res = steps.reserve(name, StepRecord(time.time()))
+            steps.condemn(res, [str(int(s)) for s in replaces])
+            if self.max_to_keep is not None:
+                policy = self._policy
+                steps.retain(res, lambda listed, last: retention.apply(
+                    [retention.Candidate(n, int(n), rec.timestamp) for n, rec in listed],
+                    policy, last_preserved_timestamp=last))
 
         def stage(slot: Slot) -> _ArraysJob:
             entries, pairs = [], []
@@ -314,9 +345,24 @@ class ArrayStore:
             copy_arrays(pairs)
             return self.job_class(self, step, entries, meta)
 
-        handle = self._engine.save(stage, label=str(step), step=step)
+        try:
+            handle = self._engine.save(stage, label=str(step), step=step)
+        except BaseException:
+            steps.failed(res)
+            raise
+        steps.attach(res, handle.committed)
+        remove = functools.partial(_remove_step, steps, self.directory)
+        handle.committed.add_done_callback(
+            lambda f: steps.committed(res, delete=remove) if f.exception() is None
+            else steps.failed(res))
         self._last = handle
         return handle
+
+    def delete(self, step: int) -> None:
+        """Deletes a committed step now (renamed out of the listing, removed in the background)."""
+        self.claim()
+        self._steps.delete(str(int(step)), functools.partial(_remove_step, self._steps,
+                                                             self.directory))
 
     def claim(self) -> None:
         """Takes the directory for this store's saves: its lock, stale temporaries removed.
@@ -324,18 +370,9 @@ class ArrayStore:
         Done once, by the first ``save`` (or by a caller about to change the
         directory itself); later calls return at once.
         """
-        with self._mutex:
-            if self._joined:
-                return
-            commit_lib.ensure_writable_dir(self.directory)
-            self._lock.acquire()
-            commit_lib.cleanup_stale_temps(self.directory)
-            self._joined = True
+        self._steps.prepare()
 
     def _after_commit(self, step: int, stats: SaveStats) -> None:
-        for s in dropped_by_retention(self.all_steps(), self.max_to_keep):
-            if s != step:
-                commit_lib.remove_tree(self.step_dir(s))
         if self._on_commit is not None:
             self._on_commit(step, stats)
 
@@ -349,15 +386,17 @@ class ArrayStore:
         """Flushes saves in flight, stops the writer and releases the directory."""
         try:
             self._engine.close()
+            self._steps.removals.wait(None)
         finally:
-            self._lock.release()
+            self._steps.leave(self)  # the last store of the directory releases its lock
 
     def delete_all(self) -> None:
         """Waits for saves in flight, then removes every checkpoint and the directory."""
         self._engine.wait_until_finished()
-        self._lock.release()
-        self._joined = False
+        self._steps.removals.wait(None)
+        self._steps.leave(self)
         commit_lib.remove_tree(self.directory)
+        self._steps.join(self)  # the store can save again (into a new directory)
 
     def __enter__(self) -> ArrayStore:
         return self

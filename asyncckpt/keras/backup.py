@@ -7,14 +7,12 @@ import logging
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import keras
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from asyncckpt._engine import commit as commit_lib
-from asyncckpt._engine.metrics import SaveStats
 from asyncckpt.jobrunner.store import DATA_NAME, INDEX_NAME, ArrayStore, Restored
 from asyncckpt.keras import _callbacks, _state, _tfdata
 from asyncckpt.keras._preemption import METADATA_KEY, KerasTarget, PreemptionOptions
@@ -67,43 +65,6 @@ class BackupOptions:
 
 
 @dataclass
-class _Retention:
-    """Keeps the newest ``keep`` backups; a retaken backup replaces its first copy.
-
-    Runs on the store's writer thread after each commit (``on_commit``);
-    ``replace`` is called on the training thread before the retake is saved.
-    """
-
-    keep: int
-    _replaces: dict[int, int] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def replace(self, step: int, replaced: int) -> None:
-        with self._lock:
-            self._replaces[step] = replaced
-
-    def after_commit(self, directory: str, step: int, stats: SaveStats) -> None:
-        del stats
-        with self._lock:
-            replaced = self._replaces.pop(step, None)
-        steps = [s for s in _list_steps(directory) if s != replaced]
-        drop = [s for s in steps[: -self.keep] if s != step]
-        if replaced is not None:
-            drop.append(replaced)
-        for s in drop:
-            commit_lib.remove_tree(os.path.join(directory, str(s)))
-
-
-def _list_steps(directory: str) -> list[int]:
-    """The numbers of the backups in ``directory``, oldest first."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    return sorted(int(n) for n in names
-                  if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
-
-
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up the whole training state in the background; resumes ``fit`` exactly.
 
@@ -191,7 +152,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._store: ArrayStore | None = None
         self._siblings: list[Any] = []
         self._after: list[Any] = []  # the siblings listed after this callback
-        self._retention = _Retention(keep=2 if double_checkpoint else 1)
         self._reader: Any = None  # TensorFlow: the batched variable read, kept across backups
         self._reset_run()
 
@@ -280,7 +240,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         """
         if self._store is not None:
             self._store.wait_until_finished()
-        steps = _list_steps(os.path.abspath(self.backup_dir))
+        if self._store is not None:
+            steps = self._store.all_steps()
+        else:  # between fits: read only, no store is open
+            steps = ArrayStore.committed_steps(os.path.abspath(self.backup_dir))
         if len(steps) < -which:
             return None
         return os.path.join(os.path.abspath(self.backup_dir), str(steps[which]), name)
@@ -333,11 +296,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _make_store(self) -> ArrayStore:
         return ArrayStore(
             self.backup_dir,
-            max_to_keep=None,  # _Retention: a retaken backup replaces its first copy
+            # The newest (and with double_checkpoint the previous) backup; a
+            # backup taken again at the same position replaces its first copy.
+            max_to_keep=2 if self.double_checkpoint else 1,
             options=self.options.async_options,
             name="asyncckpt.keras.backup",
-            on_commit=functools.partial(self._retention.after_commit,
-                                        os.path.abspath(self.backup_dir)),
         )
 
     def _drop_unverified(self, store: ArrayStore, steps: list[int]) -> None:
@@ -349,7 +312,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "from the previous backup %d, and removing them", steps, self.backup_dir,
             self._restored.step)
         for s in steps:
-            commit_lib.remove_tree(store.step_dir(s))
+            store.delete(s)
 
     # -- preemption ---------------------------------------------------------------------
 
@@ -595,9 +558,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # The global batch count, or one past the previous backup where that is more
         # (a backup taken again at the same position; steps must grow).
         step = max(self._global, self._next_step)
-        if retake and self._last_saved == self._global and self._last_step is not None:
-            self._retention.replace(step, self._last_step)
-        self._store.save(step, arrays, metadata)
+        replaces = ([self._last_step] if retake and self._last_saved == self._global
+                    and self._last_step is not None else [])
+        self._store.save(step, arrays, metadata, replaces=replaces)
         self._next_step = step + 1
         self._last_saved, self._last_position, self._last_step = self._global, (epoch, batch), step
         self._saved_stopped = stopped
