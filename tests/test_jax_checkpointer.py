@@ -423,7 +423,6 @@ def test_orbax_options_honoured_or_refused_at_construction(tmp_path):
 
     refused = {
         "use_compression": lambda: aj.PyTreeCheckpointer(use_compression=True),
-        "JsonCheckpointHandler": lambda: aj.AsyncCheckpointer(ocp.JsonCheckpointHandler()),
         "primary_host": lambda: aj.StandardCheckpointer(
             multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=1)),
         "temporary_path_class": lambda: aj.StandardCheckpointer(

@@ -323,3 +323,62 @@ def test_a_grain_training_loop_killed_and_resumed_sees_the_same_batches(tmp_path
         restored = theirs.restore(18, args=ocp.args.Composite(
             data=grain.checkpoint.CheckpointRestore(it)))
     assert " ".join(map(str, next(restored.data))) == reference["batches"][18][1]
+
+
+# -- checkpointers given any handler -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", ["Checkpointer", "AsyncCheckpointer"])
+def test_a_checkpointer_with_any_handler_commits_its_files_under_the_manifest(tmp_path, cls):
+    ours, theirs = getattr(aj, cls), getattr(ocp, cls)
+    cases = [
+        ("json", ocp.JsonCheckpointHandler, ocp.args.JsonSave({"a": 1, "b": [2, 3]}),
+         ocp.args.JsonRestore(), lambda r: r == {"a": 1, "b": [2, 3]}),
+        ("user", ValuesHandler, ValuesSave(np.arange(5, dtype=np.int64) + 2**40),
+         ValuesRestore(), lambda r: np.array_equal(r, np.arange(5) + 2**40)),
+        ("composite", lambda: ocp.CompositeCheckpointHandler("state", "meta"),
+         ocp.args.Composite(state=ocp.args.StandardSave(_state(3)),
+                            meta=ocp.args.JsonSave({"k": 3})),
+         ocp.args.Composite(state=ocp.args.StandardRestore(_abstract()),
+                            meta=ocp.args.JsonRestore()),
+         lambda r: r.meta == {"k": 3} and np.array_equal(r.state["w"], _state(3)["w"])),
+    ]
+    for name, handler, save, restore, check in cases:
+        path = tmp_path / name
+        with ours(handler()) as c:
+            c.save(path, args=save)
+            c.wait_until_finished()
+            assert check(c.restore(path, args=restore)), name
+        manifest = read_manifest(str(path / "asyncckpt.manifest.json"))
+        names = {r.name for r in manifest.files}
+        written = {os.path.relpath(os.path.join(p, f), path) for p, _, fs in os.walk(path)
+                   for f in fs} - {"asyncckpt.manifest.json"}
+        assert names == written, name  # every file the handler wrote, listed once
+        with theirs(handler()) as c:
+            assert check(c.restore(path, args=restore)), name
+        # Damage to the handler's file: caught before the handler reads it.
+        victim = sorted(n for n in names if not n.startswith(("_", "asyncckpt", "commit")))[0]
+        with open(path / victim, "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0x20]))
+        with ours(handler()) as c, pytest.raises(CorruptCheckpointError) as err:
+            c.restore(path, args=restore)
+        assert err.value.file.endswith(victim), name
+
+
+def test_a_checkpointer_handler_of_orbaxs_older_api_is_wrapped_as_orbax_wraps_it(tmp_path):
+    class OldHandler(ocp.CheckpointHandler):  # no registered CheckpointArgs
+        def save(self, directory, item):
+            (directory / "old.txt").write_text(str(item))
+
+        def restore(self, directory, item=None):
+            return int((directory / "old.txt").read_text())
+
+    with aj.Checkpointer(OldHandler()) as c:
+        c.save(tmp_path / "old", 41)
+        assert c.restore(tmp_path / "old") == 41
+    assert "old.txt" in {r.name for r in read_manifest(
+        str(tmp_path / "old" / "asyncckpt.manifest.json")).files}
+    with ocp.Checkpointer(OldHandler()) as c:
+        assert c.restore(tmp_path / "old") == 41

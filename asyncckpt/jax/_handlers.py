@@ -57,6 +57,36 @@ def typestr(handler: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def with_registered_args(handler: Any) -> Any:
+    """``handler``, or orbax's wrapper of it when it has no registered ``CheckpointArgs``
+    (a handler of orbax's older API: its arguments are passed through, as orbax's
+    checkpointers pass them)."""
+    from orbax.checkpoint import checkpoint_args
+    from orbax.checkpoint._src.checkpointers import checkpointer as orbax_checkpointer
+
+    if checkpoint_args.has_registered_args(handler):
+        return handler
+    return orbax_checkpointer.get_legacy_handler_wrapper(handler)
+
+
+def recorded_handlers(handler: Any, directory: str) -> Any:
+    """What ``_CHECKPOINT_METADATA`` records as ``item_handlers`` for a checkpoint
+    ``handler`` wrote whole (a checkpointer's), as orbax's checkpointers record it: a
+    ``CompositeCheckpointHandler``'s items by name (read from what it has just started
+    writing into ``directory``), any other handler's type."""
+    per_item = getattr(handler, "metadata_from_temporary_paths", None)
+    if per_item is not None:
+        try:
+            found = per_item(_path(directory)).item_handlers
+        except (FileNotFoundError, NotImplementedError, ValueError, TypeError) as e:
+            logger.warning("could not read the item handlers of %s (%r): the handler's "
+                           "type is recorded instead", directory, e)
+        else:
+            if found:
+                return dict(found)
+    return typestr(handler)
+
+
 def handler_for_args(args: Any) -> Any:
     """A new handler of the class orbax registered for ``args``' type.
 
@@ -238,16 +268,21 @@ def _flatten(futures: Any) -> list:
 class HandlerSaves:
     """The handler items of one save (see the module docstring).
 
-    A handler object keeps the state of the save it is writing until its
-    ``finalize`` (orbax's composite and random-key handlers do): orbax's
-    manager has one save in flight, asyncckpt up to one per staging slot. So
-    a save with handler items starts them only once the previous such save
-    has finished its own (``wait_done``).
+    orbax's handlers write one save at a time: a handler object keeps the
+    state of its save until its ``finalize`` (orbax's composite and
+    random-key handlers do), and their futures wait on signals keyed by the
+    process's current operation id (orbax's ``OperationIdGenerator``), one
+    for the whole process. orbax's checkpointers have one save in flight;
+    asyncckpt up to one per staging slot, and managers side by side. So a
+    save with handler items starts them only once the previous one of the
+    process has finished its own (``start`` waits): saves of asyncckpt's own
+    items are not held by this.
     """
 
     def __init__(self, saves: Sequence[HandlerSave]):
         self._saves = list(saves)
         self._done = threading.Event()
+        self._operation: str | None = None
 
     def __bool__(self) -> bool:
         return bool(self._saves)
@@ -257,15 +292,41 @@ class HandlerSaves:
         return [s.subdir for s in self._saves]
 
     def start(self, workdir: str) -> None:
-        for s in self._saves:
-            s.start(workdir)
+        """Starts every handler's save into ``workdir`` (the saving thread).
+
+        As orbax's checkpointers do before each save, a new operation id is
+        taken first: orbax's handlers wait on signals (their directories made)
+        keyed by it, so two saves in flight must not share one. Every process
+        of a multi-process save calls ``save()``, in the same order, so each
+        takes the same id.
+        """
+        from orbax.checkpoint._src.futures import synchronization
+
+        global _LAST
+        with _START_LOCK:
+            if _LAST is not None and _LAST is not self:
+                _LAST.wait_done()
+            _LAST = self
+            self._operation = str(synchronization.OperationIdGenerator.next_operation_id())
+            for s in self._saves:
+                s.start(workdir)
 
     def finish(self, workdir: str) -> None:
         try:
             for s in self._saves:
                 s.finish(workdir)
         finally:
+            self._forget_signals()
             self._done.set()
+
+    def _forget_signals(self) -> None:
+        """Drops the signals this save's handlers registered (orbax does it after a commit)."""
+        if self._operation is None:
+            return
+        from orbax.checkpoint._src.futures import future
+
+        future.AwaitableSignalsContract.remove_all_awaitable_signals(self._operation)
+        self._operation = None
 
     def abandon(self) -> None:
         """The save failed: waits for the handlers' background writes, their errors dropped
@@ -275,6 +336,7 @@ class HandlerSaves:
             for s in self._saves:
                 s.abandon()
         finally:
+            self._forget_signals()
             self._done.set()
 
     def wait_done(self) -> None:
@@ -292,6 +354,11 @@ class HandlerSaves:
                 prefix = "" if rel == "." else rel + "/"
                 names += [prefix + f for f in sorted(files) if prefix + f not in skip]
         return names
+
+
+# The process's last ``HandlerSaves`` started (``HandlerSaves.start`` waits for it).
+_LAST: HandlerSaves | None = None
+_START_LOCK = threading.Lock()
 
 
 def restore_item(step_dir: str, subdir: str, handler: Any, args: Any, *, checksums: bool,

@@ -287,8 +287,9 @@ class JaxSaveJob(SaveJob):
         private = peers is None or peers.shards is not None
         if handlers:
             handlers.finish(txn.workdir)
-            if private:
-                txn.adopt(handlers.files(txn.workdir))
+            if private:  # (a checkpointer's handler writes beside asyncckpt's own files)
+                txn.adopt(handlers.files(
+                    txn.workdir, skip=frozenset(r.name for r in txn.files.records)))
         records = txn.seal()
         if not self._primary:
             self._hand_over(records)

@@ -40,9 +40,10 @@ from asyncckpt._closing import ClosingContext
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.errors import CheckpointNotFoundError, EngineClosedError, PeerFailedError
-from asyncckpt.jax import _args, _compat, _metadata
+from asyncckpt.jax import _args, _compat, _handlers, _metadata
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax._distributed import CommitCoordinator, Saves
+from asyncckpt.jax._handlers import HandlerSave, HandlerSaves
 from asyncckpt.jax._job import JaxSaveJob, Peers, StepInfo, step_transaction
 from asyncckpt.jax._metadata import StepMetadata
 from asyncckpt.jax._ocdbt import FormatOptions, handler_uses_ocdbt, handler_uses_zarr3
@@ -96,20 +97,26 @@ def _refuse(what: str, why: str) -> ValueError:
     return ValueError(f"{what} is not supported by asyncckpt's checkpointers: {why}")
 
 
+_FOREIGN = "handler"  # any other handler: it saves and restores the checkpoint itself
+
+
 def _handler_kind(handler: Any) -> str:
-    """``_STANDARD`` or ``_PYTREE`` for one of orbax's pytree handlers.
+    """``_STANDARD`` or ``_PYTREE`` for one of orbax's pytree handlers (asyncckpt's fast
+    path), ``_FOREIGN`` for any other handler (``_handlers``: it writes the checkpoint's
+    files itself, inside asyncckpt's transaction).
 
     Raises:
-        ValueError: another handler.
+        ValueError: an object without orbax's handler methods.
     """
     kind = _orbax_type(handler)
-    if kind not in (_STANDARD, _PYTREE):
+    if kind in (_STANDARD, _PYTREE):
+        return kind
+    if not _handlers.is_handler(handler):
         raise ValueError(
-            f"handler {type(handler).__module__}.{type(handler).__qualname__} is not supported "
-            "by asyncckpt's checkpointers, which save one pytree: pass "
-            "ocp.StandardCheckpointHandler() or ocp.PyTreeCheckpointHandler() (named items and "
-            "JSON: asyncckpt.jax.CheckpointManager with args=ocp.args.Composite(...))")
-    return kind
+            f"{type(handler).__module__}.{type(handler).__qualname__} is not a checkpoint "
+            "handler (orbax's CheckpointHandler methods save/async_save and restore are "
+            "missing)")
+    return _FOREIGN
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -223,10 +230,15 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             raise TypeError(f"{type(self).__name__} needs orbax's handler: "
                             "ocp.StandardCheckpointHandler() or ocp.PyTreeCheckpointHandler()")
         self._kind = _STANDARD if handler is None else _handler_kind(handler)
+        if self._kind == _FOREIGN:
+            # A handler without registered args takes orbax's legacy arguments: orbax's
+            # own wrapper, as orbax's checkpointers wrap it.
+            handler = _handlers.with_registered_args(handler)
         # The layout, as the handler says (orbax's default without orbax: OCDBT, zarr v2).
+        own = handler is not None and self._kind != _FOREIGN
         self._format = FormatOptions(
-            use_ocdbt=True if handler is None else bool(handler_uses_ocdbt(handler)),
-            use_zarr3=False if handler is None else bool(handler_uses_zarr3(handler)))
+            use_ocdbt=bool(handler_uses_ocdbt(handler)) if own else True,
+            use_zarr3=bool(handler_uses_zarr3(handler)) if own else False)
         _check_orbax_options(multiprocessing_options=multiprocessing_options,
                              file_options=file_options,
                              checkpoint_metadata_store=checkpoint_metadata_store,
@@ -237,7 +249,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         self._options, timeout_s, self._post_commit = _engine_settings(
             async_options, coordination_timeout_s)
         self._handler = handler
-        self._typestr = _TYPESTR[self._kind]
+        self._typestr = (_handlers.typestr(handler) if self._kind == _FOREIGN
+                         else _TYPESTR[self._kind])
         self._restore_options = restore_options or RestoreOptions()
         self._coord = CommitCoordinator.for_this_run(timeout_s=timeout_s,
                                                      directory=_COORDINATION_NAME)
@@ -290,8 +303,21 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             UnsupportedObjectError: a leaf cannot be saved (named).
             Exception: a failure of an earlier background save.
         """
-        item = self._save_item(args, kwargs)
+        if self._kind == _FOREIGN:
+            item = _args.SaveItem(ROOT, "handler", self._foreign_args(args, kwargs, restore=False),
+                                  handler=self._handler)
+        else:
+            item = self._save_item(args, kwargs)
         self._save(directory, item, force=force, custom_metadata=custom_metadata)
+
+    def _foreign_args(self, args: tuple, kwargs: dict, *, restore: bool) -> Any:
+        """A foreign handler's ``CheckpointArgs`` from orbax's argument forms (orbax's own
+        construction: an args object as it is, else the handler's registered args class
+        made from the arguments)."""
+        from orbax.checkpoint._src.checkpointers import checkpointer as orbax_checkpointer
+
+        return orbax_checkpointer.construct_checkpoint_args(
+            self._handler, not restore, *args, **kwargs)
 
     def _save_item(self, args: tuple, kwargs: dict) -> _args.SaveItem:
         """The pytree of a save (with its ``SaveArgs`` chunking and target file size),
@@ -357,7 +383,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         multi = self._coord is not None  # then earlier failures raise once staged
         path = _local_path(directory)
         custom = _compat.json_checked(custom_metadata, "custom_metadata")
-        ocdbt = self._layout(item.ocdbt_target_data_file_size)
+        ocdbt = None if item.kind == "handler" else self._layout(item.ocdbt_target_data_file_size)
         if multi:
             with self._saves.attempt(None) as (seq, save_key):  # type: ignore[arg-type]
                 self._check_destination(path, force)
@@ -384,24 +410,47 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         token = self._saves.token()
         value, chunking = item.value, item.layout
         databases = None if ocdbt is None else {ROOT: ocdbt}
+        # A foreign handler writes the checkpoint itself, into the transaction's
+        # directory, at the call; one save at a time (see ``HandlerSaves``).
+        foreign = HandlerSaves([HandlerSave(ROOT, item.handler, item.value)]
+                               if item.kind == "handler" else [])
 
         def stage(slot):
-            staged = self._with_commit_file(self._snapshotter.stage(
-                value, slot, item=ROOT, layout=chunking, ocdbt=ocdbt,
-                zarr3=self._format.use_zarr3))
+            if foreign:
+                staged = self._with_commit_file(StagedTree((), ()))
+            else:
+                staged = self._with_commit_file(self._snapshotter.stage(
+                    value, slot, item=ROOT, layout=chunking, ocdbt=ocdbt,
+                    zarr3=self._format.use_zarr3))
             txn = step_transaction(path, options=self._options, step=None,
                                    token=f"{token}-{seq}", replace=force, mode=self._mode)
+            recorded = self._typestr
+            if foreign:
+                try:
+                    workdir = txn.begin()
+                    foreign.start(workdir)
+                    recorded = _handlers.recorded_handlers(item.handler, workdir)
+                except BaseException:
+                    foreign.abandon()
+                    txn.abort()
+                    raise
             return JaxSaveJob(
                 transaction=txn,
                 step=None,
                 staged=staged,
-                info=StepInfo(custom_metadata=custom, item_handlers=self._typestr),
+                info=StepInfo(custom_metadata=custom, item_handlers=recorded),
                 peers=None if self._coord is None else Peers(self._coord, save_key),
                 ocdbt=databases,
                 on_committed=self._finalized,
+                handlers=foreign or None,
             )
 
-        handle = self._engine.save(stage, label=path, raise_pending=self._coord is None)
+        try:
+            handle = self._engine.save(stage, label=path, raise_pending=self._coord is None)
+        except BaseException:
+            if foreign:
+                foreign.abandon()
+            raise
         with self._lock:
             self._in_flight[path] = handle
         handle.committed.add_done_callback(lambda _f: self._settled(path, handle))
@@ -545,6 +594,11 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             ValueError: the target does not match the checkpoint (also
                 ``UnsupportedLeafError`` and ``TopologyMismatchError``).
         """
+        if self._kind == _FOREIGN:
+            path = self._checkpoint_path(directory)
+            return _handlers.restore_item(path, ROOT, self._handler,
+                                          self._foreign_args(args, kwargs, restore=True),
+                                          checksums=self._restore_options.checksums)
         if len(args) == 1 and not kwargs and not _args.is_orbax_args(args[0]):
             # orbax's PyTreeRestore(item) for a PyTree handler: the structure only counts.
             items, named = _args.restore_items(args[0], None, kinds={
@@ -598,7 +652,10 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         path = self._checkpoint_path(directory)
         meta = _metadata.read_step_metadata(0, path, with_items=False)
         handler = fmt.read_step_metadata(path).get("item_handlers")
-        items = _metadata.describe_tree(path)  # zarr files or OCDBT, asyncckpt's or orbax's
+        if self._kind == _FOREIGN:  # the handler's own description of what it wrote
+            items = _handlers.item_metadata(path, ROOT, self._handler)
+        else:  # zarr files or OCDBT, asyncckpt's or orbax's
+            items = _metadata.describe_tree(path)
         return dataclasses.replace(meta, step=None, item_metadata=items,  # type: ignore[arg-type]
                                    item_handlers=handler)
 

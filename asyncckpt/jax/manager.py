@@ -197,7 +197,6 @@ class CheckpointManager(ClosingContext):
         self._setup = setup
         # Items saved by their own handlers (given, or chosen by a save's args).
         self._handlers = setup.own_handlers
-        self._handler_saves: HandlerSaves | None = None  # the last save with handler items
         # How orbax's handler of each item restores the older items= spelling: its
         # PyTree handler takes the item for the structure only (PyTreeRestore).
         self._restore_kinds = {
@@ -637,10 +636,6 @@ class CheckpointManager(ClosingContext):
                 handlers=foreign or None,
             )
 
-        if foreign:
-            if self._handler_saves is not None:
-                self._handler_saves.wait_done()  # a handler writes one save at a time
-            self._handler_saves = foreign
         try:
             handle = self._engine.save(stage, label=str(step), step=step,
                                        raise_pending=self._coord is None)
