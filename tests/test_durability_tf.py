@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -15,10 +16,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import asyncckpt.tf as at  # noqa: E402
-from asyncckpt import (  # noqa: E402
-    CorruptCheckpointError,
-    DirectoryLockedError,
-)
+from asyncckpt import CorruptCheckpointError  # noqa: E402
 from asyncckpt._engine import files as files_lib  # noqa: E402
 from asyncckpt._engine import transaction as transaction_lib  # noqa: E402
 from tests.helpers import (  # noqa: E402
@@ -68,7 +66,7 @@ def test_io_error_during_commit_keeps_earlier_checkpoints(ckpt_dir, monkeypatch)
     assert mgr.checkpoints == [good]
     assert tf.train.latest_checkpoint(str(ckpt_dir)) == good
     assert sorted(os.listdir(ckpt_dir)) == sorted(
-        ["checkpoint", ".asyncckpt.lock", ".asyncckpt-owned.json", "ckpt-1.index",
+        ["checkpoint", ".asyncckpt-locks", ".asyncckpt-owned.json", "ckpt-1.index",
          "ckpt-1.data-00000-of-00001", "ckpt-1.asyncckpt-manifest.json"]
     )
     fresh = tf.Variable(tf.zeros(10))
@@ -153,38 +151,92 @@ def test_cli_list_inspect_verify_on_good_checkpoints(ckpt_dir):
     assert missing.returncode == 2 and "no checkpoint '9'" in missing.stderr
 
 
+def _restores(path: str, value: list) -> None:
+    """``path`` holds ``v == value``: restored by TensorFlow's reader and by asyncckpt's."""
+    restore_both(path, lambda: {"v": tf.Variable(np.zeros(len(value), np.float32))},
+                 lambda o: np.testing.assert_array_equal(o["v"].numpy(), value),
+                 verdict="expect_partial")
+
+
 LOCK_HOLDER = """
-import sys
+import sys, threading
 import tensorflow as tf
 import asyncckpt.tf as at
-mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), sys.argv[1], max_to_keep=2)
-mgr.save()
+from asyncckpt.tf import _bundlewrite
+
+gate = threading.Event()
+real = _bundlewrite.write_bundle
+
+
+def held_write(*args, **kwargs):  # the real bundle writer, held until the test says so
+    print("writing", flush=True)
+    gate.wait(120)
+    return real(*args, **kwargs)
+
+
+_bundlewrite.write_bundle = held_write
+mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), sys.argv[1],
+                           max_to_keep=2)
+mgr.save(checkpoint_number=5)  # ckpt-5: written (held) while the test saves
+sys.stdin.readline()
+gate.set()
 mgr.sync()
-print("holding", flush=True)
-sys.stdin.readline()  # holds the lock until the test says so (or kills it)
+print("saved", mgr.checkpoints, flush=True)
+mgr.close()
 """
 
 
-def test_second_writer_is_refused_and_dead_writers_lock_is_taken_over(ckpt_dir, tmp_path, caplog):
+def test_two_processes_write_one_directory_and_only_the_same_checkpoint_waits(
+        ckpt_dir, tmp_path, caplog):
+    """As TensorFlow's managers (Model Garden's trainer and evaluator both export into
+    one directory): other checkpoints go on; a save of the checkpoint another process is
+    writing waits for it, then replaces it."""
     script = write_script(tmp_path, "holder.py", LOCK_HOLDER)
     proc = start_python(script, str(ckpt_dir), stdin=True)
     try:
-        LineWatcher(proc.stdout).wait_for("holding")
+        LineWatcher(proc.stdout).wait_for("writing")
         v = tf.Variable([2.0])
         mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
-        with pytest.raises(DirectoryLockedError) as err:
-            mgr.save()
-        assert f"pid {proc.pid}" in str(err.value) and "host" in str(err.value)
-        # Restoring needs no lock.
-        assert mgr.restore_or_initialize() == str(ckpt_dir / "ckpt-1")
+        first = mgr.save(checkpoint_number=1)  # another checkpoint: no DirectoryLockedError
+        mgr.sync()
+        same: dict = {}
+        waiter = threading.Thread(
+            target=lambda: same.setdefault("path", mgr.save(checkpoint_number=5)))
+        waiter.start()
+        waiter.join(2.0)
+        assert waiter.is_alive() and not same  # waits for the other process's ckpt-5
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        waiter.join(120)
+        assert same["path"] == str(ckpt_dir / "ckpt-5")
+        mgr.sync()
+        assert proc.wait(120) == 0, proc.stderr.read()
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    with caplog.at_level(logging.WARNING):
-        path = mgr.save()  # the holder is dead: its lock is taken over
-    assert "Taking over" in caplog.text and str(proc.pid) in caplog.text
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+    assert mgr.checkpoints == [first, same["path"]]
+    for path in (same["path"], first):
+        _restores(path, [2.0])
+    assert not os.listdir(ckpt_dir / ".asyncckpt-locks") or all(
+        n in ("ckpt-1", "ckpt-5") for n in os.listdir(ckpt_dir / ".asyncckpt-locks"))
+    mgr.close()
+
+
+def test_a_dead_writers_checkpoint_is_taken_over_and_its_temporaries_removed(ckpt_dir,
+                                                                             tmp_path):
+    script = write_script(tmp_path, "holder.py", LOCK_HOLDER)
+    proc = start_python(script, str(ckpt_dir), stdin=True)
+    LineWatcher(proc.stdout).wait_for("writing")
+    proc.send_signal(signal.SIGKILL)  # killed while it writes ckpt-5
+    proc.wait(30)
+    assert [n for n in os.listdir(ckpt_dir) if n.startswith(".asyncckpt-tmp")]
+    v = tf.Variable([3.0])
+    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
+    path = mgr.save(checkpoint_number=5)  # its lock died with it
     mgr.sync()
-    assert tf.train.latest_checkpoint(str(ckpt_dir)) == path
+    assert not [n for n in os.listdir(ckpt_dir) if n.startswith(".asyncckpt-tmp")]
+    _restores(path, [3.0])
     # A second manager in the same process shares the directory (and its view).
     other = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=2)
     second = other.save()

@@ -30,7 +30,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from asyncckpt._engine.files import fsync_path
 
@@ -429,22 +429,26 @@ def write_text_atomic(path: str, text: str, *, fsync: bool, mode: int | None = N
         fsync_path(parent)
 
 
-def cleanup_stale_temps(directory: str) -> list[str]:
+def cleanup_stale_temps(directory: str, *,
+                        stale: Callable[[str], bool] | None = None) -> list[str]:
     """Removes temporaries left in ``directory`` by an interrupted run.
 
     Only call this while holding the directory's writer lock (or before any
     writer of this run started): it cannot tell another process's live
-    temporary from a dead one's. Temporaries this process is using (another
-    manager of the same directory in this process) are left alone.
+    temporary from a dead one's. Where several processes write one directory
+    (``CheckpointLock``), ``stale(name)`` says which temporaries are dead
+    (their checkpoint's lock is free): only those are touched. Temporaries
+    this process is using (another manager of the same directory in this
+    process) are left alone.
 
     Returns:
         The paths removed.
     """
     with directory_guard(directory):
-        return _cleanup_stale_temps(directory)
+        return _cleanup_stale_temps(directory, stale or (lambda _name: True))
 
 
-def _cleanup_stale_temps(directory: str) -> list[str]:
+def _cleanup_stale_temps(directory: str, stale: Callable[[str], bool]) -> list[str]:
     removed: list[str] = []
     try:
         entries = os.listdir(directory)
@@ -452,11 +456,13 @@ def _cleanup_stale_temps(directory: str) -> list[str]:
         return removed
     # First put back (or finish replacing) checkpoints a killed re-save left.
     for name in entries:
-        if name.startswith(_BACKUP_PREFIX) and not is_live(os.path.join(directory, name)):
+        if (name.startswith(_BACKUP_PREFIX) and not is_live(os.path.join(directory, name))
+                and stale(name)):
             _recover_backup(os.path.join(directory, name), directory)
     for name in entries:
         path = os.path.join(directory, name)
-        if is_temp_name(name) and not name.startswith(_BACKUP_PREFIX) and not is_live(path):
+        if (is_temp_name(name) and not name.startswith(_BACKUP_PREFIX) and not is_live(path)
+                and stale(name)):
             remove_tree(path)
             removed.append(path)
     if removed:
@@ -467,6 +473,18 @@ def _cleanup_stale_temps(directory: str) -> list[str]:
             ", ".join(os.path.basename(p) for p in removed),
         )
     return removed
+
+
+def temp_target(name: str) -> str | None:
+    """The name a temporary was made for (``.asyncckpt-tmp-ckpt-3.index-<token>`` ->
+    ``ckpt-3.index``; a backup ``...-prev-ckpt-3.index-<token>`` likewise), or None."""
+    if not is_temp_name(name):
+        return None
+    rest = name[len(TEMP_PREFIX):]
+    if name.startswith(_BACKUP_PREFIX):
+        rest = name[len(_BACKUP_PREFIX):]
+    target, dash, _token = rest.rpartition("-")
+    return target if dash and target else None
 
 
 def ensure_writable_dir(directory: str) -> None:

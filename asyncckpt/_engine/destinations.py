@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from asyncckpt._engine import commit as commit_lib
+from asyncckpt._engine.lock import CheckpointLock
 
 
 class Destination(abc.ABC):
@@ -143,20 +144,33 @@ class PrefixFiles(Destination):
             is in place (``commit.publish_files``).
         fsync: Whether to fsync the directory around the commit.
         mode: Permission bits of the temporary directory; None: the umask's.
+        lock: The checkpoint's lock (several processes write the directory:
+            ``CheckpointLock``), held from ``open`` until published or
+            discarded; waits up to ``lock_wait_s`` for another process
+            writing the same checkpoint.
     """
 
     def __init__(self, directory: str, marker: str, *,
                  replaces: Callable[[], Sequence[str]] = tuple, fsync: bool,
-                 mode: int | None = None):
+                 mode: int | None = None, lock: CheckpointLock | None = None,
+                 lock_wait_s: float = 0.0):
         self.directory = directory
         self.marker = marker
         self.path = os.path.join(directory, marker)
         self._replaces = replaces
         self._fsync = fsync
         self._mode = mode
+        self._lock = lock
+        self._lock_wait_s = lock_wait_s
 
     def open(self) -> str:
-        return commit_lib.make_temp_dir(self.directory, self.marker, mode=self._mode)
+        if self._lock is not None:
+            self._lock.acquire(self._lock_wait_s)
+        try:
+            return commit_lib.make_temp_dir(self.directory, self.marker, mode=self._mode)
+        except BaseException:
+            self._unlock()
+            raise
 
     def publish(self, workdir: str, names: Sequence[str]) -> None:
         if self.marker not in names:
@@ -164,6 +178,19 @@ class PrefixFiles(Destination):
         order = [n for n in names if n != self.marker] + [self.marker]
         commit_lib.publish_files(workdir, self.directory, order, fsync=self._fsync,
                                  replaces=self._replaces())
+        self._unlock()
+
+    def discard(self, workdir: str) -> None:
+        super().discard(workdir)
+        self._unlock()
+
+    def release(self, workdir: str) -> None:
+        super().release(workdir)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
 
 class Uploaded(Destination):

@@ -1,8 +1,11 @@
-"""One writing process per checkpoint directory.
+"""One writing process per checkpoint directory, or per checkpoint.
 
 Two processes saving into one directory would delete each other's checkpoints
 through retention and race on the state files. A manager takes this lock
-before its first save. Within one process the lock is shared: managers of one
+before its first save (``DirectoryLock``). Where the framework lets several
+processes write one directory (TensorFlow's managers), only the same
+checkpoint conflicts: ``CheckpointLock`` guards one checkpoint name, held
+while it is written (or deleted). Within one process the lock is shared: managers of one
 directory (a restart modelled in the same process, or a dropped manager and
 its replacement) each hold it, counted per real path, and the ``flock`` is
 taken once per process and dropped when the last holder releases it (or is
@@ -32,6 +35,8 @@ from asyncckpt.errors import DirectoryLockedError
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".asyncckpt.lock"
+# One lock file per checkpoint name (``CheckpointLock``), in this subdirectory.
+LOCKS_DIR = ".asyncckpt-locks"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -111,6 +116,7 @@ class DirectoryLock:
     def __init__(self, directory: str):
         self.directory = os.fspath(directory)
         self.path = os.path.join(self.directory, LOCK_NAME)
+        self._key = os.path.realpath(self.directory)
         self._release: weakref.finalize | None = None
 
     @property
@@ -125,8 +131,8 @@ class DirectoryLock:
         """
         if self.held:
             return
-        os.makedirs(self.directory, exist_ok=True)
-        key = os.path.realpath(self.directory)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        key = self._key
         with _registry_lock:
             shared = _registry.get(key)
             if shared is not None:
@@ -140,6 +146,9 @@ class DirectoryLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             previous = self._lock(fd)
+            if not self._still_current(fd):  # removed (and maybe made again) meanwhile
+                os.close(fd)
+                return self._lock_file()
             if previous.get("pid") and (
                 previous.get("pid") != os.getpid()
                 or previous.get("host") != socket.gethostname()
@@ -159,6 +168,10 @@ class DirectoryLock:
             os.close(fd)
             raise
         return fd
+
+    def _still_current(self, fd: int) -> bool:
+        """Whether the locked file is still the one at ``path`` (a directory's never goes)."""
+        return True
 
     def _lock(self, fd: int) -> dict:
         try:
@@ -189,6 +202,14 @@ class DirectoryLock:
             "one its own directory."
         )
 
+    def try_acquire(self) -> bool:
+        """Takes the lock if no other live process holds it; False (nothing raised) if one does."""
+        try:
+            self.acquire()
+        except DirectoryLockedError:
+            return False
+        return True
+
     def release(self) -> None:
         """Gives this holder's share back; the last one in the process unlocks.
 
@@ -204,3 +225,64 @@ class DirectoryLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class CheckpointLock(DirectoryLock):
+    """Writer lock on one checkpoint of a directory (``<dir>/.asyncckpt-locks/<name>``).
+
+    Exclusive between processes, shared by the holders of one process, as
+    ``DirectoryLock``: taken while a checkpoint of that name is written or
+    deleted, so processes writing other checkpoints of the directory go on.
+
+    Args:
+        directory: The checkpoint directory.
+        name: The checkpoint's name (a TensorFlow prefix's basename).
+    """
+
+    def __init__(self, directory: str, name: str):
+        super().__init__(directory)
+        self.name = name
+        self.path = os.path.join(self.directory, LOCKS_DIR, name)
+        self._key = os.path.join(os.path.realpath(self.directory), LOCKS_DIR, name)
+
+    def _still_current(self, fd: int) -> bool:
+        try:
+            return os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+
+    def remove(self) -> None:
+        """The checkpoint is deleted: its lock file goes too, then the lock is released.
+
+        Removed while held; another process that opened the old file finds it
+        is no longer the one at the path once it has it locked, and opens the
+        new one (``_still_current``), so no two hold the same checkpoint.
+        """
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.release()
+
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Takes the lock, waiting up to ``wait_s`` seconds for another process's save.
+
+        Raises:
+            DirectoryLockedError: another live process still holds it.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                super().acquire()
+                return
+            except DirectoryLockedError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.05)
+
+    def _refuse(self, holder: dict) -> None:
+        since = holder.get("since")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+        raise DirectoryLockedError(
+            f"checkpoint {self.name!r} in {self.directory!r} is being written by another "
+            f"process (pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since "
+            f"{when}); save it under another name (checkpoint_number=...), or let that "
+            "process finish first")

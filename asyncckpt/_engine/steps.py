@@ -17,9 +17,15 @@ directory lock, and applies retention:
 * **committed** / **failed**: on the writer thread, once a save is durable
   (its deletions run then, and are retried at the next commit when they
   fail) or has failed; both settle the save (``wait_settled``);
-* the **directory lock** (one writing process, ``DirectoryLock``), taken
-  once per process for all of its managers of the directory (``join`` /
-  ``leave``), and the stale temporaries removed before the first save
+* the **lock**: by default one writing process per directory
+  (``DirectoryLock``), taken once per process for all of its managers of the
+  directory (``prepare`` / ``leave``); where the framework lets several
+  processes write one directory (TensorFlow's managers: ``per_checkpoint``),
+  only the same checkpoint conflicts: a save holds its checkpoint's
+  ``CheckpointLock`` from its call until it is settled, a deletion takes it
+  too (and waits for a later commit while another process writes that
+  checkpoint), and only temporaries whose checkpoint no one writes are
+  stale. The stale temporaries are removed before the first save
   (``prepare``);
 * saves of managers that were dropped without ``close()`` (a restart
   modelled in one process) are tracked, so a manager that takes over waits
@@ -49,7 +55,7 @@ from typing import Any, TypeVar
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine import retention
 from asyncckpt._engine._removals import BackgroundRemover
-from asyncckpt._engine.lock import DirectoryLock
+from asyncckpt._engine.lock import CheckpointLock, DirectoryLock
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +81,7 @@ class Reservation:
             (deleted once it is durable, listed again if it fails).
         committed: Set once the checkpoint is durable.
         future: Resolves when the save is durable or has failed (``attach``).
+        lock: Its checkpoint's lock (``per_checkpoint``), released when settled.
     """
 
     name: str
@@ -85,7 +92,12 @@ class Reservation:
     committed: bool = False
     settled: bool = False
     future: futures.Future | None = None
+    lock: CheckpointLock | None = None
 
+
+# With ``per_checkpoint``: a temporary made for no checkpoint (a state file's being
+# replaced) is taken for a dead process's after this long.
+_UNNAMED_TEMP_STALE_S = 3600.0
 
 Decide = Callable[[list[tuple[str, StepRecord]], float], retention.Decision]
 """Retention: the listed checkpoints (oldest first) and the last preserved time -> decision."""
@@ -103,15 +115,25 @@ class StepDirectory:
         load_record: Reads the record of a committed checkpoint found on
             disk (its metadata); None: found checkpoints get the time they
             were found.
+        per_checkpoint: Several processes may write the directory: each
+            checkpoint is locked while it is written or deleted, not the
+            directory (see the module docstring).
+        checkpoint_of: With ``per_checkpoint``: the checkpoint a temporary was
+            made for, from the name it was made for (``commit.temp_target``),
+            or None; a temporary of no checkpoint is stale once an hour old.
     """
 
     def __init__(self, directory: str, *, order: Callable[[str], Any] | None = None,
                  list_preserved: bool = True,
-                 load_record: Callable[[str], StepRecord] | None = None):
+                 load_record: Callable[[str], StepRecord] | None = None,
+                 per_checkpoint: bool = False,
+                 checkpoint_of: Callable[[str], str | None] | None = None):
         self.directory = directory
         self._order = order
         self._list_preserved = list_preserved
         self._load_record = load_record
+        self.per_checkpoint = per_checkpoint
+        self._checkpoint_of = checkpoint_of or (lambda _target: None)
         self.lock = threading.RLock()
         self._settled = threading.Condition(self.lock)
         self._io_lock = threading.Lock()  # one commit's file work at a time
@@ -233,16 +255,26 @@ class StepDirectory:
 
     # -- saves: reserve, retain, committed / failed --------------------------------
 
-    def reserve(self, name: str, record: StepRecord) -> Reservation:
+    def reserve(self, name: str, record: StepRecord, *, lock_wait_s: float = 0.0
+                ) -> Reservation:
         """Lists ``name`` as being saved from now on (its ``save()`` call).
 
         A name saved again (TensorFlow's prefix) replaces its record, and a
-        deletion retention had decided for it is called off.
+        deletion retention had decided for it is called off. With
+        ``per_checkpoint``, the checkpoint's lock is taken first (waiting up
+        to ``lock_wait_s`` for another process writing the same checkpoint).
+
+        Raises:
+            DirectoryLockedError: another process still writes that checkpoint.
         """
+        lock = None
+        if self.per_checkpoint:
+            lock = CheckpointLock(self.directory, name)
+            lock.acquire(lock_wait_s)  # not under ``self.lock``: this may wait
         with self.lock:
             self._seq += 1
             replaced = self._records.get(name) if self._names.pop(name, 0) is None else None
-            res = Reservation(name, self._seq, record, replaced=replaced)
+            res = Reservation(name, self._seq, record, replaced=replaced, lock=lock)
             self._condemned.pop(name, None)
             self._names[name] = None
             self._records[name] = record
@@ -332,13 +364,26 @@ class StepDirectory:
             with self.lock:
                 if self._in_flight[name] or self._condemned.get(name, res) is not None:
                     continue  # saved again meanwhile: not ours to delete
+            lock = CheckpointLock(self.directory, name) if self.per_checkpoint else None
+            if lock is not None and not lock.try_acquire():
+                logger.info("not deleting %s in %s yet: another process writes it (retried "
+                            "at the next commit)", name, self.directory)
+                continue
             try:
                 delete(name)
             except Exception as e:  # the save is durable; an old checkpoint must not fail it
+                if lock is not None:
+                    lock.release()
                 failed.append(name)
                 logger.warning("could not delete old checkpoint %s in %s (retrying at the next "
                                "save): %r", name, self.directory, e)
                 continue
+            except BaseException:
+                if lock is not None:
+                    lock.release()
+                raise
+            if lock is not None:
+                lock.remove()  # the checkpoint is gone: its lock file too
             with self.lock:
                 self._forget(name)
         if failed:
@@ -381,6 +426,8 @@ class StepDirectory:
             if not res.settled:
                 res.settled = True
                 res.future = None  # (its callbacks refer to the reservation: no cycle left)
+                if res.lock is not None:
+                    res.lock.release()
                 self._unsettled[res.name] -= 1
                 self._open.remove(res)
             self._settled.notify_all()
@@ -468,12 +515,38 @@ class StepDirectory:
             if self._prepared:
                 return
             commit_lib.ensure_writable_dir(self.directory)
-            if not self.dir_lock.held:
-                self.dir_lock.acquire()
-            commit_lib.cleanup_stale_temps(self.directory)
+            if self.per_checkpoint:
+                commit_lib.cleanup_stale_temps(self.directory, stale=self._stale_temp)
+            else:
+                if not self.dir_lock.held:
+                    self.dir_lock.acquire()
+                commit_lib.cleanup_stale_temps(self.directory)
             if cleanup is not None:
                 cleanup()
             self._prepared = True
+
+    def _stale_temp(self, name: str) -> bool:
+        """``per_checkpoint``: a temporary is stale when no process writes its checkpoint
+        (its lock is free), or, made for no checkpoint, once it is an hour old."""
+        target = commit_lib.temp_target(name)
+        checkpoint = None if target is None else self._checkpoint_of(target)
+        if checkpoint is None:
+            try:
+                age = time.time() - os.lstat(os.path.join(self.directory, name)).st_mtime
+            except FileNotFoundError:
+                return False
+            return age > _UNNAMED_TEMP_STALE_S
+        return self.is_free(checkpoint)
+
+    def is_free(self, name: str) -> bool:
+        """Whether no other process writes checkpoint ``name`` (``per_checkpoint``)."""
+        if not self.per_checkpoint:
+            return True
+        lock = CheckpointLock(self.directory, name)
+        if not lock.try_acquire():
+            return False
+        lock.release()
+        return True
 
     @property
     def prepared(self) -> bool:
@@ -484,7 +557,8 @@ class StepDirectory:
         with self.lock:
             self._users.discard(user)
             if not self._users and not any(self._in_flight.values()):
-                self.dir_lock.release()
+                if not self.per_checkpoint:
+                    self.dir_lock.release()
                 self._prepared = False
 
 

@@ -36,7 +36,7 @@ from asyncckpt._engine.manifest import read_manifest
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt._engine.steps import Reservation, StepDirectory, StepRecord, shared
 from asyncckpt.tf import _compat, _statefile
-from asyncckpt.tf._job import delete_checkpoint, manifest_path
+from asyncckpt.tf._job import LOCK_WAIT_S, delete_checkpoint, manifest_path
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,10 @@ class ManagedCheckpoints:
     def __init__(self, abs_dir: str, fsync: bool):
         self.abs_dir = abs_dir
         self.fsync = fsync
-        self.steps = StepDirectory(abs_dir, list_preserved=False)
+        # Several processes may write one directory, as with TensorFlow's manager:
+        # each checkpoint is locked while written or deleted, not the directory.
+        self.steps = StepDirectory(abs_dir, list_preserved=False, per_checkpoint=True,
+                                   checkpoint_of=_prefix_of_marker)
         # A URL directory's scratch view: deletes a checkpoint in the bucket,
         # and uploads the state file there.
         self._remote_delete: Callable[[str], None] | None = None
@@ -181,8 +184,13 @@ class ManagedCheckpoints:
     # -- the training thread: save() -------------------------------------------
 
     def record_save(self, name: str, policy: retention.RetentionPolicy) -> Reservation:
-        """Updates the view as ``tf.train.CheckpointManager.save`` would, at the call."""
-        res = self.steps.reserve(name, StepRecord(time.time()))
+        """Updates the view as ``tf.train.CheckpointManager.save`` would, at the call.
+
+        Raises:
+            DirectoryLockedError: another process has been writing a
+                checkpoint of the same name for ``LOCK_WAIT_S``.
+        """
+        res = self.steps.reserve(name, StepRecord(time.time()), lock_wait_s=LOCK_WAIT_S)
 
         def decide(listed: list[tuple[str, StepRecord]], last: float) -> retention.Decision:
             return retention.apply([retention.Candidate(n, None, rec.timestamp)
@@ -257,6 +265,13 @@ class ManagedCheckpoints:
                 if name and name not in names:
                     names.append(name)
             return names
+
+
+def _prefix_of_marker(target: str) -> str | None:
+    """The checkpoint a temporary was made for, from its marker (``ckpt-3.index``)."""
+    if target.endswith(layout.TF_INDEX_SUFFIX):
+        return target[: -len(layout.TF_INDEX_SUFFIX)]
+    return None
 
 
 def _managed_checkpoints(directory: str) -> list[str]:

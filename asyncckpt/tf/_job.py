@@ -23,6 +23,7 @@ import numpy as np
 from asyncckpt import layout
 from asyncckpt._engine._jobs import SaveJob
 from asyncckpt._engine.destinations import Destination, PrefixFiles, Uploaded
+from asyncckpt._engine.lock import CheckpointLock
 from asyncckpt._engine.manifest import record_owned
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt._engine.transaction import Transaction
@@ -34,6 +35,9 @@ from asyncckpt.tf._variant import CapturedVariant
 
 logger = logging.getLogger(__name__)
 
+
+# How long a save of a checkpoint another process is writing waits for it to finish.
+LOCK_WAIT_S = 60.0
 
 # Called on the writer thread once the checkpoint at `path` is durable.
 CommitCallback = Callable[[str, SaveStats], None]
@@ -146,7 +150,10 @@ class TFSaveJob(SaveJob):
             # Writing again under an existing prefix: the old checkpoint stays
             # (backed up) until the new index is in place; see publish_files.
             replaces=lambda: [os.path.basename(p)
-                              for p in checkpoint_files(os.path.join(directory, label))])
+                              for p in checkpoint_files(os.path.join(directory, label))],
+            # Several processes may write one directory (as TensorFlow lets
+            # them): only the same checkpoint is theirs to keep apart.
+            lock=CheckpointLock(directory, label), lock_wait_s=LOCK_WAIT_S)
         if on_published is not None:
             destination = Uploaded(destination, functools.partial(on_published, prefix))
         super().__init__(label=label, step=step, nbytes=state.nbytes, transaction=Transaction(

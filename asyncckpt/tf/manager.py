@@ -381,13 +381,15 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
             + r"-\d+(?=\.(?:data-\d{5}-of-\d{5}|asyncckpt-manifest\.json)$)"
         )
         abs_dir = self._view.abs_dir
+        steps = self._view.steps
         orphans: dict[str, list[str]] = {}
         for name in os.listdir(abs_dir):
             m = pattern.match(name)
             if m:
                 orphans.setdefault(m.group(0), []).append(name)
         for base, names in orphans.items():
-            if not os.path.exists(os.path.join(abs_dir, base + ".index")):
+            # (another process publishing it moves its data and manifest first)
+            if not os.path.exists(os.path.join(abs_dir, base + ".index")) and steps.is_free(base):
                 for name in names:
                     os.unlink(os.path.join(abs_dir, name))
                 logger.warning("removed files of %s left without an index by an interrupted "
