@@ -118,9 +118,9 @@ class StepDirectory:
         per_checkpoint: Several processes may write the directory: each
             checkpoint is locked while it is written or deleted, not the
             directory (see the module docstring).
-        checkpoint_of: With ``per_checkpoint``: the checkpoint a temporary was
-            made for, from the name it was made for (``commit.temp_target``),
-            or None; a temporary of no checkpoint is stale once an hour old.
+        checkpoint_of: With ``per_checkpoint``: the lock a temporary's writer
+            holds, from the name the temporary was made for
+            (``commit.temp_target``), or None (stale once an hour old).
     """
 
     def __init__(self, directory: str, *, order: Callable[[str], Any] | None = None,

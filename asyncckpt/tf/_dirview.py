@@ -32,6 +32,7 @@ from collections.abc import Callable
 from asyncckpt import layout
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine import retention
+from asyncckpt._engine.lock import CheckpointLock
 from asyncckpt._engine.manifest import read_manifest
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt._engine.steps import Reservation, StepDirectory, StepRecord, shared
@@ -244,8 +245,15 @@ class ManagedCheckpoints:
 
     def _write_state_file(self, deleting: frozenset[str]) -> None:
         text = self._state_text(deleting)
-        commit_lib.write_text_atomic(
-            os.path.join(self.abs_dir, layout.TF_STATE_FILE), text, fsync=self.fsync)
+        # Other processes' managers may write it too (last writer wins, as in
+        # TensorFlow); the lock keeps their cleanup off its temporary.
+        lock = CheckpointLock(self.abs_dir, layout.TF_STATE_FILE)
+        lock.acquire(LOCK_WAIT_S)
+        try:
+            commit_lib.write_text_atomic(
+                os.path.join(self.abs_dir, layout.TF_STATE_FILE), text, fsync=self.fsync)
+        finally:
+            lock.release()
         if self._upload_state is not None:
             self._upload_state(text)  # a URL directory: beside the checkpoints
 
@@ -267,11 +275,13 @@ class ManagedCheckpoints:
             return names
 
 
-def _prefix_of_marker(target: str) -> str | None:
-    """The checkpoint a temporary was made for, from its marker (``ckpt-3.index``)."""
+def _prefix_of_marker(target: str) -> str:
+    """The lock a temporary's writer holds, from the name it was made for: a checkpoint's
+    (its marker, ``ckpt-3.index``: ``ckpt-3``), or the file's own (the state file's
+    ``checkpoint``, written under ``STATE_LOCK``)."""
     if target.endswith(layout.TF_INDEX_SUFFIX):
         return target[: -len(layout.TF_INDEX_SUFFIX)]
-    return None
+    return target
 
 
 def _managed_checkpoints(directory: str) -> list[str]:

@@ -24,7 +24,7 @@ from asyncckpt import layout
 from asyncckpt._engine._jobs import SaveJob
 from asyncckpt._engine.destinations import Destination, PrefixFiles, Uploaded
 from asyncckpt._engine.lock import CheckpointLock
-from asyncckpt._engine.manifest import record_owned
+from asyncckpt._engine.manifest import OWNED_RECORD, record_owned
 from asyncckpt._engine.metrics import SaveStats
 from asyncckpt._engine.transaction import Transaction
 from asyncckpt.options import AsyncOptions
@@ -201,9 +201,16 @@ class TFSaveJob(SaveJob):
 
     def after_commit(self, stats: SaveStats) -> None:
         """Published: record it as asyncckpt's, then run the callback."""
+        # Other processes may record theirs too: the lock keeps their cleanup off
+        # its temporary (and their records from crossing).
+        lock = CheckpointLock(self._dir, OWNED_RECORD)
         try:
-            record_owned(self._dir, self.label, marker_suffix=layout.TF_INDEX_SUFFIX,
-                         fsync=self._fsync)
+            lock.acquire(LOCK_WAIT_S)
+            try:
+                record_owned(self._dir, self.label, marker_suffix=layout.TF_INDEX_SUFFIX,
+                             fsync=self._fsync)
+            finally:
+                lock.release()
         finally:
             if self._on_committed is not None:
                 self._on_committed(self.prefix, stats)
