@@ -12,14 +12,14 @@ import pytest
 import tensorflow as tf
 
 import asyncckpt.tf as at
-from asyncckpt.tf import _staging
+from asyncckpt.tf import _snapshot
 from tests.tfrestore import restore_both
 
 
 def test_batched_read_is_traced_at_the_first_save_and_saves_the_values_at_the_call(tmp_path):
     rng = np.random.default_rng(0)
     variables = {f"v{i}": tf.Variable(rng.random((32, 64 + i)).astype(np.float32))
-                 for i in range(_staging._DIRECT_MAX + 4)}
+                 for i in range(_snapshot._DIRECT_MAX + 4)}
     ckpt = at.Checkpoint(**variables)
     expected = []
     for i in range(4):
@@ -64,14 +64,14 @@ def test_few_plain_variables_are_read_one_op_each_without_tracing(tmp_path):
     ckpt.close()
 
 
-@pytest.mark.parametrize("direct_max", [0, _staging._DIRECT_MAX], ids=["traced", "direct"])
+@pytest.mark.parametrize("direct_max", [0, _snapshot._DIRECT_MAX], ids=["traced", "direct"])
 def test_structure_changes_after_the_plan_is_reused_restore_exactly(
     tmp_path, monkeypatch, direct_max
 ):
     """A kept plan (its readers, and the slot's views) never outlives its graph."""
     import keras
 
-    monkeypatch.setattr(_staging, "_DIRECT_MAX", direct_max)
+    monkeypatch.setattr(_snapshot, "_DIRECT_MAX", direct_max)
 
     rng = np.random.default_rng(1)
     module = tf.Module()

@@ -32,7 +32,7 @@ import asyncckpt.tf as at  # noqa: E402
 from asyncckpt import CorruptCheckpointError  # noqa: E402
 from asyncckpt.tf import _bundle, _bundleread, _restore, _slices, _sstable  # noqa: E402
 from asyncckpt.tf._job import manifest_path, save_v2_bundle  # noqa: E402
-from asyncckpt.tf._staging import StagedState, StagedTensor  # noqa: E402
+from asyncckpt.tf._snapshot import StagedState, StagedTensor  # noqa: E402
 from tests.tfrestore import OwnReader, restore_both  # noqa: E402
 
 KEY = "emb/.ATTRIBUTES/VARIABLE_VALUE"

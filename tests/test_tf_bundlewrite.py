@@ -16,7 +16,7 @@ from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noq
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt._engine import fastcrc  # noqa: E402
 from asyncckpt.tf import _bundlewrite, _job, _slices  # noqa: E402
-from asyncckpt.tf._staging import StagedState, StagedTensor  # noqa: E402
+from asyncckpt.tf._snapshot import StagedState, StagedTensor  # noqa: E402
 from tests.tfrestore import restore_both  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not fastcrc.available(), reason="no native CRC32C")

@@ -20,19 +20,19 @@ keras = pytest.importorskip("keras")
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt import AsyncOptions  # noqa: E402
-from asyncckpt.tf import _compat, _snapshot, _staging  # noqa: E402
+from asyncckpt.tf import _compat, _copy, _snapshot  # noqa: E402
 from tests.helpers import run_python, write_script  # noqa: E402
 from tests.tfrestore import contents  # noqa: E402
 
 BACKGROUND = AsyncOptions(background_copy=True)
 
 
-class _GatedWorker(_snapshot._Worker):
+class _GatedWorker(_copy._Worker):
     """The real copy worker, except that each copy waits for the test's gate."""
 
     def __init__(self):
         self.gate = threading.Event()
-        self.submitted: list[_snapshot.DeferredCopy] = []
+        self.submitted: list[_copy.DeferredCopy] = []
         super().__init__()
 
     def submit(self, copy):
@@ -61,7 +61,7 @@ class _GatedWorker(_snapshot._Worker):
 @pytest.fixture
 def gated(monkeypatch):
     worker = _GatedWorker()
-    monkeypatch.setattr(_snapshot, "_the_worker", worker)
+    monkeypatch.setattr(_copy, "_the_worker", worker)
     yield worker
     worker.gate.set()
     worker.submit(None)
@@ -260,7 +260,7 @@ class _InjectedCopyError(OSError):
 
 def test_a_failed_background_copy_is_raised_and_releases_the_reads(ckpt_dir, gated,
                                                                    monkeypatch):
-    real = _snapshot._copy_group
+    real = _copy._copy_group
     calls = []
 
     def failing(group):  # wraps the real copy: the first group fails
@@ -269,7 +269,7 @@ def test_a_failed_background_copy_is_raised_and_releases_the_reads(ckpt_dir, gat
             raise _InjectedCopyError("injected copy failure")
         real(group)
 
-    monkeypatch.setattr(_snapshot, "_copy_group", failing)
+    monkeypatch.setattr(_copy, "_copy_group", failing)
     v = tf.Variable(np.zeros((1024, 64), np.float32))
     one = tf.ones((1024, 64))
     v.assign_add(one)  # the variable owns its buffer (not its initial value's)
@@ -290,10 +290,10 @@ def test_a_failed_background_copy_is_raised_and_releases_the_reads(ckpt_dir, gat
     np.testing.assert_array_equal(_contents(path)["v/.ATTRIBUTES/VARIABLE_VALUE"], v.numpy())
 
 
-class _RecordedCopy(_snapshot.DeferredCopy):
+class _RecordedCopy(_copy.DeferredCopy):
     """The real deferred copy, remembered by the test."""
 
-    made: list[_snapshot.DeferredCopy] = []
+    made: list[_copy.DeferredCopy] = []
 
     def __init__(self, pairs):
         super().__init__(pairs)
@@ -302,7 +302,7 @@ class _RecordedCopy(_snapshot.DeferredCopy):
 
 def test_a_save_that_fails_after_staging_cancels_its_copy_before_freeing_the_slot(
         ckpt_dir, gated, monkeypatch):
-    monkeypatch.setattr(_staging, "DeferredCopy", _RecordedCopy)
+    monkeypatch.setattr(_snapshot, "DeferredCopy", _RecordedCopy)
     v = tf.Variable(np.ones((512, 64), np.float32))
     with at.Checkpoint(async_options=BACKGROUND, v=v) as ckpt, gated.opened_at_exit():
         ckpt.write(str(ckpt_dir / "first"))
@@ -338,16 +338,16 @@ import numpy as np
 import tensorflow as tf
 import asyncckpt.tf as atf
 from asyncckpt import AsyncOptions
-from asyncckpt.tf import _snapshot
+from asyncckpt.tf import _copy
 
-class AfterMainWorker(_snapshot._Worker):
+class AfterMainWorker(_copy._Worker):
     # Copies only once the main thread has finished: the exit flush waits for it.
     def _loop(self):
         threading.main_thread().join()
         print("copying after the main thread finished", flush=True)
         super()._loop()
 
-_snapshot._the_worker = AfterMainWorker()
+_copy._the_worker = AfterMainWorker()
 v = tf.Variable(np.arange(6 << 20, dtype=np.float32))  # 24 MiB: copied in pieces
 ckpt = atf.Checkpoint(v=v, async_options=AsyncOptions(background_copy=True))
 print("saved", ckpt.save(sys.argv[1]), flush=True)

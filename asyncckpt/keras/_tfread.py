@@ -3,7 +3,7 @@
 Read one by one, each variable costs an eager ``ReadVariableOp`` (about 1.3 ms
 for a model's few dozen variables, a quarter of the copy itself). The
 TensorFlow front end already reads a checkpoint's variables in one traced
-``tf.function`` call (``asyncckpt.tf._staging``'s plan: traced on a background
+``tf.function`` call (``asyncckpt.tf._snapshot``'s plan: traced on a background
 thread after the first read, eager reads until then, eager again if the
 batched call fails); this reuses that plan over a ``tf.train.Checkpoint`` that
 lists the variables in the backup's order, and calls its traced function's
@@ -20,7 +20,7 @@ import logging
 import re
 from typing import Any
 
-from asyncckpt.tf import _staging
+from asyncckpt.tf import _snapshot
 from asyncckpt.tf._compat import tf
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ class BatchedReader:
         self._variables = list(variables)
         self._concrete = None
         self._checkpoint = tf.train.Checkpoint(v=list(variables))
-        objects, names = _staging.graph_signature(self._checkpoint)
-        plan = _staging.Plan(self._checkpoint, objects, names)
+        objects, names = _snapshot.graph_signature(self._checkpoint)
+        plan = _snapshot.Plan(self._checkpoint, objects, names)
         order = []
         for e in plan.entries:
             m = _KEY.match(e.key)

@@ -30,7 +30,7 @@ from asyncckpt._engine.transaction import Transaction
 from asyncckpt.options import AsyncOptions
 from asyncckpt.tf import _bundlewrite, _compat
 from asyncckpt.tf._compat import tf
-from asyncckpt.tf._staging import StagedState, StagedTensor
+from asyncckpt.tf._snapshot import StagedState, StagedTensor
 from asyncckpt.tf._variant import CapturedVariant
 
 logger = logging.getLogger(__name__)

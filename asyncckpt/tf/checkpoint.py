@@ -20,7 +20,7 @@ from asyncckpt._engine.writer import AsyncEngine, SaveHandle
 from asyncckpt.options import AsyncOptions, RestoreOptions
 from asyncckpt.storage.tier import RemoteOptions
 from asyncckpt.storage.url import is_url
-from asyncckpt.tf import _compat, _inflight, _partial, _restore, _staging, _urls
+from asyncckpt.tf import _compat, _inflight, _partial, _restore, _snapshot, _urls
 from asyncckpt.tf._compat import tf
 from asyncckpt.tf._job import CommitCallback, TFSaveJob, delete_checkpoint, manifest_path
 from asyncckpt.tf._partial import PartialRestore
@@ -241,7 +241,7 @@ class AsyncState:
         self.restore_options = restore_options
         self.wraps = wraps  # the tf.train.Checkpoint whose graph is saved (see wrap), or None
         self.urls = _urls.URLDirectories(remote_options)  # s3:// and gs:// prefixes
-        self.stager = _staging.Stager()
+        self.stager = _snapshot.Stager()
         self.checked_dirs: set[str] = set()
         self.last_save: SaveHandle | None = None
         self._engine: AsyncEngine | None = None

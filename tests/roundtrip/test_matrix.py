@@ -37,7 +37,7 @@ tf = pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 
 import asyncckpt.tf as at  # noqa: E402
-from asyncckpt.tf import _snapshot  # noqa: E402
+from asyncckpt.tf import _copy  # noqa: E402
 from tests.roundtrip.kinds import KINDS, Kind, assert_same, unchanged_labels  # noqa: E402
 from tests.tfrestore import READERS, OwnReader, checkpoint_class  # noqa: E402
 
@@ -157,20 +157,20 @@ def trip_write_read(kind, tmp_path, live):
 
 @contextlib.contextmanager
 def _background_copies_held():
-    """Holds asyncckpt's real background copies (``_snapshot``) until the block ends."""
+    """Holds asyncckpt's real background copies (``_copy``) until the block ends."""
     release = threading.Event()
-    real = _snapshot.DeferredCopy.run
+    real = _copy.DeferredCopy.run
 
     def run(self):
         assert release.wait(120), "the test never released the copies"
         return real(self)
 
-    _snapshot.DeferredCopy.run = run
+    _copy.DeferredCopy.run = run
     try:
         yield
     finally:
         release.set()
-        _snapshot.DeferredCopy.run = real
+        _copy.DeferredCopy.run = real
 
 
 def trip_mutated_after_save(kind, tmp_path, live):
