@@ -128,7 +128,7 @@ class Coordinator(abc.ABC):
         return f"{type(self).__name__}(worker {self.worker_id} of {self.num_workers})"
 
 
-class _SharedStore:
+class _SharedValues:
     def __init__(self, num_workers: int):
         self.num_workers = num_workers
         self.values: dict[str, str] = {}
@@ -141,15 +141,15 @@ class InProcessCoordinator(Coordinator):
 
     kind = "in-process"
 
-    def __init__(self, *, _store: _SharedStore | None = None, _worker_id: int = 0):
-        self._store = _store or _SharedStore(1)
+    def __init__(self, *, _store: _SharedValues | None = None, _worker_id: int = 0):
+        self._store = _store or _SharedValues(1)
         self.worker_id = _worker_id
         self.num_workers = self._store.num_workers
 
     @classmethod
     def group(cls, num_workers: int) -> list[InProcessCoordinator]:
         """``num_workers`` coordinators sharing one store (one per thread)."""
-        store = _SharedStore(num_workers)
+        store = _SharedValues(num_workers)
         return [cls(_store=store, _worker_id=i) for i in range(num_workers)]
 
     def claim(self, key: str, value: str) -> bool:

@@ -288,8 +288,8 @@ def test_every_staging_path_stages_each_shard_exactly(path):
     import dataclasses
 
     class Forced(_snapshot.Snapshotter):
-        def plan(self, tree, layout=None, ocdbt=None, *, zarr3=False):
-            plan, leaves = super().plan(tree, layout, ocdbt, zarr3=zarr3)
+        def plan(self, tree, chunking=None, ocdbt=None, *, zarr3=False):
+            plan, leaves = super().plan(tree, chunking, ocdbt, zarr3=zarr3)
             lps = []
             for lp, leaf in zip(plan.leaves, leaves, strict=True):
                 if lp.kind == "jax" and path == "transfer":

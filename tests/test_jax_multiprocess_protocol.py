@@ -192,15 +192,15 @@ out["fallback_7"] = matches(got, 7)
 from asyncckpt.jax import _restore
 
 
-class FailingChunks(_restore.ChunkStore):
+class FailingChunks(_restore.ChunkReader):
     def prefetch(self, paths):
         raise OSError(5, "Input/output error", "chunk read")
 
 
 if pid == 1:
-    _restore.ChunkStore = FailingChunks
+    _restore.ChunkReader = FailingChunks
 out["peer_read_failure"] = error_of(lambda: ma.restore(target=target()))
-_restore.ChunkStore = FailingChunks.__mro__[1]
+_restore.ChunkReader = FailingChunks.__mro__[1]
 got = ma.restore(target=target())  # the next restore works on both
 out["after_peer_failure_7"] = matches(got, 7)
 

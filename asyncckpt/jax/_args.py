@@ -42,7 +42,7 @@ class SaveItem:
     """One item of a save: a pytree (``kind="pytree"``), a JSON value (``"json"``), or
     one saved by its own handler (``"handler"``: ``value`` is its save args).
 
-    ``layout``: for a pytree saved with ``SaveArgs(chunk_byte_size=...)`` or
+    ``chunking``: for a pytree saved with ``SaveArgs(chunk_byte_size=...)`` or
     ``shard_axes``, one ``(chunk_byte_size, shard_axes, itemsize)`` (or None)
     per leaf in ``_tree.flatten`` order, ``itemsize`` the element size before a
     ``dtype`` cast (orbax chooses the chunks by it); None when every leaf is
@@ -55,7 +55,7 @@ class SaveItem:
     name: str
     kind: Literal["pytree", "json", "handler"]
     value: Any
-    layout: tuple | None = None
+    chunking: tuple | None = None
     ocdbt_target_data_file_size: int | None = None
     handler: Any = None
 
@@ -65,7 +65,7 @@ _SAVE_ARGS_FIELDS = frozenset({"aggregate", "dtype", "chunk_byte_size", "shard_a
 
 
 def _apply_save_args(name: str, tree: Any, save_args: Any) -> tuple[Any, tuple | None]:
-    """``tree`` with orbax's per-leaf ``SaveArgs`` applied, and the chunk layout they ask for.
+    """``tree`` with orbax's per-leaf ``SaveArgs`` applied, and the chunking they ask for.
 
     ``dtype`` casts the leaf before it is staged (as orbax casts it before
     writing); ``chunk_byte_size`` and ``shard_axes`` choose the zarr chunks the
@@ -82,11 +82,11 @@ def _apply_save_args(name: str, tree: Any, save_args: Any) -> tuple[Any, tuple |
     if args_def != treedef:
         raise ValueError(f"item {name!r}: save_args must have the structure of the saved "
                          f"tree, one SaveArgs per leaf ({len(args)} given for {len(leaves)})")
-    layout: list[tuple[int | None, tuple[int, ...], int] | None] = []
+    chunking: list[tuple[int | None, tuple[int, ...], int] | None] = []
     cast = False
     for i, (leaf, arg) in enumerate(zip(leaves, args, strict=True)):
         if arg is None or _tree.is_empty_leaf(leaf):
-            layout.append(None)
+            chunking.append(None)
             continue
         if not dataclasses.is_dataclass(arg) or type(arg).__name__ != "SaveArgs":
             raise TypeError(f"item {name!r}: save_args holds {arg!r}, not orbax's SaveArgs")
@@ -104,10 +104,10 @@ def _apply_save_args(name: str, tree: Any, save_args: Any) -> tuple[Any, tuple |
             leaves[i] = _cast(leaf, arg.dtype)
             cast = True
         size, axes = arg.chunk_byte_size, tuple(arg.shard_axes or ())
-        layout.append(None if size is None and not axes else (size, axes, itemsize))
+        chunking.append(None if size is None and not axes else (size, axes, itemsize))
     if cast:
         tree = treedef.unflatten(leaves)
-    return tree, (tuple(layout) if any(e is not None for e in layout) else None)
+    return tree, (tuple(chunking) if any(e is not None for e in chunking) else None)
 
 
 def _cast(leaf: Any, dtype: Any) -> Any:
@@ -193,8 +193,9 @@ def _one_save(name: str, arg: Any, handler: Any = None) -> SaveItem:
         save_args = getattr(arg, "save_args", None)
         if save_args is None:
             return SaveItem(name, "pytree", arg.item, ocdbt_target_data_file_size=target)
-        tree, layout = _apply_save_args(name, arg.item, save_args)
-        return SaveItem(name, "pytree", tree, layout=layout, ocdbt_target_data_file_size=target)
+        tree, chunking = _apply_save_args(name, arg.item, save_args)
+        return SaveItem(name, "pytree", tree, chunking=chunking,
+                        ocdbt_target_data_file_size=target)
     if handler is None and kind in _JSON_SAVE:
         return _json_item(name, arg.item)
     if not is_orbax_args(arg):

@@ -1,6 +1,6 @@
 """Chunk files of a JAX checkpoint read once, in parallel, each checked against the manifest.
 
-Split from ``_restore`` (which places the arrays): ``ChunkStore`` plans
+Split from ``_restore`` (which places the arrays): ``ChunkReader`` plans
 and runs the reads (``engine.reads``) of the chunk files a restore needs,
 and checks the other files of the restored arrays in the same batch. In an
 OCDBT item (``use_values``) the chunks are byte ranges of the databases'
@@ -31,7 +31,7 @@ from asyncckpt.jax._format import ARRAY_METADATAS, in_item
 _READERS = 8  # parallel file reads: enough to keep a disk's queue full
 
 
-class ChunkStore:
+class ChunkReader:
     """Reads chunk files once, in parallel, checking each against the manifest.
 
     Args:

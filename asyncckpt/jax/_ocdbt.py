@@ -214,8 +214,8 @@ class ItemFormats:
         """Whether the arrays of ``item`` are stored as zarr v3 (else zarr v2)."""
         return self._zarr3.get(item, self.options.use_zarr3)
 
-    def layout(self, item: str, target_override: int | None = None) -> int | None:
-        """The layout of a save of ``item``: None (plain zarr), or OCDBT's target file size.
+    def ocdbt_target(self, item: str, target_override: int | None = None) -> int | None:
+        """How ``item`` is saved: None (zarr files), or in OCDBT with this target file size.
 
         ``target_override``: the save's own ``ocdbt_target_data_file_size``.
 

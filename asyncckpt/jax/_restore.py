@@ -34,7 +34,7 @@ from asyncckpt.errors import (
 )
 from asyncckpt.jax import _args, _handlers, _leaves, _metadata, _tree, _tsarrays
 from asyncckpt.jax import _format as fmt
-from asyncckpt.jax._chunks import ChunkStore
+from asyncckpt.jax._chunks import ChunkReader
 from asyncckpt.jax._options import StepNames
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def shared_verdicts(verdicts: Any) -> Iterator[None]:
         _VERDICTS.reset(token)
 
 
-def verified(store: ChunkStore, paths: list[str], item: str, params: set[str] | None,
+def verified(store: ChunkReader, paths: list[str], item: str, params: set[str] | None,
              step_dir: str, read_by_all: Callable[[], list[str]] | None = None) -> None:
     """Reads and checks this process's chunks, then the other files of the restored arrays.
 
@@ -161,7 +161,7 @@ def restore_tree(
                     step_dir)
     item_dir = os.path.join(step_dir, item)
     entries = fmt.read_tree_metadata(item_dir)
-    store = ChunkStore(step_dir, manifest, checksums=checksums, remote=remote)
+    store = ChunkReader(step_dir, manifest, checksums=checksums, remote=remote)
     # Every file an OCDBT B-tree names: inside the step, and listed in its manifest.
     opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store,
                                   check=lambda name, source: store.listed(
@@ -198,7 +198,7 @@ def restore_tree(
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _read_all(step_dir: str, item: str, store: ChunkStore, opener: _tsarrays.ItemArrays,
+def _read_all(step_dir: str, item: str, store: ChunkReader, opener: _tsarrays.ItemArrays,
               entries: list[fmt.TreeEntry], wants: list[_leaves.Want]) -> list[Any]:
     """The values of ``entries`` as ``wants`` say: every shape checked and every file
     needed verified before any byte is placed on a device."""

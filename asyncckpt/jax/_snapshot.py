@@ -263,7 +263,7 @@ class Plan:
             self._named[key] = splits
         return splits
 
-    def layout(self, item: str) -> dict[str, int]:
+    def staging_layout(self, item: str) -> dict[str, int]:
         """Byte size of each staging buffer a save under ``item`` takes, by file."""
         return {st[3]: math.prod(st[4]) * st[5].itemsize
                 for st in self.steps(item) if st[7] != _PINNED}
@@ -538,11 +538,11 @@ def _plan_host_leaf(
 
 
 def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
-               layout: tuple | None = None, ocdbt: int | None = None,
+               chunking: tuple | None = None, ocdbt: int | None = None,
                zarr3: bool = False) -> Plan:
     """Plans the save of ``tree`` (whose flattened leaves are ``leaves``).
 
-    ``layout``: per leaf, ``(chunk_byte_size, shard_axes, itemsize)`` of its
+    ``chunking``: per leaf, ``(chunk_byte_size, shard_axes, itemsize)`` of its
     ``SaveArgs`` or None (see ``_args.SaveItem``); None: every leaf written as it is.
     ``ocdbt``: None for the plain zarr layout; for OCDBT, the target data file
     size (0: no limit), which zarr chunks are split to fit (leaves chunked by
@@ -557,9 +557,9 @@ def build_plan(tree: Any, leaves: list[Any], *, primary: bool,
     files: list[tuple[str, str]] = []
     shardings: dict[str, str | None] = {}
     plans, entries = [], []
-    subs = layout or (None,) * len(leaves)
+    subs = chunking or (None,) * len(leaves)
     if len(subs) != len(leaves):
-        raise ValueError(f"a chunk layout of {len(subs)} leaves for a tree of {len(leaves)}")
+        raise ValueError(f"a chunking of {len(subs)} leaves for a tree of {len(leaves)}")
     for leaf, path, sub in zip(leaves, paths, subs, strict=True):
         kind = _kind(leaf)
         if kind == "jax":
@@ -636,7 +636,7 @@ class Snapshotter:
             return *_tree.flatten(tree), True
         return leaves, treedef, False
 
-    def plan(self, tree: Any, layout: tuple | None = None,
+    def plan(self, tree: Any, chunking: tuple | None = None,
              ocdbt: int | None = None, *, zarr3: bool = False) -> tuple[Plan, list[Any]]:
         """The plan for ``tree`` (cached) and its flattened leaves.
 
@@ -647,19 +647,19 @@ class Snapshotter:
         definition and leaf signatures, mostly the same objects from save to
         save (a ``jit``'s outputs share aval and sharding objects). A tree with
         empty subtrees takes the general path (its full definition differs).
-        ``layout`` (``SaveArgs`` chunking, per leaf) is part of the plan's key.
+        ``chunking`` (``SaveArgs`` chunking, per leaf) is part of the plan's key.
         """
-        plan, leaves = self._plan(tree, layout, ocdbt, zarr3)
+        plan, leaves = self._plan(tree, chunking, ocdbt, zarr3)
         if plan.keys:  # typed PRNG keys are staged as their key data (no copy: a view)
             leaves = list(leaves)
             for i in plan.keys:
                 leaves[i] = jax.random.key_data(leaves[i])
         return plan, leaves
 
-    def _plan(self, tree: Any, layout: tuple | None, ocdbt: int | None,
+    def _plan(self, tree: Any, chunking: tuple | None, ocdbt: int | None,
               zarr3: bool) -> tuple[Plan, list[Any]]:
-        if layout is not None:
-            return self._plan_general(tree, layout, ocdbt, zarr3)
+        if chunking is not None:
+            return self._plan_general(tree, chunking, ocdbt, zarr3)
         last = self._last
         if last is not None and last[4] == ocdbt and last[5] == zarr3:
             leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -673,15 +673,15 @@ class Snapshotter:
                     return last[2], leaves
         return self._plan_general(tree, None, ocdbt, zarr3)
 
-    def _plan_general(self, tree: Any, layout: tuple | None,
+    def _plan_general(self, tree: Any, chunking: tuple | None,
                       ocdbt: int | None, zarr3: bool) -> tuple[Plan, list[Any]]:
         leaves, treedef, has_empty = self._flatten(tree)
         sigs = tuple(map(_signature, leaves))
-        key = ((treedef, sigs, ocdbt, zarr3) if layout is None
-               else (treedef, sigs, ocdbt, zarr3, layout))
+        key = ((treedef, sigs, ocdbt, zarr3) if chunking is None
+               else (treedef, sigs, ocdbt, zarr3, chunking))
         plan = self._cache.get(key)
         if plan is None:
-            plan = build_plan(tree, leaves, primary=self._primary, layout=layout, ocdbt=ocdbt,
+            plan = build_plan(tree, leaves, primary=self._primary, chunking=chunking, ocdbt=ocdbt,
                               zarr3=zarr3)
             self._cache[key] = plan
             while len(self._cache) > self._cache_size:
@@ -693,12 +693,12 @@ class Snapshotter:
         arrays = None
         if _aval_sharding is not None and all(s[0] is _ArrayImpl for s in sigs):
             arrays = (tuple(map(type, leaves)), tuple(s[1:] for s in sigs))
-        self._last = (None if has_empty or layout is not None
+        self._last = (None if has_empty or chunking is not None
                       else (treedef, sigs, plan, arrays, ocdbt, zarr3))
         return plan, leaves
 
     def stage(self, tree: Any, slot: Slot, *, item: str = fmt.ITEM,
-              layout: tuple | None = None, ocdbt: int | None = None,
+              chunking: tuple | None = None, ocdbt: int | None = None,
               zarr3: bool = False) -> StagedTree:
         """Copies this process's part of ``tree`` into ``slot``'s buffers.
 
@@ -710,11 +710,11 @@ class Snapshotter:
             slot: Staging buffers, reused from save to save by file name.
             item: The item directory the files go in (several items share a
                 slot); ``""`` puts them at the checkpoint's root.
-            layout: ``SaveArgs`` chunking per leaf (see ``plan``).
+            chunking: ``SaveArgs`` chunking per leaf (see ``plan``).
             ocdbt: The layout (None: plain zarr; else OCDBT, see ``build_plan``).
             zarr3: The arrays are zarr v3 (orbax's ``use_zarr3``), else v2.
         """
-        plan, leaves = self.plan(tree, layout, ocdbt, zarr3=zarr3)
+        plan, leaves = self.plan(tree, chunking, ocdbt, zarr3=zarr3)
         # Over the host memory budget: raises, nothing allocated.
         slot.reserve(plan.nbytes, beside=0 if ocdbt is None else plan.ocdbt_copy)
         plan_leaves = plan.leaves

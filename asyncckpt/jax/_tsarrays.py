@@ -118,7 +118,7 @@ class ItemArrays:
 
     Uncompressed zarr arrays (v2, or v3 as ``_METADATA``'s ``use_zarr3``
     says) are read by asyncckpt itself (``ZarrArray``): from their chunk
-    files, or from an OCDBT database through its ``index`` (``ChunkStore``
+    files, or from an OCDBT database through its ``index`` (``ChunkReader``
     reads the byte ranges). Compressed ones and zarr v3 ones with other
     codecs (orbax's defaults) are read through TensorStore (``TsArray``).
 
@@ -126,7 +126,7 @@ class ItemArrays:
         item_dir: The item's directory.
         entries: Its tree metadata.
         checkpoint: For error messages.
-        source: Reads (and checks) chunks by their file path (a ``ChunkStore``).
+        source: Reads (and checks) chunks by their file path (a ``ChunkReader``).
         check: Of an OCDBT database, every file its B-tree names, before it
             is read (``OcdbtIndex``; a restore's wants it in the manifest).
 

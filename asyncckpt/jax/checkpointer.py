@@ -234,7 +234,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             # A handler without registered args takes orbax's legacy arguments: orbax's
             # own wrapper, as orbax's checkpointers wrap it.
             handler = _handlers.with_registered_args(handler)
-        # The layout, as the handler says (orbax's default without orbax: OCDBT, zarr v2).
+        # The format, as the handler says (orbax's default without orbax: OCDBT, zarr v2).
         own = handler is not None and self._kind != _FOREIGN
         self._format = FormatOptions(
             use_ocdbt=bool(handler_uses_ocdbt(handler)) if own else True,
@@ -359,8 +359,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                              "items (Composite) or JSON use asyncckpt.jax.CheckpointManager")
         return items[0]
 
-    def _layout(self, target: int | None) -> int | None:
-        """The layout of a save: None (zarr files), or OCDBT's target data file size.
+    def _ocdbt_target(self, target: int | None) -> int | None:
+        """How a save is written: None (zarr files), or in OCDBT with this target file size.
 
         ``target``: the save's own ``ocdbt_target_data_file_size`` (None:
         orbax's default for a local path, the only kind a checkpointer takes).
@@ -383,7 +383,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         multi = self._coord is not None  # then earlier failures raise once staged
         path = _local_path(directory)
         custom = _compat.json_checked(custom_metadata, "custom_metadata")
-        ocdbt = None if item.kind == "handler" else self._layout(item.ocdbt_target_data_file_size)
+        ocdbt = (None if item.kind == "handler"
+                 else self._ocdbt_target(item.ocdbt_target_data_file_size))
         if multi:
             with self._saves.attempt(None) as (seq, save_key):  # type: ignore[arg-type]
                 self._check_destination(path, force)
@@ -408,7 +409,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
     def _start_save(self, path: str, item: _args.SaveItem, ocdbt: int | None, custom: Any,
                     force: bool, seq: int, save_key: str | None) -> None:
         token = self._saves.token()
-        value, chunking = item.value, item.layout
+        value, chunking = item.value, item.chunking
         databases = None if ocdbt is None else {ROOT: ocdbt}
         # A foreign handler writes the checkpoint itself, into the transaction's
         # directory, at the call; one save at a time (see ``HandlerSaves``).
@@ -420,7 +421,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                 staged = self._with_commit_file(StagedTree((), ()))
             else:
                 staged = self._with_commit_file(self._snapshotter.stage(
-                    value, slot, item=ROOT, layout=chunking, ocdbt=ocdbt,
+                    value, slot, item=ROOT, chunking=chunking, ocdbt=ocdbt,
                     zarr3=self._format.use_zarr3))
             txn = step_transaction(path, options=self._options, step=None,
                                    token=f"{token}-{seq}", replace=force, mode=self._mode)
@@ -487,9 +488,9 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         """
         if self._closed or self._engine.closed:
             raise EngineClosedError("cannot prepare after close()")
-        plan = self._snapshotter.plan(state, None, self._layout(None),
+        plan = self._snapshotter.plan(state, None, self._ocdbt_target(None),
                                       zarr3=self._format.use_zarr3)[0]
-        self._engine.prepare_staging(plan.layout(ROOT))
+        self._engine.prepare_staging(plan.staging_layout(ROOT))
 
     # -- waiting ----------------------------------------------------------------------
 

@@ -543,16 +543,16 @@ class CheckpointManager(ClosingContext):
             raise EngineClosedError(f"{self._directory}: cannot prepare after close()")
         if self._config.read_only:
             return  # it never saves
-        layout: dict[str, int] = {}
+        staging: dict[str, int] = {}
         setup = self._setup
         for item in _args.save_items(state, args, named_items=setup.named_items,
                                      kinds=setup.kinds, handlers=self._handlers)[0]:
             if item.kind == "pytree":
-                ocdbt = self._formats.layout(item.name, item.ocdbt_target_data_file_size)
-                plan = self._snapshotter.plan(item.value, item.layout, ocdbt,
+                ocdbt = self._formats.ocdbt_target(item.name, item.ocdbt_target_data_file_size)
+                plan = self._snapshotter.plan(item.value, item.chunking, ocdbt,
                                               zarr3=self._formats.zarr3(item.name))[0]
-                layout.update(plan.layout(item.name))
-        self._engine.prepare_staging(layout)
+                staging.update(plan.staging_layout(item.name))
+        self._engine.prepare_staging(staging)
 
     def _raise_pending(self) -> None:  # a failed background upload surfaces here too
         # Asked only when a failure is stored (the engine's own test in its save()).
@@ -591,7 +591,7 @@ class CheckpointManager(ClosingContext):
                                          primary=self._primary)
         foreign = HandlerSaves([HandlerSave(i.name, i.handler, i.value)
                                 for i in items if i.kind == "handler"])
-        layouts = {i.name: self._formats.layout(i.name, i.ocdbt_target_data_file_size)
+        targets = {i.name: self._formats.ocdbt_target(i.name, i.ocdbt_target_data_file_size)
                    for i in items if i.kind == "pytree"}  # [ocdbt] None: plain zarr
 
         config = self._config
@@ -604,8 +604,8 @@ class CheckpointManager(ClosingContext):
                 else functools.partial(self._on_published, step))
 
         def stage(slot):
-            trees = [self._snapshotter.stage(i.value, slot, item=i.name, layout=i.layout,
-                                             ocdbt=layouts[i.name],
+            trees = [self._snapshotter.stage(i.value, slot, item=i.name, chunking=i.chunking,
+                                             ocdbt=targets[i.name],
                                              zarr3=self._formats.zarr3(i.name))
                      for i in items if i.kind == "pytree"]
             if extra or not trees:  # one pytree alone is staged as it is, not re-joined
@@ -629,7 +629,7 @@ class CheckpointManager(ClosingContext):
                 staged=StagedTree.combine(trees),
                 info=StepInfo(metrics, custom_metadata, typestrs),
                 peers=peers,
-                ocdbt={n: t for n, t in layouts.items() if t is not None},
+                ocdbt={n: t for n, t in targets.items() if t is not None},
                 deadline=deadline,
                 on_committed=self._finalized,
                 on_begin=view.refresh,

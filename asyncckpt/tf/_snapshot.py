@@ -399,7 +399,7 @@ class Stager:
         self._plan = plan if plan.reusable else None
         return plan
 
-    def layout(self, checkpoint: tf.train.Checkpoint) -> dict[str, int]:
+    def staging_layout(self, checkpoint: tf.train.Checkpoint) -> dict[str, int]:
         """Byte size of each staging buffer a save of the checkpoint now takes, by key."""
         plan = self._plan_for(checkpoint)
         return {_buffer_key(e.key, e.slice_spec): t.shape.num_elements() * t.dtype.size

@@ -307,7 +307,7 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         """
         state = self._state
         state.engine.raise_pending_error()
-        state.engine.prepare_staging(state.stager.layout(self._ckpt))
+        state.engine.prepare_staging(state.stager.staging_layout(self._ckpt))
 
     def save(self, checkpoint_number=None, check_interval: bool = True, options=None):
         """Stages a numbered checkpoint and returns its path (or None if skipped).

@@ -91,7 +91,7 @@ def _jax_case(nbytes: int, work: str):
 
     import asyncckpt.jax as aj
     from asyncckpt.jax import _restore as jr
-    from asyncckpt.jax._chunks import ChunkStore
+    from asyncckpt.jax._chunks import ChunkReader
 
     state = eng.JAXState(nbytes, eng.tensors_for(nbytes))
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
@@ -103,9 +103,9 @@ def _jax_case(nbytes: int, work: str):
     _timed(jr, "restore_tree", "jax restore_tree")
     _timed(jr, "verify_files", "jax verify_files")
     _timed(jr.fmt, "read_tree_metadata", "jax tree metadata")
-    _timed(ChunkStore, "prefetch", "jax prefetch")
-    _timed(ChunkStore, "_plan", "jax plan+alloc")
-    _timed(ChunkStore, "check_the_rest", "jax check_the_rest")
+    _timed(ChunkReader, "prefetch", "jax prefetch")
+    _timed(ChunkReader, "_plan", "jax plan+alloc")
+    _timed(ChunkReader, "check_the_rest", "jax check_the_rest")
     _timed(jr, "_read_leaf", "jax place")
     return os.path.join(work, "jax"), lambda: jax.block_until_ready(ours.restore(1, target=target))
 
