@@ -234,9 +234,12 @@ def test_ocdbt_target_data_file_size_and_save_args_chunks(tmp_path):
         for name in ("split", "chunked"):
             _assert_equal(c.restore(tmp_path / name, _abstract(tree)), want)
             _assert_equal(_orbax_restore(tmp_path / name, _abstract(tree)), want)
-    with aj.PyTreeCheckpointer(use_ocdbt=False) as c, pytest.raises(
-            ValueError, match="applies to OCDBT saves only"):
+    # Without OCDBT there are no data files to size: the target has nothing to apply to,
+    # as in orbax (MaxText passes one whatever its use_ocdbt).
+    with aj.PyTreeCheckpointer(use_ocdbt=False) as c:
         c.save(tmp_path / "y", args=ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=target))
+    assert not list((tmp_path / "y").glob("ocdbt*")) and not (tmp_path / "y" / "d").exists()
+    _assert_equal(_orbax_restore(tmp_path / "y", _abstract(tree)), want)
 
 
 def test_existing_destination_raises_and_force_replaces_it_once_the_new_one_is_durable(

@@ -148,13 +148,13 @@ def test_handlers_and_format_options_choose_each_items_layout(ckpt_dir):
                                                            b=ocp.args.PyTreeRestore(b)))
     _same(a, got.a)
     _same(b, got.b)
-    # The two spellings must agree; a target file size needs OCDBT.
+    # The two spellings must agree; a target file size without OCDBT sizes nothing.
     with pytest.raises(ValueError, match="use_ocdbt"):
         aj.CheckpointManager(ckpt_dir / "x", item_handlers=handlers,
                              format_options=aj.FormatOptions(use_ocdbt=True))
-    with aj.CheckpointManager(ckpt_dir / "y", format_options=PLAIN) as mgr, pytest.raises(
-            ValueError, match="applies to OCDBT saves only"):
+    with aj.CheckpointManager(ckpt_dir / "y", format_options=PLAIN) as mgr:
         mgr.save(1, args=ocp.args.PyTreeSave(a, ocdbt_target_data_file_size=1 << 20))
+    assert not list((ckpt_dir / "y" / "1" / "default").glob("ocdbt*"))
     with pytest.raises(ValueError, match=">= 0"):
         aj.FormatOptions(ocdbt_target_data_file_size=-1)
 

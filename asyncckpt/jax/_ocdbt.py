@@ -218,18 +218,12 @@ class ItemFormats:
         """How ``item`` is saved: None (zarr files), or in OCDBT with this target file size.
 
         ``target_override``: the save's own ``ocdbt_target_data_file_size``.
-
-        Raises:
-            ValueError: a target size given for an item that is not OCDBT.
+        An item saved as zarr files has no data files to size: a target
+        given for it has nothing to apply to, as in orbax (MaxText passes
+        one whatever its ``use_ocdbt``).
         """
         ocdbt = self._by_item.get(item, self.options.use_ocdbt)
         if not ocdbt:
-            if target_override is not None:
-                raise ValueError(
-                    f"item {item!r}: ocdbt_target_data_file_size={target_override} applies "
-                    "to OCDBT saves only; this manager saves the item without OCDBT "
-                    "(format_options=FormatOptions(use_ocdbt=True), or a handler with "
-                    "use_ocdbt=True)")
             return None
         return self.options.target_for(self._directory, target_override)
 

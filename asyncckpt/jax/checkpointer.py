@@ -363,17 +363,12 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         """How a save is written: None (zarr files), or in OCDBT with this target file size.
 
         ``target``: the save's own ``ocdbt_target_data_file_size`` (None:
-        orbax's default for a local path, the only kind a checkpointer takes).
-
-        Raises:
-            ValueError: a target size given to a checkpointer that saves without OCDBT.
+        orbax's default for a local path, the only kind a checkpointer
+        takes); a save as zarr files has no data files for it to size, as in
+        orbax.
         """
         if self._format.use_ocdbt:
             return self._format.target_for("", target)
-        if target is not None:
-            raise ValueError(
-                f"ocdbt_target_data_file_size={target} applies to OCDBT saves only; this "
-                "checkpointer saves without OCDBT (its handler has use_ocdbt=False)")
         return None
 
     def _save(self, directory: str | os.PathLike, item: _args.SaveItem, *, force: bool,

@@ -11,8 +11,8 @@ not, with ``SaveArgs(chunk_byte_size=...)`` on every leaf and the same
 ``asyncckpt.jax.CheckpointManager`` for orbax's. The same function with
 orbax's own class restores what asyncckpt wrote.
 
-One of MaxText's calls is still refused by asyncckpt (a strict xfail naming
-the place): the target data file size it passes to a save without OCDBT.
+MaxText passes ``ocdbt_target_data_file_size`` whatever its ``use_ocdbt``:
+without OCDBT there are no data files for it to size, as in orbax.
 
 Written for asyncckpt, following MaxText's code; none of it is copied.
 """
@@ -197,12 +197,7 @@ PERIOD, STEPS = 3, 8
 @pytest.mark.parametrize("use_ocdbt,use_async,chunk_byte_size", [
     (True, True, SMALL_CHUNK_BYTE_SIZE),
     (True, False, CHUNK_BYTE_SIZE),
-    pytest.param(False, False, CHUNK_BYTE_SIZE, marks=pytest.mark.xfail(
-        strict=True, raises=ValueError, reason=(
-            "not this change: MaxText passes PyTreeSave(ocdbt_target_data_file_size=...) "
-            "whatever its use_ocdbt; orbax ignores it without OCDBT, asyncckpt refuses it at "
-            "save() (asyncckpt/jax/_ocdbt.py ItemFormats.layout: 'applies to OCDBT saves "
-            "only')"))),
+    (False, False, CHUNK_BYTE_SIZE),
 ])
 def test_maxtext_checkpointing_saves_with_asyncckpts_manager_and_resumes(
         tmp_path, use_ocdbt, use_async, chunk_byte_size):
