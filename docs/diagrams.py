@@ -47,6 +47,52 @@ def pipeline() -> None:
     finish(fig, ax, lanes, "time", "pipeline.png")
 
 
+def structure() -> None:
+    """Who calls whom in one save: front ends, their format writers, the one transaction,
+    its destinations, and the one step directory under every manager."""
+    fig, ax = plt.subplots(figsize=(10, 4.6))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 6.2)
+    ax.axis("off")
+
+    def box(x, y, w, h, text, color):
+        ax.add_patch(plt.Rectangle((x, y), w, h, facecolor=color, edgecolor="#555555"))
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8)
+
+    def arrow(x0, y0, x1, y1):
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                    arrowprops={"arrowstyle": "->", "color": "#555555"})
+
+    fronts = ["tf.CheckpointManager\ntf.Checkpoint", "jax.CheckpointManager\ncheckpointers",
+              "JobRunner\nKeras backups", "Keras\nModelCheckpoint"]
+    writers = ["TFSaveJob\n(bundle)", "JaxSaveJob\n(orbax layout,\norbax handlers)",
+               "_ArraysJob\n(arrays.bin)", "_FileJob\n(Keras file)"]
+    for i, (front, writer) in enumerate(zip(fronts, writers, strict=True)):
+        x = 0.2 + i * 2.45
+        box(x, 5.0, 2.2, 0.9, front, "#c6dbef")
+        box(x, 3.5, 2.2, 1.0, writer, "#c7e9c0")
+        arrow(x + 1.1, 5.0, x + 1.1, 4.5)
+        arrow(x + 1.1, 3.5, 5.0 if i < 2 else 5.0, 2.7)
+    box(2.6, 1.9, 4.8, 0.8, "Transaction (_engine/transaction.py)\n"
+        "temp -> write (DurableWriter) -> manifest -> publish", "#fdd0a2")
+    dests = ["RenamedDirectory", "MarkedDirectory", "PrefixFiles", "Uploaded\n(object store)"]
+    for i, d in enumerate(dests):
+        x = 0.6 + i * 2.3
+        box(x, 0.3, 2.0, 0.8, d, "#fee6ce")
+        arrow(5.0, 1.9, x + 1.0, 1.1)
+    box(7.9, 1.9, 2.0, 0.8, "StepDirectory\n(_engine/steps.py)", "#dadaeb")
+    for i in range(3):
+        arrow(0.2 + i * 2.45 + 2.0, 5.0, 8.9, 2.7)
+    ax.text(8.9, 1.65, "listing, retention,\ndeletions, lock", ha="center", va="top",
+            fontsize=7)
+    ax.set_title("one save: the front end stages, its format writer writes through the one "
+                 "transaction,\nwhich publishes through a destination; every manager keeps "
+                 "its checkpoints in the one step directory", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "img", "structure.png"), dpi=110)
+    plt.close(fig)
+
+
 def finish(fig, ax, lanes: dict[str, float], xlabel: str, name: str) -> None:
     """Labels the lanes of a timeline, hides time ticks and saves it as docs/img/<name>."""
     ax.set_yticks(list(lanes.values()))
@@ -61,3 +107,4 @@ def finish(fig, ax, lanes: dict[str, float], xlabel: str, name: str) -> None:
 if __name__ == "__main__":
     os.makedirs(os.path.join(HERE, "img"), exist_ok=True)
     pipeline()
+    structure()
