@@ -49,11 +49,13 @@ class Transaction:
         mode: Permission bits of the files written (orbax's
             ``FileOptions.path_permission_mode``, less the execute bits);
             None: the umask's default.
+        on_begin: Called once the working directory exists (the JAX manager
+            lists its directory again then, off the training thread).
     """
 
     def __init__(self, destination: Destination, *, framework: str, label: str,
                  step: int | None, manifest_name: str, options: AsyncOptions,
-                 mode: int | None = None):
+                 mode: int | None = None, on_begin: Callable[[], None] | None = None):
         self.destination = destination
         self.framework = framework
         self.label = label
@@ -63,6 +65,7 @@ class Transaction:
         self.fsync = options.fsync
         self._checksums = options.checksums
         self._mode = mode
+        self._on_begin = on_begin
         self._pause: Callable[[], None] | None = None
         self._workdir: str | None = None
         self._files: DurableWriter | None = None
@@ -96,6 +99,8 @@ class Transaction:
         """Creates the working directory (once); returns it."""
         if self._workdir is None:
             self._workdir = self.destination.open()
+            if self._on_begin is not None:
+                self._on_begin()
         return self._workdir
 
     def writer(self) -> DurableWriter:

@@ -90,7 +90,8 @@ class Peers:
 def step_transaction(path: str, *, options: AsyncOptions, step: int | None, token: str,
                      commit_marker: str | None = None, shared: bool = False,
                      replace: bool = False, then: Callable[[], None] | None = None,
-                     mode: int | None = None) -> Transaction:
+                     mode: int | None = None,
+                     on_begin: Callable[[], None] | None = None) -> Transaction:
     """The transaction of a step (or a checkpointer's path) in orbax's layout.
 
     Args:
@@ -107,6 +108,7 @@ def step_transaction(path: str, *, options: AsyncOptions, step: int | None, toke
         then: Completes the commit after the local publish (a URL
             directory's upload); if it raises, the save fails.
         mode: Permission bits of what is created (orbax's ``path_permission_mode``).
+        on_begin: Called once the directory exists (see ``Transaction``).
     """
     destination: Destination
     if commit_marker is not None:
@@ -118,7 +120,8 @@ def step_transaction(path: str, *, options: AsyncOptions, step: int | None, toke
     if then is not None:
         destination = Uploaded(destination, then)
     return Transaction(destination, framework="jax", label=os.path.basename(path), step=step,
-                       manifest_name=layout.JAX_MANIFEST_NAME, options=options, mode=mode)
+                       manifest_name=layout.JAX_MANIFEST_NAME, options=options, mode=mode,
+                       on_begin=on_begin)
 
 
 class JaxSaveJob(SaveJob):
@@ -126,8 +129,8 @@ class JaxSaveJob(SaveJob):
 
     Args:
         transaction: The step's commit (its destination: a renamed temporary,
-            or the step's directory committed by a marker).
-        step: Step number (None: a checkpointer's save to a path).
+            or the step's directory committed by a marker); its step is the
+            save's (None: a checkpointer's save to a path).
         staged: The staged bytes (slot buffers).
         info: Metrics, custom metadata and handler names of the step.
         peers: The other processes, or None for a save of one process.
@@ -135,21 +138,16 @@ class JaxSaveJob(SaveJob):
         deadline: ``time.monotonic()`` after which the save is not committed
             but fails with ``TimeoutError`` (orbax's ``AsyncOptions.timeout_secs``).
         on_committed: Called after the publish (the manager's post-commit work).
-        on_begin: Called on the writer thread once the directory exists (the
-            manager lists the directory again there, so the next ``save()``
-            does not).
         handlers: Items saved by their own orbax handlers, started at the
             ``save()`` call into the transaction's directory; finished (their
             futures, ``finalize``) and their files adopted before the commit.
     """
 
-    def __init__(self, *, transaction: Transaction, step: int | None, staged: StagedTree,
-                 info: StepInfo, peers: Peers | None = None,
-                 ocdbt: Mapping[str, int] | None = None, deadline: float | None = None,
-                 on_committed: CommitCallback | None = None,
-                 on_begin: Callable[[], None] | None = None,
+    def __init__(self, *, transaction: Transaction, staged: StagedTree, info: StepInfo,
+                 peers: Peers | None = None, ocdbt: Mapping[str, int] | None = None,
+                 deadline: float | None = None, on_committed: CommitCallback | None = None,
                  handlers: HandlerSaves | None = None):
-        super().__init__(label=transaction.label, step=step, nbytes=staged.nbytes,
+        super().__init__(label=transaction.label, step=transaction.step, nbytes=staged.nbytes,
                          transaction=transaction)
         self._staged: StagedTree | None = staged
         self._info = info
@@ -160,7 +158,6 @@ class JaxSaveJob(SaveJob):
         self._deadline = deadline
         self._timeout_s = None if deadline is None else deadline - time.monotonic()
         self._on_committed = on_committed
-        self._on_begin = on_begin
         self._handlers = handlers
         self._init_ns = time.time_ns()
         self._reported = False  # this process's part was reported to the primary
@@ -203,8 +200,6 @@ class JaxSaveJob(SaveJob):
         try:
             self._check_deadline()
             self.transaction.begin()
-            if self._on_begin is not None:
-                self._on_begin()
             files = self.transaction.files
             splits = staged.splits
             for name, buf in staged.chunks:  # names are relative to the step directory

@@ -432,7 +432,6 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                     raise
             return JaxSaveJob(
                 transaction=txn,
-                step=None,
                 staged=staged,
                 info=StepInfo(custom_metadata=custom, item_handlers=recorded),
                 peers=None if self._coord is None else Peers(self._coord, save_key),

@@ -613,7 +613,7 @@ class CheckpointManager(ClosingContext):
             txn = step_transaction(path, options=self._options, step=step,
                                    token=f"{token}-{seq}", commit_marker=config.commit_marker,
                                    shared=self._coord is not None, then=then,
-                                   mode=config.path_permission_mode)
+                                   mode=config.path_permission_mode, on_begin=view.refresh)
             if foreign:  # they write at the call, into the step's directory
                 try:
                     foreign.start(txn.begin())
@@ -625,14 +625,12 @@ class CheckpointManager(ClosingContext):
                 txn.begin()  # on this thread, as orbax makes it
             return JaxSaveJob(
                 transaction=txn,
-                step=step,
                 staged=StagedTree.combine(trees),
                 info=StepInfo(metrics, custom_metadata, typestrs),
                 peers=peers,
                 ocdbt={n: t for n, t in targets.items() if t is not None},
                 deadline=deadline,
                 on_committed=self._finalized,
-                on_begin=view.refresh,
                 handlers=foreign or None,
             )
 
