@@ -11,6 +11,12 @@ kernel drops it when the holder dies, so a crashed run never blocks the next
 one); the file also names the holder's pid and host for the error message.
 On filesystems without ``flock`` a pid-liveness check on the same host stands
 in for it.
+
+The last holder removes the file before it unlocks, so a directory no
+process writes holds only its checkpoints (as orbax's and TensorFlow's
+managers leave it). A taker therefore checks, once it has the ``flock``, that
+the file it locked is still the one at the path (not one removed meanwhile)
+and otherwise tries again with the new one.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class _Shared:
 
     fd: int
     holders: int
+    path: str
 
 
 _registry: dict[str, _Shared] = {}
@@ -92,7 +99,10 @@ def _drop_holder(key: str, shared: _Shared) -> None:
             return
         del _registry[key]
     with contextlib.suppress(OSError):
-        os.ftruncate(shared.fd, 0)
+        # Removed while still locked: a taker that opened it before checks that it is
+        # still the file at the path once it has the lock (``_lock_file``).
+        if os.path.samestat(os.fstat(shared.fd), os.stat(shared.path)):
+            os.unlink(shared.path)
     os.close(shared.fd)  # closing the last descriptor releases the flock
 
 
@@ -132,14 +142,22 @@ class DirectoryLock:
             if shared is not None:
                 shared.holders += 1
             else:
-                shared = _Shared(self._lock_file(), 1)
+                shared = _Shared(self._lock_file(), 1, self.path)
                 _registry[key] = shared
         self._release = weakref.finalize(self, _drop_holder, key, shared)
 
     def _lock_file(self) -> int:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                previous = self._lock(fd)
+                if self._still_at_path(fd):
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # the holder removed it as it unlocked: lock the file there now
         try:
-            previous = self._lock(fd)
             if previous.get("pid") and (
                 previous.get("pid") != os.getpid()
                 or previous.get("host") != socket.gethostname()
@@ -159,6 +177,13 @@ class DirectoryLock:
             os.close(fd)
             raise
         return fd
+
+    def _still_at_path(self, fd: int) -> bool:
+        """Whether the locked ``fd`` is the file at ``self.path`` (not one removed)."""
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
 
     def _lock(self, fd: int) -> dict:
         try:
@@ -190,10 +215,8 @@ class DirectoryLock:
         )
 
     def release(self) -> None:
-        """Gives this holder's share back; the last one in the process unlocks.
-
-        The file stays, empty, to keep its inode stable.
-        """
+        """Gives this holder's share back; the last one in the process removes the
+        lock file and unlocks."""
         if self._release is not None:
             self._release()
             self._release = None
