@@ -325,6 +325,41 @@ def test_a_grain_training_loop_killed_and_resumed_sees_the_same_batches(tmp_path
     assert " ".join(map(str, next(restored.data))) == reference["batches"][18][1]
 
 
+def test_a_failed_handler_save_is_raised_by_the_next_save_as_orbax(tmp_path):
+    """orbax's ``test_async_error_subsequent_save``: the next ``save()`` waits for the save
+    with handler items before it (a handler writes one save at a time) and raises its failure
+    once; nothing of either save is left (orbax leaves the failed save's temporary)."""
+    ValuesHandler.gate = threading.Event()
+    ValuesHandler.fail = SystemError("the handler's write failed (injected)")
+    directory = tmp_path / "run"
+
+    def args(k):
+        return ocp.args.Composite(state=ocp.args.StandardSave(_state(k)),
+                                  extra=ValuesSave(np.full(2, k)))
+
+    with aj.CheckpointManager(directory, item_names=("state", "extra")) as mgr:
+        assert mgr.save(0, args=args(0))
+        opener = threading.Timer(0.1, ValuesHandler.gate.set)  # save 0's write goes on later
+        opener.start()
+        with pytest.raises(SystemError, match="injected"):
+            mgr.save(1, args=args(1))  # waits for save 0, whenever it fails
+        opener.join()
+        assert mgr.all_steps() == []  # save 1 was not started
+        assert os.listdir(directory) == [".asyncckpt.lock"]  # no temporary left
+        mgr.wait_until_finished()  # raised once: not again
+        ValuesHandler.fail = None
+        assert mgr.save(2, args=args(2))
+        mgr.wait_until_finished()
+        restored = mgr.restore(2, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract()), extra=ValuesRestore()))
+    np.testing.assert_array_equal(restored.extra, np.full(2, 2))
+    with ocp.CheckpointManager(directory, item_names=("state", "extra")) as theirs:
+        got = theirs.restore(2, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract()), extra=ValuesRestore()))
+    np.testing.assert_array_equal(got.extra, np.full(2, 2))
+    np.testing.assert_array_equal(np.asarray(got.state["w"]), np.asarray(_state(2)["w"]))
+
+
 # -- checkpointers given any handler -----------------------------------------------------------
 
 

@@ -32,7 +32,9 @@ def test_max_to_keep_keeps_the_newest(ckpt_dir):
         _save_all(mgr, range(1, 6))
         assert mgr.all_steps() == [4, 5]
         assert mgr.restore(4, target=_state(0))["step"] == 4
-    assert sorted(os.listdir(ckpt_dir)) == [".asyncckpt.lock", "4", "5"]
+        assert sorted(os.listdir(ckpt_dir)) == [".asyncckpt.lock", "4", "5"]
+    # Closed: the directory lock is given back and its file removed.
+    assert sorted(os.listdir(ckpt_dir)) == ["4", "5"]
 
 
 def test_keep_period_preserves_steps_outside_the_count(ckpt_dir):

@@ -14,6 +14,12 @@ kernel drops it when the holder dies, so a crashed run never blocks the next
 one); the file also names the holder's pid and host for the error message.
 On filesystems without ``flock`` a pid-liveness check on the same host stands
 in for it.
+
+The last holder removes the file before it unlocks, so a directory no
+process writes holds only its checkpoints (as orbax's and TensorFlow's
+managers leave it). A taker therefore checks, once it has the ``flock``, that
+the file it locked is still the one at the path (not one removed meanwhile)
+and otherwise tries again with the new one.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class _Shared:
 
     fd: int
     holders: int
+    path: str
 
 
 _registry: dict[str, _Shared] = {}
@@ -97,7 +104,10 @@ def _drop_holder(key: str, shared: _Shared) -> None:
             return
         del _registry[key]
     with contextlib.suppress(OSError):
-        os.ftruncate(shared.fd, 0)
+        # Removed while still locked: a taker that opened it before checks that it is
+        # still the file at the path once it has the lock (``_lock_file``).
+        if os.path.samestat(os.fstat(shared.fd), os.stat(shared.path)):
+            os.unlink(shared.path)
     os.close(shared.fd)  # closing the last descriptor releases the flock
 
 
@@ -138,17 +148,22 @@ class DirectoryLock:
             if shared is not None:
                 shared.holders += 1
             else:
-                shared = _Shared(self._lock_file(), 1)
+                shared = _Shared(self._lock_file(), 1, self.path)
                 _registry[key] = shared
         self._release = weakref.finalize(self, _drop_holder, key, shared)
 
     def _lock_file(self) -> int:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            previous = self._lock(fd)
-            if not self._still_current(fd):  # removed (and maybe made again) meanwhile
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                previous = self._lock(fd)
+                if self._still_at_path(fd):
+                    break
+            except BaseException:
                 os.close(fd)
-                return self._lock_file()
+                raise
+            os.close(fd)  # the holder removed it as it unlocked: lock the file there now
+        try:
             if previous.get("pid") and (
                 previous.get("pid") != os.getpid()
                 or previous.get("host") != socket.gethostname()
@@ -169,9 +184,12 @@ class DirectoryLock:
             raise
         return fd
 
-    def _still_current(self, fd: int) -> bool:
-        """Whether the locked file is still the one at ``path`` (a directory's never goes)."""
-        return True
+    def _still_at_path(self, fd: int) -> bool:
+        """Whether the locked ``fd`` is the file at ``self.path`` (not one removed)."""
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
 
     def _lock(self, fd: int) -> dict:
         try:
@@ -211,10 +229,8 @@ class DirectoryLock:
         return True
 
     def release(self) -> None:
-        """Gives this holder's share back; the last one in the process unlocks.
-
-        The file stays, empty, to keep its inode stable.
-        """
+        """Gives this holder's share back; the last one in the process removes the
+        lock file and unlocks."""
         if self._release is not None:
             self._release()
             self._release = None
@@ -231,8 +247,9 @@ class CheckpointLock(DirectoryLock):
     """Writer lock on one checkpoint of a directory (``<dir>/.asyncckpt-locks/<name>``).
 
     Exclusive between processes, shared by the holders of one process, as
-    ``DirectoryLock``: taken while a checkpoint of that name is written or
-    deleted, so processes writing other checkpoints of the directory go on.
+    ``DirectoryLock`` (and, as its, removed by its last holder): taken while
+    a checkpoint of that name is written or deleted, so processes writing
+    other checkpoints of the directory go on.
 
     Args:
         directory: The checkpoint directory.
@@ -244,23 +261,6 @@ class CheckpointLock(DirectoryLock):
         self.name = name
         self.path = os.path.join(self.directory, LOCKS_DIR, name)
         self._key = os.path.join(os.path.realpath(self.directory), LOCKS_DIR, name)
-
-    def _still_current(self, fd: int) -> bool:
-        try:
-            return os.fstat(fd).st_ino == os.stat(self.path).st_ino
-        except FileNotFoundError:
-            return False
-
-    def remove(self) -> None:
-        """The checkpoint is deleted: its lock file goes too, then the lock is released.
-
-        Removed while held; another process that opened the old file finds it
-        is no longer the one at the path once it has it locked, and opens the
-        new one (``_still_current``), so no two hold the same checkpoint.
-        """
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        self.release()
 
     def acquire(self, wait_s: float = 0.0) -> None:
         """Takes the lock, waiting up to ``wait_s`` seconds for another process's save.

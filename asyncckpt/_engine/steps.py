@@ -383,7 +383,7 @@ class StepDirectory:
                     lock.release()
                 raise
             if lock is not None:
-                lock.remove()  # the checkpoint is gone: its lock file too
+                lock.release()  # (its file goes with its last holder)
             with self.lock:
                 self._forget(name)
         if failed:

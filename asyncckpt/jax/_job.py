@@ -59,11 +59,15 @@ class StepInfo:
         custom_metadata: The save's ``custom_metadata``.
         item_handlers: orbax's handler of each item (a checkpointer's: the
             one handler's name), as orbax records them.
+        started: When the save was called (a POSIX timestamp, from the
+            manager's clock: ``datetime.datetime.now``), recorded as
+            ``init_timestamp_nsecs``; None: when the job is made.
     """
 
     metrics: Any = None
     custom_metadata: Any = None
     item_handlers: dict[str, str] | str | None = None
+    started: float | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,7 @@ class JaxSaveJob(SaveJob):
         self._timeout_s = None if deadline is None else deadline - time.monotonic()
         self._on_committed = on_committed
         self._handlers = handlers
-        self._init_ns = time.time_ns()
+        self._init_ns = time.time_ns() if info.started is None else int(info.started * 1e9)
         self._reported = False  # this process's part was reported to the primary
         self._announced = False  # the outcome was announced (or agreed) to every process
         self._extra: dict = {}

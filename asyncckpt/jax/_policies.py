@@ -12,6 +12,11 @@ manager's directory view and calls the policy: any policy orbax ships
 (``FixedIntervalPolicy``, ``LatestN``, ``BestN``, ``AnySavePolicy``, ...) and
 any user subclass behaves as under orbax. orbax is imported only here and
 only when a policy is configured.
+
+The time of a save is ``datetime.datetime.now(tz=UTC)`` looked up when the
+save is called (``now()``), as orbax's manager takes it: code that controls
+the clock (a test patching ``datetime.datetime``) gets the decisions orbax's
+manager makes. Conversions use the real class, bound at import.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _UTC = datetime.UTC
+_DATETIME = datetime.datetime  # the real class: conversions work with a patched clock too
+
+
+def now() -> float:
+    """The time of a save as orbax's manager takes it: ``datetime.datetime.now(tz=UTC)``,
+    looked up at the call (so a patched clock is honoured), as a POSIX timestamp."""
+    return datetime.datetime.now(tz=_UTC).timestamp()
 
 
 @functools.cache
@@ -38,7 +50,7 @@ def _orbax() -> tuple[Any, Any, Any, Any]:
 def checkpoint_info(step: int, timestamp: float, metrics: Any) -> Any:
     """orbax's ``CheckpointInfo`` of a step saved at ``timestamp`` (``time.time()``)."""
     info_cls = _orbax()[0]
-    return info_cls(step=step, time=datetime.datetime.fromtimestamp(timestamp, tz=_UTC),
+    return info_cls(step=step, time=_DATETIME.fromtimestamp(timestamp, tz=_UTC),
                     metrics=metrics)
 
 
@@ -97,8 +109,16 @@ def should_save(policy: Any, step: int, previous: Sequence[Any], *, saving: bool
     _, context_cls, _, mp_cls = _orbax()
     context = context_cls(is_saving_in_progress=saving, reached_preemption=preempted,
                           multiprocessing_options=multiprocessing_options or mp_cls())
-    now = checkpoint_info(step, datetime.datetime.now(tz=_UTC).timestamp(), None)
-    return bool(policy.should_save(now, previous_steps=previous, context=context))
+    info = checkpoint_info(step, now(), None)
+    return bool(policy.should_save(info, previous_steps=previous, context=context))
+
+
+@functools.cache
+def every_n_seconds(interval_s: int) -> Any:
+    """orbax's ``EveryNSeconds`` policy: what its manager builds from ``keep_time_interval``."""
+    from orbax.checkpoint import checkpoint_managers
+
+    return checkpoint_managers.EveryNSeconds(interval_secs=interval_s)
 
 
 def preserved(policy: Any, infos: Sequence[Any]) -> list[bool]:

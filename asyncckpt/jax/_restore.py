@@ -248,8 +248,10 @@ def _match(step_dir: str, entries: list[fmt.TreeEntry], target: Any, *,
             parts.append(f"in the checkpoint but not in the target: {', '.join(extra[:10])} "
                          "(restore a subset with PyTreeRestore(..., partial_restore=True) or "
                          "PLACEHOLDER leaves)")
+        # orbax's words first (code and tests match on them), then what differs, by key path.
         raise ValueError(
-            f"the target's structure does not match checkpoint {step_dir!r}: " + "; ".join(parts)
+            "User-provided restore item and on-disk value metadata tree structures do not "
+            f"match (checkpoint {step_dir!r}): " + "; ".join(parts)
         )
     return [by_param[p.param] for p in paths]
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -89,7 +88,7 @@ class StepView:
         if self.remote_record is not None and not os.path.isdir(self.step_dir(step)):
             return self.remote_record(step)
         meta = _metadata.read_step_metadata(step, self.step_dir(step), with_items=False)
-        return StepRecord(meta.created or 0.0, meta.metrics)
+        return StepRecord(save_time(meta), meta.metrics)
 
     def record(self, step: int) -> StepRecord:
         return self.steps.record(self.names.name(step))
@@ -189,7 +188,8 @@ class StepView:
             if step in on_disk or self.steps.in_flight(name) or self._name_taken(step, on_disk):
                 raise exists()(
                     f"step {step} is already saved (or being saved) in {self.directory!r}")
-            return self.steps.reserve(name, StepRecord(time.time(), metrics))
+            # The save's time as orbax's manager takes it (datetime.datetime.now at the call).
+            return self.steps.reserve(name, StepRecord(_policies.now(), metrics))
 
     def _name_taken(self, step: int, on_disk: frozenset[int]) -> bool:
         """Whether ``step``'s name exists in the directory (as anything but an
@@ -223,13 +223,39 @@ class StepView:
         return [parse(n) for n in self.steps.retain(res, decide)]  # type: ignore[misc]
 
     def _by_rules(self, config: ManagerConfig) -> Callable:
+        """orbax's retention options: ``max_to_keep`` (by recency or ``best_fn``) and
+        ``keep_period`` by the engine's rules; ``keep_time_interval`` by orbax's own
+        ``EveryNSeconds``, as orbax's manager composes them (a step any of them keeps
+        stays).
+
+        orbax's interval rule looks at every listed step, whatever keeps it: the
+        oldest is kept, then each one at least the interval after the last one it
+        kept. So it is asked over the whole listing (the new step included), not
+        only over the steps the other rules leave.
+        """
         policy = self._policy_for(config)
         parse = self.names.parse
+        interval = config.keep_time_interval_s
+        every = None if interval is None else _policies.every_n_seconds(int(interval))
 
         def decide(listed: list[tuple[str, StepRecord]], last: float) -> retention.Decision:
-            return retention.apply(
-                [retention.Candidate(n, parse(n), rec.timestamp, config.metric(rec.metrics))
-                 for n, rec in listed], policy, last_preserved_timestamp=last)
+            candidates = [retention.Candidate(n, parse(n), rec.timestamp,
+                                              config.metric(rec.metrics)) for n, rec in listed]
+            decision = retention.apply(candidates, policy, last_preserved_timestamp=last)
+            if every is None or not decision.delete:
+                return decision
+            steps = [parse(n) for n in self.steps.listed()]
+            flags = _policies.preserved(every, self.policy_infos(steps)[:])  # type: ignore[arg-type]
+            on_interval = {s for s, keep in zip(steps, flags, strict=True) if keep}
+            dropped = [c for c in decision.delete if c.step not in on_interval]
+            if len(dropped) == len(decision.delete):
+                return decision
+            kept = {id(c) for c in decision.keep} | {
+                id(c) for c in decision.delete if c.step in on_interval}
+            return retention.Decision(
+                keep=[c for c in candidates if id(c) in kept], delete=dropped,
+                preserve=decision.preserve,
+                last_preserved_timestamp=decision.last_preserved_timestamp)
 
         return decide
 
@@ -268,10 +294,8 @@ class StepView:
         cached = self._policy
         if cached is not None and cached[0] is config:
             return cached[1]
-        policy = retention.RetentionPolicy(
+        policy = retention.RetentionPolicy(  # keep_time_interval: orbax's (``_by_rules``)
             max_to_keep=config.max_to_keep,
-            keep_every_n_hours=(None if config.keep_time_interval_s is None
-                                else config.keep_time_interval_s / 3600.0),
             keep_period=config.keep_period,
             best_mode=config.best_mode if config.best_fn is not None else None,
             keep_checkpoints_without_metrics=config.keep_checkpoints_without_metrics,
@@ -331,6 +355,15 @@ class StepView:
         if removed:
             logger.warning("cleanup_tmp_directories: removed %d uncommitted checkpoint(s) in %s: "
                            "%s", len(removed), self.directory, ", ".join(sorted(removed)))
+
+
+def save_time(meta: _metadata.StepMetadata) -> float:
+    """A saved step's time for retention: when its ``save()`` was called, as the step
+    recorded it (``init_timestamp_nsecs``: the manager's clock then, so a restarted
+    manager sees the times the running one saw), else when it was committed."""
+    if meta.init_timestamp_nsecs:
+        return meta.init_timestamp_nsecs / 1e9
+    return meta.created or 0.0
 
 
 def delete_step_dir(view: StepView, step: int, todelete_subdir: str | None) -> None:

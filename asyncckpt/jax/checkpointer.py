@@ -639,12 +639,20 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
 
         ``item_metadata`` is a tree of ``jax.ShapeDtypeStruct`` like the saved
         pytree (usable as a restore target), ``item_handlers`` the handler's
-        name (as orbax's checkpointers record it), ``step`` None.
+        name (as orbax's checkpointers record it), ``step`` None. Given a
+        ``CompositeCheckpointHandler``, as orbax: that handler's metadata of
+        the step (orbax's ``StepMetadata``, each item's by its handler).
 
         Raises:
             CheckpointNotFoundError: nothing at ``directory``.
         """
+        import orbax.checkpoint as ocp
+
         path = self._checkpoint_path(directory)
+        if isinstance(self._handler, ocp.CompositeCheckpointHandler):
+            # As orbax: the composite handler describes the whole step itself
+            # (orbax's StepMetadata, its items' metadata by their handlers).
+            return _handlers.item_metadata(path, ROOT, self._handler)
         meta = _metadata.read_step_metadata(0, path, with_items=False)
         handler = fmt.read_step_metadata(path).get("item_handlers")
         if self._kind == _FOREIGN:  # the handler's own description of what it wrote

@@ -197,6 +197,7 @@ class CheckpointManager(ClosingContext):
         self._setup = setup
         # Items saved by their own handlers (given, or chosen by a save's args).
         self._handlers = setup.own_handlers
+        self._handler_save: SaveHandle | None = None  # and its handle
         # How orbax's handler of each item restores the older items= spelling: its
         # PyTree handler takes the item for the structure only (PyTreeRestore).
         self._restore_kinds = {
@@ -500,6 +501,13 @@ class CheckpointManager(ClosingContext):
         # should_save says (and logs) that a read-only manager never saves.
         started = (force and not self._config.read_only) or self._should_save(step, on_disk)
         t1 = time.time() if self._logger is not None else 0.0
+        if started and not multi and self._handler_save is not None and any(
+                i.kind == "handler" for i in items):
+            # A handler writes one save at a time, so this save waits for the last
+            # one with handler items: its failure is this call's, as orbax's save()
+            # raises the failure of the save it waited for.
+            concurrent.futures.wait([self._handler_save.committed])
+            self._raise_pending()
         if started and multi:
             with self._saves.attempt(step) as (seq, save_key):  # every process numbers it
                 self._start_save(step, items, metrics, custom_metadata, seq, save_key, None)
@@ -626,7 +634,7 @@ class CheckpointManager(ClosingContext):
             return JaxSaveJob(
                 transaction=txn,
                 staged=StagedTree.combine(trees),
-                info=StepInfo(metrics, custom_metadata, typestrs),
+                info=StepInfo(metrics, custom_metadata, typestrs, started=res.record.timestamp),
                 peers=peers,
                 ocdbt={n: t for n, t in targets.items() if t is not None},
                 deadline=deadline,
@@ -642,6 +650,8 @@ class CheckpointManager(ClosingContext):
                 foreign.abandon()  # never started, or started and given up
             raise
         view.steps.attach(res, handle.committed)
+        if foreign:
+            self._handler_save = handle
         self._deadline = deadline
         deleter = self._delete  # not self: a dropped manager's saves still finish
         handle.committed.add_done_callback(
@@ -662,6 +672,10 @@ class CheckpointManager(ClosingContext):
         step = self._existing_step(step)
         self._wait_for([step])
         self._view.delete(step, self._delete)  # without a deleter: hidden until deleted
+        if self._delete is not None:
+            # orbax's delete returns once the step's files are gone: so does this one
+            # (the step was renamed out of the listing; its files go on the remover).
+            self._view.steps.removals.wait()
 
     # -- waiting --------------------------------------------------------------------
 
@@ -864,4 +878,4 @@ def _remote_record(tiers: StepTiers, step: int, *, checksums: bool) -> StepRecor
     if remote is None:
         raise CheckpointNotFoundError(f"step {step} is in neither tier")
     meta = _metadata.read_step_metadata(step, remote.path, with_items=False)
-    return StepRecord(meta.created or 0.0, meta.metrics)
+    return StepRecord(_view.save_time(meta), meta.metrics)

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import weakref
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -269,6 +270,109 @@ def test_keep_time_interval_preserves_one_per_interval(ckpt_dir):
         assert mgr.all_steps() == [1, 4]
 
 
+# orbax's own CheckpointManager cases with a controlled clock (checkpoint_manager_test.py):
+# (options, metrics of step k or None, (last step of orbax's test, the steps it keeps)).
+_CLOCK_CASES = {
+    "time_interval": (dict(max_to_keep=2, keep_time_interval=datetime.timedelta(hours=3)),
+                      None, (9, [0, 3, 6, 8, 9])),
+    "time_interval_metrics": (dict(max_to_keep=3, best_mode="min", best_fn=lambda m: m["loss"],
+                                   keep_time_interval=datetime.timedelta(hours=3)),
+                              lambda k: {"loss": k}, (9, [0, 1, 2, 3, 6, 9])),
+    "max_to_keep_zero_other_conditions": (
+        dict(max_to_keep=0, keep_period=3, keep_time_interval=datetime.timedelta(hours=5)),
+        None, (8, [0, 3, 5, 6])),
+}
+
+
+@pytest.mark.parametrize("todelete_subdir", [None, "ttl=1h"])
+@pytest.mark.parametrize("case", sorted(_CLOCK_CASES))
+def test_retention_takes_the_clock_orbax_takes(tmp_path, case, todelete_subdir):
+    """The save time is ``datetime.datetime.now()`` at the call, as in orbax: a patched
+    clock gets orbax's decisions after every save, and a restarted manager (the times
+    recorded with the steps) goes on deciding as one that ran all along."""
+    options, metrics, (last, kept) = _CLOCK_CASES[case]
+    opts = _opts(todelete_subdir=todelete_subdir, **options)
+    now = datetime.datetime.now(tz=datetime.UTC)
+    ours, theirs = aj.CheckpointManager(tmp_path / "ours", options=opts), \
+        ocp.CheckpointManager(tmp_path / "theirs", options=opts)
+    again = aj.CheckpointManager(tmp_path / "again", options=opts)  # restarted half way
+    with mock.patch("datetime.datetime", autospec=True) as clock:
+        for k in range(12):
+            clock.now.return_value = now + datetime.timedelta(hours=k)
+            m = None if metrics is None else metrics(k)
+            assert theirs.save(k, args=ocp.args.StandardSave(_state(k)), metrics=m)
+            assert ours.save(k, args=ocp.args.StandardSave(_state(k)), metrics=m)
+            assert again.save(k, args=ocp.args.StandardSave(_state(k)), metrics=m)
+            expected = theirs.all_steps()
+            if "best_fn" in options and k not in expected:
+                expected.append(k)  # asyncckpt never deletes the newest by metric (compat.md)
+            assert ours.all_steps() == again.all_steps() == expected, k
+            if k == last:
+                assert ours.all_steps() == kept  # orbax's own test's expectation
+            if k == 6:  # a new process: nothing of the first manager is kept
+                again.close()
+                view, again = weakref.ref(again._view), None
+                gc.collect()
+                assert view() is None
+                again = aj.CheckpointManager(tmp_path / "again", options=opts)
+        for mgr in (ours, theirs, again):
+            mgr.wait_until_finished()
+    final = theirs.all_steps()
+    if "best_fn" in options and 11 not in final:
+        final.append(11)  # the newest, as above
+    for mgr in (ours, again):
+        assert mgr.all_steps() == final
+        mgr.close()
+    theirs.close()
+    for name in ("ours", "again"):
+        assert sorted(int(n) for n in os.listdir(tmp_path / name) if n.isdigit()) == final
+    step = final[-1]
+    with aj.CheckpointManager(tmp_path / "ours") as mgr:
+        _same(mgr.restore(step, args=ocp.args.StandardRestore(_abstract())), _state(step))
+    with ocp.CheckpointManager(tmp_path / "ours") as mgr:
+        _same(mgr.restore(step, args=ocp.args.StandardRestore(_abstract())), _state(step))
+
+
+def test_save_on_preemption_asks_jaxs_sync_point_as_orbax(tmp_path):
+    """orbax's ``test_save_on_preemption``: whatever answers for JAX's
+    ``reached_preemption_sync_point`` (here a function put in its place) decides."""
+    from jax.experimental import multihost_utils
+
+    opts = _opts(save_interval_steps=4)
+    with (mock.patch.object(multihost_utils, "reached_preemption_sync_point",
+                            side_effect=lambda step: step == 2),
+          aj.CheckpointManager(tmp_path / "ours", options=opts) as ours,
+          ocp.CheckpointManager(tmp_path / "theirs", options=opts) as theirs):
+        for k in range(10):
+            assert ours.reached_preemption(k) == theirs.reached_preemption(k) == (k == 2)
+            assert (ours.save(k, args=ocp.args.StandardSave(_state(k)))
+                    == theirs.save(k, args=ocp.args.StandardSave(_state(k))))
+        ours.wait_until_finished()
+        assert ours.all_steps() == theirs.all_steps() == [0, 2, 4, 8]
+    with ocp.CheckpointManager(tmp_path / "ours") as mgr:
+        _same(mgr.restore(2, args=ocp.args.StandardRestore(_abstract())), _state(2))
+
+
+def test_delete_returns_once_the_step_is_gone_and_close_leaves_only_steps(ckpt_dir):
+    """orbax's ``test_delete`` lists the directory after ``delete``: no deleted tree is
+    left; the directory lock's file stays while the manager may save (docs/compat.md)."""
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.save(0, args=ocp.args.JsonSave({"a": 1, "b": "hello"}))
+        assert mgr.save(1, args=ocp.args.StandardSave(_state(1)))
+        mgr.wait_until_finished()
+        mgr.delete(0)
+        assert mgr.all_steps() == [1]
+        assert sorted(os.listdir(ckpt_dir)) == [".asyncckpt.lock", "1"]
+        mgr.delete(1)
+        assert mgr.all_steps() == []
+        assert os.listdir(ckpt_dir) == [".asyncckpt.lock"]
+        assert mgr.save(2, args=ocp.args.StandardSave(_state(2)))
+    assert os.listdir(ckpt_dir) == ["2"]
+    with ocp.CheckpointManager(ckpt_dir) as theirs:
+        assert theirs.all_steps() == [2]
+        _same(theirs.restore(2, args=ocp.args.StandardRestore(_abstract())), _state(2))
+
+
 def test_todelete_subdir_and_delete(ckpt_dir):
     with aj.CheckpointManager(ckpt_dir, options=_opts(max_to_keep=1,
                                                       todelete_subdir="trash")) as mgr:
@@ -412,6 +516,29 @@ def test_placeholder_and_partial_restore_read_only_the_selected_arrays(ckpt_dir)
                 jax.devices()[0])), "y": ocp.RestoreArgs()}}))
         assert isinstance(got["big"], np.ndarray) and isinstance(got["small"]["x"], jax.Array)
         _same(got, tree)
+
+
+@pytest.mark.parametrize("layout", ["ocdbt", "zarr"])
+def test_a_placeholder_item_that_does_not_match_raises_orbaxs_error(tmp_path, layout):
+    """orbax's ``test_partial_restore_with_placeholder``: a leaf left out of the item, or
+    a ``PLACEHOLDER`` for a whole subtree, is orbax's ``ValueError`` by its words."""
+    tree = {"a": np.arange(3.0), "c": {"a": np.ones(2, np.int32), "e": np.zeros(2)}}
+    with aj.CheckpointManager(tmp_path / "ours", format_options=aj.FormatOptions(
+            use_ocdbt=layout == "ocdbt")) as mgr:
+        mgr.save(0, args=ocp.args.PyTreeSave(tree))
+    items = {"missing_leaf": {"a": np.zeros(3), "c": {"e": ocp.PLACEHOLDER}},
+             "non_leaf_placeholder": {"a": np.zeros(3), "c": ocp.PLACEHOLDER}}
+    for item in items.values():
+        for cls in (aj.CheckpointManager, ocp.CheckpointManager):
+            with cls(tmp_path / "ours") as mgr, pytest.raises(
+                    ValueError, match="User-provided restore item and on-disk value"):
+                mgr.restore(0, args=ocp.args.PyTreeRestore(item))
+    for cls in (aj.CheckpointManager, ocp.CheckpointManager):  # what matches is restored
+        with cls(tmp_path / "ours") as mgr:
+            got = mgr.restore(0, args=ocp.args.PyTreeRestore(
+                {"a": np.zeros(3), "c": {"a": ocp.PLACEHOLDER, "e": np.ones(2)}}))
+        assert got["c"]["a"] is ocp.PLACEHOLDER
+        _same([got["a"], got["c"]["e"]], [tree["a"], tree["c"]["e"]])
 
 
 # -- lifecycle ---------------------------------------------------------------------------
