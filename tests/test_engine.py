@@ -239,6 +239,28 @@ def test_engine_saves_commits_and_reports_stats(tmp_path):
         engine.save(lambda slot: _Job(str(tmp_path), "late", b"x"), label="late")
 
 
+def test_each_save_records_where_its_time_went(tmp_path):
+    """SaveStats.phases: the engine's phases, the file writes by kind, the checksum, the
+    fsyncs (files and directories, counted), the manifest and the publish; not in the
+    manifest, whose stats are the save's until its commit."""
+    data = np.ones(3 << 20, np.uint8)
+    with AsyncEngine(options=AsyncOptions(fsync=True)) as engine:
+        handle = engine.save(lambda slot: DirJob(str(tmp_path), "c", (data,), fsync=True),
+                             label="c")
+        stats = handle.result()
+    phases = stats.phases
+    assert phases is not None
+    seconds, counts, nbytes = phases["seconds"], phases["counts"], phases["bytes"]
+    for phase in ("copy to host", "queue", "write:files", "checksum", "fsync", "fsync wait",
+                  "manifest", "publish", "after commit"):
+        assert seconds[phase] >= 0, phase
+    assert nbytes["write:files"] == nbytes["checksum"] == data.nbytes
+    assert counts["write:files"] == 1
+    assert counts["fsync"] == 2  # data.bin, then its directory
+    assert seconds["fsync wait"] <= stats.durable_s
+    assert "phases" not in read_manifest(str(tmp_path / "c" / "manifest.json")).stats
+
+
 @pytest.mark.parametrize("stage", ["write", "commit"])
 def test_background_error_is_reraised_once_and_cleaned_up(tmp_path, stage):
     engine = AsyncEngine()

@@ -13,10 +13,12 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from asyncckpt._engine import fastcrc
+from asyncckpt._engine.metrics import CHECKSUM, FSYNC, READ_BACK, WRITE, Phases
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +121,13 @@ class DurableWriter:
         mode: Permission bits of the files and directories it creates
             (orbax's ``FileOptions.path_permission_mode``; files without the
             execute bits); None: the umask's default.
+        phases: Where the time goes (``SaveStats.phases``): each kind of
+            file's writes, checksums, fsyncs. None: a recorder of its own.
     """
 
     def __init__(self, root: str, *, fsync: bool, checksums: bool,
                  algorithm: str | None = None, pause: Callable[[], None] | None = None,
-                 mode: int | None = None):
+                 mode: int | None = None, phases: Phases | None = None):
         self.root = root
         self._fsync = fsync
         self._checksums = checksums
@@ -134,6 +138,7 @@ class DurableWriter:
         self._flusher = _Flusher(pause) if fsync else None
         self._pause = pause
         self._mode = mode
+        self.phases = Phases() if phases is None else phases
 
     def _path(self, name: str) -> str:
         path = os.path.join(self.root, *name.split("/"))
@@ -155,16 +160,20 @@ class DurableWriter:
                     os.chmod(d, self._mode)
         self._dirs.update(below)
 
-    def write(self, name: str, chunks: Iterable[object]) -> FileRecord:
+    def write(self, name: str, chunks: Iterable[object], *, kind: str = "files") -> FileRecord:
         """Writes ``chunks`` to a new file.
 
         Args:
             name: The file, relative to the root.
             chunks: Objects supporting the buffer protocol, or ``Checksummed``
                 ones carrying their checksum in this writer's algorithm.
+            kind: The phase its writing counts in (``write:<kind>``).
         """
         pause = self._pause
         step = _CHUNK if pause is None else _PAUSE_CHUNK
+        clock = time.perf_counter
+        t0 = clock()
+        crc_s = 0.0
         path = self._path(name)
         crc = 0
         size = 0
@@ -182,13 +191,19 @@ class DurableWriter:
                         pause()
                     part = view[start : start + step]
                     if self._checksums and not known:
+                        t = clock()
                         crc = self._update(part, crc)
+                        crc_s += clock() - t
                     while part:
                         written = os.write(fd, part)
                         part = part[written:]
                 size += len(view)
         finally:
             os.close(fd)
+        phases = self.phases
+        if crc_s:
+            phases.add(CHECKSUM, crc_s, 1, size)
+        phases.add(WRITE + kind, clock() - t0 - crc_s, 1, size)
         record = FileRecord(name, size, crc if self._checksums else None, self.algorithm)
         self._records.append(record)
         self._schedule_fsync(path)
@@ -214,7 +229,9 @@ class DurableWriter:
                 raise OSError(f"{path} holds {size} bytes, {known[0]} were written")
             record = FileRecord(name, size, known[1] if self._checksums else None, known[2])
         elif self._checksums:
+            t0 = time.perf_counter()
             size, crc = fastcrc.checksum_file(path, self.algorithm)
+            self.phases.add(READ_BACK, time.perf_counter() - t0, 1, size)
             record = FileRecord(name, size, crc, self.algorithm)
         else:
             record = FileRecord(name, os.path.getsize(path), None, self.algorithm)
@@ -237,9 +254,13 @@ class DurableWriter:
         """Waits until every file and directory written is durable."""
         if self._flusher is not None:
             self._flusher.join()
+            self.phases.merge(self._flusher.phases)
             # Deepest first, so each directory's entry in its parent is flushed last.
+            clock = time.perf_counter
             for d in sorted(self._dirs, key=len, reverse=True):
+                t0 = clock()
                 fsync_path(d)
+                self.phases.add(FSYNC, clock() - t0)
         return self.records
 
     def abort(self) -> None:
@@ -260,6 +281,7 @@ class _Flusher:
         self._pause = pause  # called before each fsync (see DurableWriter)
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self.phases = Phases()  # this thread's fsyncs; read once joined
         self._thread = threading.Thread(target=self._run, name="asyncckpt-fsync", daemon=True)
         self._thread.start()
 
@@ -269,7 +291,9 @@ class _Flusher:
                 try:
                     if self._pause is not None:
                         self._pause()
+                    t0 = time.perf_counter()
                     fsync_path(path)
+                    self.phases.add(FSYNC, time.perf_counter() - t0)
                 except BaseException as e:  # surfaced by join()
                     self._error = e
 

@@ -26,13 +26,14 @@ records to the primary), and the primary publishes every process's files.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine.destinations import Destination
 from asyncckpt._engine.files import DurableWriter, FileRecord
 from asyncckpt._engine.manifest import Manifest
-from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.metrics import FSYNC_WAIT, MANIFEST, PUBLISH, Phases, SaveStats
 from asyncckpt.options import AsyncOptions
 
 
@@ -67,6 +68,8 @@ class Transaction:
         self._workdir: str | None = None
         self._files: DurableWriter | None = None
         self.published = False
+        #: Where the commit's time goes (``SaveStats.phases``); its writers add theirs.
+        self.phases = Phases()
 
     @property
     def began(self) -> bool:
@@ -85,7 +88,7 @@ class Transaction:
         if self._files is None:
             self._files = DurableWriter(self.workdir, fsync=self.fsync,
                                         checksums=self._checksums, pause=self._pause,
-                                        mode=self._mode)
+                                        mode=self._mode, phases=self.phases)
         return self._files
 
     def set_pause(self, pause: Callable[[], None] | None) -> None:
@@ -101,7 +104,7 @@ class Transaction:
     def writer(self) -> DurableWriter:
         """Another writer into ``workdir`` (its records are passed to ``publish``)."""
         return DurableWriter(self.workdir, fsync=self.fsync, checksums=self._checksums,
-                             pause=self._pause, mode=self._mode)
+                             pause=self._pause, mode=self._mode, phases=self.phases)
 
     def adopt(self, names: Iterable[str], *,
               known: dict[str, tuple[int, int, str]] | None = None) -> None:
@@ -128,7 +131,8 @@ class Transaction:
         """Waits until every file written or adopted is durable; their records."""
         if self._files is None:
             return []
-        return self._files.finish()
+        with self.phases.timed(FSYNC_WAIT):
+            return self._files.finish()
 
     def publish(self, records: Sequence[FileRecord], stats: SaveStats | dict,
                 extra: dict | None = None) -> Manifest:
@@ -145,15 +149,19 @@ class Transaction:
             extra=dict(extra or {}),
         )
         workdir = self.workdir
+        t0 = time.perf_counter()
         if self._mode is not None:
             self._apply_mode(workdir)
         commit_lib.write_text_atomic(os.path.join(workdir, self.manifest_name),
                                      manifest.to_json(), fsync=self.fsync,
                                      mode=self._mode)
+        t1 = time.perf_counter()
+        self.phases.add(MANIFEST, t1 - t0)
         self.destination.publish(workdir, sorted(os.listdir(workdir)))
         self._workdir = None  # published: nothing of it is removed any more
         self.published = True
         self.destination.complete()  # an upload: if it fails, so does the save
+        self.phases.add(PUBLISH, time.perf_counter() - t1)
         return manifest
 
     def _apply_mode(self, workdir: str) -> None:

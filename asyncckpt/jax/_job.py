@@ -32,7 +32,7 @@ from asyncckpt._engine.destinations import (
 )
 from asyncckpt._engine.files import FileRecord
 from asyncckpt._engine.manifest import OWNER_MARKER, owner_marker_bytes
-from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.metrics import FSYNC_WAIT, OCDBT, SaveStats
 from asyncckpt._engine.transaction import Transaction
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _ocdbt, _parts
@@ -378,10 +378,12 @@ class JaxSaveJob(SaveJob):
                 r for r in records if r.name in wanted
                 and not os.path.exists(here + r.name)])
         merged = txn.writer()
-        for item in sorted(self._ocdbt):
-            if os.path.isdir(os.path.join(workdir, item)):
-                _ocdbt.merge(workdir, item, files=merged)
-        new = merged.finish()
+        with txn.phases.timed(OCDBT):
+            for item in sorted(self._ocdbt):
+                if os.path.isdir(os.path.join(workdir, item)):
+                    _ocdbt.merge(workdir, item, files=merged)
+        with txn.phases.timed(FSYNC_WAIT):
+            new = merged.finish()
         if shards is not None:
             shards.upload(self.label, workdir, new)
         return new

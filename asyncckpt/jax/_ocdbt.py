@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.metrics import WRITE
 from asyncckpt.jax._format import in_item
 
 logger = logging.getLogger(__name__)
@@ -437,9 +439,12 @@ class DatabaseWriter:
         """Commits the values put so far: their buffers may change once this returns."""
         if self._txn is None:
             return
+        t0 = time.perf_counter()
         for f in self._pending:
             wait(f, self._path)
         wait(self._txn.commit_async(), self._path)
+        self._files.phases.add(WRITE + "ocdbt (TensorStore)", time.perf_counter() - t0, 1,
+                               self._bytes)
         self._txn = self._view = None
         self._pending = []
         self._bytes = 0

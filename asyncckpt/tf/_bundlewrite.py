@@ -53,6 +53,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ import numpy as np
 
 from asyncckpt._engine import fastcrc
 from asyncckpt._engine.fastcrc import CRC32C, crc_combine
+from asyncckpt._engine.metrics import CHECKSUM_BESIDE, WRITE, Phases
 from asyncckpt.tf._compat import OBJECT_GRAPH_KEY, tf
 from asyncckpt.tf._slices import WHOLE, parse_spec, slice_key
 from asyncckpt.tf._sstable import build_table, varint
@@ -248,8 +250,9 @@ def _jobs(plan: _Plan) -> list[_Job]:
 
 
 def _run_job(fd: int, job: _Job, needs_crc: list[bool], writeback,
-             direct_fd: int = -1) -> tuple[list[int], int]:
-    """Checksums and writes one range; returns each view's CRC32C and the range's."""
+             direct_fd: int = -1) -> tuple[list[int], int, float]:
+    """Checksums and writes one range; returns each view's CRC32C, the range's, and the
+    seconds the checksums took."""
     if direct_fd >= 0 and job.offset % _DIRECT_ALIGN == 0 and job.nbytes % _DIRECT_ALIGN == 0:
         try:
             return _run_job_direct(direct_fd, job, needs_crc)
@@ -258,7 +261,9 @@ def _run_job(fd: int, job: _Job, needs_crc: list[bool], writeback,
                 raise  # a real I/O error (no space, EIO): the save fails
             logger.debug("O_DIRECT write of %d bytes at %d refused (%s); written through "
                          "the page cache", job.nbytes, job.offset, e)
+    t0 = time.perf_counter()
     crcs, job_crc = _checksums(job.views, job.owners, needs_crc)
+    crc_s = time.perf_counter() - t0
     views, pos = job.views, job.offset
     while views:
         n = os.pwritev(fd, views[:_MAX_IOV], pos)
@@ -272,7 +277,7 @@ def _run_job(fd: int, job: _Job, needs_crc: list[bool], writeback,
     if (writeback is not None and job.nbytes
             and writeback(fd, job.offset, job.nbytes, _SYNC_FILE_RANGE_WRITE) != 0):
         logger.debug("sync_file_range failed (errno %d)", ctypes.get_errno())
-    return crcs, job_crc
+    return crcs, job_crc, crc_s
 
 
 def _checksums(views: list, owners: list[int], needs_crc: list[bool]) -> tuple[list[int], int]:
@@ -295,7 +300,7 @@ def _checksums(views: list, owners: list[int], needs_crc: list[bool]) -> tuple[l
     return crcs, job_crc
 
 
-def _run_job_direct(fd: int, job: _Job, needs_crc: list[bool]) -> tuple[list[int], int]:
+def _run_job_direct(fd: int, job: _Job, needs_crc: list[bool]) -> tuple[list[int], int, float]:
     """``_run_job`` for an aligned range: gathered into an aligned buffer, written ``O_DIRECT``.
 
     The copy (memory speed) buys a write that skips the page cache: no pages
@@ -311,7 +316,9 @@ def _run_job_direct(fd: int, job: _Job, needs_crc: list[bool]) -> tuple[list[int
             part[:] = np.frombuffer(view, np.uint8)
             parts.append(part)
             pos += len(view)
+        t0 = time.perf_counter()
         crcs, job_crc = _checksums(parts, job.owners, needs_crc)
+        crc_s = time.perf_counter() - t0
         out = memoryview(bounce)[:pos]
         done = 0
         while done < pos:
@@ -319,7 +326,7 @@ def _run_job_direct(fd: int, job: _Job, needs_crc: list[bool]) -> tuple[list[int
             if n <= 0 or n % _DIRECT_ALIGN:  # a short direct write: finish through the cache
                 raise _DirectShort(done + max(n, 0))
             done += n
-        return crcs, job_crc
+        return crcs, job_crc, crc_s
     finally:
         _give_bounce(bounce)
 
@@ -430,15 +437,19 @@ def _run_jobs(fd: int, jobs: list[_Job], needs_crc: list[bool], writeback,
     return results
 
 
-def _write_data(path: str, plan: _Plan,
-                pause: Callable[[], None] | None = None) -> tuple[int, int, str]:
+def _write_data(path: str, plan: _Plan, pause: Callable[[], None] | None = None,
+                phases: Phases | None = None) -> tuple[int, int, str]:
     """Writes the data file; fills each entry's CRC32C; returns ``(size, crc32c, "crc32c")``.
+
+    ``phases``: records the write (its wall time) and the checksums (their
+    seconds on every thread, beside the writes).
 
     The ranges are checksummed and written by ``_THREADS`` threads (the
     checksums and the kernel's copy into the page cache are CPU work that
     two cores share, the writes go to their own offsets); the ranges' CRCs
     are then combined in file order.
     """
+    t0 = time.perf_counter()
     jobs = _jobs(plan)
     needs_crc = [t.crc is None for t in plan.tensors]
     writeback = _sync_file_range()
@@ -453,14 +464,20 @@ def _write_data(path: str, plan: _Plan,
         os.close(fd)
     tensor_crc: list[int | None] = [None] * len(plan.tensors)
     file_crc = 0
-    for job, (crcs, job_crc) in zip(jobs, results, strict=True):
+    crc_s = 0.0
+    for job, (crcs, job_crc, job_crc_s) in zip(jobs, results, strict=True):
+        crc_s += job_crc_s
         file_crc = crc_combine(file_crc, job_crc, job.nbytes, CRC32C)
         for view, owner, c in zip(job.views, job.owners, crcs, strict=True):
             prev = tensor_crc[owner]
             tensor_crc[owner] = c if prev is None else crc_combine(prev, c, len(view), CRC32C)
     for t, crc in zip(plan.tensors, tensor_crc, strict=True):
         t.entry.crc32c = fastcrc.mask(t.crc if t.crc is not None else (crc or 0))
-    return sum(j.nbytes for j in jobs), file_crc, CRC32C
+    size = sum(j.nbytes for j in jobs)
+    if phases is not None:
+        phases.add(CHECKSUM_BESIDE, crc_s, len(jobs), size)
+        phases.add(WRITE + "bundle data", time.perf_counter() - t0, 1, size)
+    return size, file_crc, CRC32C
 
 
 def _header() -> bytes:
@@ -473,13 +490,14 @@ def _header() -> bytes:
     return header.SerializeToString()
 
 
-def write_bundle(prefix: str, state, *,
-                 pause: Callable[[], None] | None = None) -> FileSums | None:
+def write_bundle(prefix: str, state, *, pause: Callable[[], None] | None = None,
+                 phases: Phases | None = None) -> FileSums | None:
     """Writes ``state`` as ``prefix.index`` + ``prefix.data-00000-of-00001``.
 
     Returns each file's size and CRC32C (for the manifest), or None,
     having written nothing, when the state needs TensorFlow's ``SaveV2``.
-    ``pause`` is called before each range of the data file (see ``_run_jobs``).
+    ``pause`` is called before each range of the data file (see ``_run_jobs``);
+    ``phases`` records where the time goes.
     """
     if not fastcrc.available():
         logger.debug("no native CRC32C; the bundle is written by SaveV2")
@@ -489,7 +507,8 @@ def write_bundle(prefix: str, state, *,
         logger.debug("bundle written by SaveV2: %s", plan)
         return None
     data_path = f"{prefix}.data-00000-of-00001"
-    sums: FileSums = {os.path.basename(data_path): _write_data(data_path, plan, pause)}
+    sums: FileSums = {os.path.basename(data_path): _write_data(data_path, plan, pause, phases)}
+    t0 = time.perf_counter()
     items = [(b"", _header())]
     items += [(k, plan.entries[k].SerializeToString()) for k in sorted(plan.entries)]
     index = build_table(items)
@@ -497,4 +516,6 @@ def write_bundle(prefix: str, state, *,
     with open(index_path, "wb") as f:
         f.write(index)
     sums[os.path.basename(index_path)] = (len(index), fastcrc.crc32c_extend(0, index), CRC32C)
+    if phases is not None:
+        phases.add(WRITE + "bundle index", time.perf_counter() - t0, 1, len(index))
     return sums
