@@ -256,7 +256,7 @@ def test_each_save_records_where_its_time_went(tmp_path):
         assert seconds[phase] >= 0, phase
     assert nbytes["write:files"] == nbytes["checksum"] == data.nbytes
     assert counts["write:files"] == 1
-    assert counts["fsync"] == 2  # data.bin, then its directory
+    assert counts["fsync"] == 3  # data.bin, the manifest (in the same batch), their directory
     assert seconds["fsync wait"] <= stats.durable_s
     assert "phases" not in read_manifest(str(tmp_path / "c" / "manifest.json")).stats
 

@@ -138,16 +138,11 @@ class Transaction:
                 extra: dict | None = None) -> Manifest:
         """Writes the manifest of ``records`` and publishes the checkpoint.
 
-        Returns the manifest. On return the checkpoint is committed.
+        For files already durable (``seal``), records from elsewhere among
+        them (a multi-process save's primary). Returns the manifest. On
+        return the checkpoint is committed.
         """
-        manifest = Manifest(
-            framework=self.framework,
-            label=self.label,
-            step=self.step,
-            files=tuple(sorted(records, key=lambda r: r.name)),
-            stats=stats.to_dict() if isinstance(stats, SaveStats) else dict(stats),
-            extra=dict(extra or {}),
-        )
+        manifest = self._manifest(records, stats, extra)
         workdir = self.workdir
         t0 = time.perf_counter()
         if self._mode is not None:
@@ -155,14 +150,29 @@ class Transaction:
         commit_lib.write_text_atomic(os.path.join(workdir, self.manifest_name),
                                      manifest.to_json(), fsync=self.fsync,
                                      mode=self._mode)
-        t1 = time.perf_counter()
-        self.phases.add(MANIFEST, t1 - t0)
+        self.phases.add(MANIFEST, time.perf_counter() - t0)
+        self._publish(workdir)
+        return manifest
+
+    def _manifest(self, records: Sequence[FileRecord], stats: SaveStats | dict,
+                  extra: dict | None) -> Manifest:
+        return Manifest(
+            framework=self.framework,
+            label=self.label,
+            step=self.step,
+            files=tuple(sorted(records, key=lambda r: r.name)),
+            stats=stats.to_dict() if isinstance(stats, SaveStats) else dict(stats),
+            extra=dict(extra or {}),
+        )
+
+    def _publish(self, workdir: str) -> None:
+        """The destination's atomic step, then its completion (an upload)."""
+        t0 = time.perf_counter()
         self.destination.publish(workdir, sorted(os.listdir(workdir)))
         self._workdir = None  # published: nothing of it is removed any more
         self.published = True
         self.destination.complete()  # an upload: if it fails, so does the save
-        self.phases.add(PUBLISH, time.perf_counter() - t1)
-        return manifest
+        self.phases.add(PUBLISH, time.perf_counter() - t0)
 
     def _apply_mode(self, workdir: str) -> None:
         """Gives what others wrote (TensorStore, an orbax handler) the mode too."""
@@ -175,8 +185,23 @@ class Transaction:
                 os.chmod(os.path.join(parent, f), mode & 0o666)
 
     def commit(self, stats: SaveStats | dict, extra: dict | None = None) -> Manifest:
-        """``seal`` then ``publish``: the whole commit of a one-process save."""
-        return self.publish(self.seal(), stats, extra)
+        """The whole commit of a one-process save: manifest, durable, published.
+
+        The manifest of every file written or adopted is written beside them
+        before they are made durable, so its fsync joins theirs (``seal``,
+        one batch); then the destination publishes. Returns the manifest; on
+        return the checkpoint is committed.
+        """
+        files = self.files
+        manifest = self._manifest(files.records, stats, extra)
+        t0 = time.perf_counter()
+        if self._mode is not None:
+            self._apply_mode(self.workdir)
+        files.write_unlisted(self.manifest_name, manifest.to_json().encode())
+        self.phases.add(MANIFEST, time.perf_counter() - t0)
+        self.seal()
+        self._publish(self.workdir)
+        return manifest
 
     def release(self, *, remove: bool = False) -> None:
         """This process is done with ``workdir``: another process publishes it

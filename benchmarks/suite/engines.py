@@ -252,7 +252,7 @@ class AsyncckptTF(Engine):
 
     def phases(self) -> dict | None:
         handle = self.ckpt.last_save
-        return None if handle is None else handle.result().phases
+        return None if handle is None else _phases(handle.result())
 
     def close(self) -> None:
         self.ckpt.close()
@@ -324,10 +324,17 @@ class AsyncckptJAX(Engine):
 
     def phases(self) -> dict | None:
         handle = self.manager.last_save
-        return None if handle is None else handle.result().phases
+        return None if handle is None else _phases(handle.result())
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _phases(stats) -> dict | None:
+    """A save's ``SaveStats.phases``, with the time from its call to its commit."""
+    if stats.phases is None:
+        return None
+    return {**stats.phases, "committed_s": stats.durable_s}
 
 
 class BackgroundRawWrite(Engine):

@@ -64,7 +64,7 @@ def size_table(size: dict) -> list[str]:
 # write:<kind> rows come where "write:" stands. Each with the floor it is compared with.
 PHASE_ORDER = ["slot wait", "copy to host", "queue", "write:", "checksum", "checksum (read back)",
                "checksum (beside the write)", "ocdbt commit", "fsync wait", "manifest", "publish",
-               "after commit", "other"]
+               "after commit", "waited after", "other"]
 PHASE_FLOORS = {"copy to host": "memcpy", "write:": "raw write (no fsync)",
                 "checksum": "crc32c", "fsync wait": "one fsync"}
 OFF_PATH = ("fsync", "checksum (beside the write)")  # on helper threads, overlapping the rest
@@ -232,7 +232,8 @@ def write(results: dict, out_dir: str) -> dict[str, str]:
 PHASE_COLORS = {"slot wait": "#bdbdbd", "copy to host": "#e6550d", "queue": "#fdd0a2",
                 "write": "#31a354", "checksum": "#9e9ac8", "checksum (read back)": "#6a51a3",
                 "ocdbt commit": "#3182bd", "fsync wait": "#636363", "manifest": "#fd8d3c",
-                "publish": "#c51b8a", "after commit": "#fa9fb5", "other": "#d9d9d9"}
+                "publish": "#c51b8a", "after commit": "#fa9fb5", "waited after": "#fcc5c0",
+                "other": "#d9d9d9"}
 FLOOR_PHASES = [("memcpy", "copy to host"), ("crc32c", "checksum"),
                 ("raw write (no fsync)", "write"), ("one fsync", "fsync wait")]
 
