@@ -197,10 +197,12 @@ def test_copy_arrays_does_not_wait_for_a_copy_thread_that_starts_late(monkeypatc
 def test_staging_buffers_are_aligned_writable_and_on_huge_pages_where_little_is_wasted():
     from asyncckpt._engine._pages import aligned_empty
 
-    for nbytes in (100, (2 << 20) + 64, 4 << 20, (32 << 20) + 4096):
+    for nbytes in (100, 64 << 10, (2 << 20) + 64, 4 << 20, (32 << 20) + 4096):
         buf = aligned_empty(nbytes)
         assert buf.nbytes == nbytes and buf.dtype == np.uint8 and buf.flags.writeable
         assert buf.ctypes.data % 64 == 0
+        if nbytes >= 64 << 10:  # on a page: written O_DIRECT from where it is (datafile)
+            assert buf.ctypes.data % 4096 == 0
         buf[-1] = 7  # pre-faulted and writable to its last byte
         # 2 MiB-aligned mappings exactly where huge pages waste <= 1/16 (platform allowing).
         wants_huge = nbytes >= (2 << 20) and (-nbytes % (2 << 20)) * 16 <= nbytes

@@ -339,7 +339,7 @@ def test_tf_save_pauses_between_bundle_ranges(tmp_path, monkeypatch):
     ckpt = at.Checkpoint(v=v)
     path = ckpt.write(str(tmp_path / "ckpt"))
     ckpt.sync()
-    assert "_run_jobs.<locals>.work" in ckpt.engine._gate.callers
+    assert "_run_ranges.<locals>.work" in ckpt.engine._gate.callers
     ckpt.close()
     from tests.tfrestore import restore_both
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -20,9 +19,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError  # noqa: E402
-from asyncckpt._engine import fastcrc  # noqa: E402
-from asyncckpt._engine import files as files_lib  # noqa: E402
-from asyncckpt._engine import transaction as transaction_lib  # noqa: E402
+from asyncckpt._engine import datafile, fastcrc  # noqa: E402
 from asyncckpt.jax import _ocdbt  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
 
@@ -235,21 +232,17 @@ def test_asyncckpt_reads_orbaxs_own_ocdbt_partially_and_resharded(ckpt_dir):
         _same(state, mgr.restore(5, target=_abstract(state)))
 
 
-class _RecordingWriter(files_lib.DurableWriter):
-    """The real file writer, recording the pieces of each file as it is given them."""
-
-    written: ClassVar[list[tuple[str, list]]] = []
-
-    def write(self, name, chunks):
-        chunks = list(chunks)
-        _RecordingWriter.written.append((name, chunks))
-        return super().write(name, chunks)
-
-
 def _recording(monkeypatch) -> list[tuple[str, list]]:
-    _RecordingWriter.written = []
-    monkeypatch.setattr(transaction_lib, "DurableWriter", _RecordingWriter)
-    return _RecordingWriter.written
+    """The engine's real data-file writer, recording each file and the buffers it is given."""
+    written: list[tuple[str, list]] = []
+    real = datafile.write
+
+    def write(path, parts, needs_crc, **kw):
+        written.append((path, [buf for _, buf in parts]))
+        return real(path, parts, needs_crc, **kw)
+
+    monkeypatch.setattr(datafile, "write", write)
+    return written
 
 
 def _leaf_entries(item) -> list[dict]:
@@ -270,9 +263,9 @@ def test_large_values_go_from_the_staging_buffers_into_one_data_file(ckpt_dir, m
              "bf": jnp.asarray(big, dtype=jnp.bfloat16)}  # 1 MiB, an extension dtype
     with aj.CheckpointManager(ckpt_dir) as mgr:
         mgr.save(1, state)
-    data = [(name, chunks) for name, chunks in written if "/ocdbt_data/" in name]
-    assert len(data) == 1, data
-    name, chunks = data[0]
+    assert len(written) == 1, written
+    path, chunks = written[0]
+    name = "default/" + path.split(f"{os.sep}default{os.sep}", 1)[1]  # written in a temporary
     assert name.startswith("default/ocdbt.process_0/ocdbt_data/")
     # Views of the staging buffers, never bytes copied from them.
     assert [type(c) for c in chunks] == [memoryview] * 3

@@ -140,7 +140,7 @@ class DurableWriter:
         self._dirs: set[str] = {root}
         self._flusher = _Flusher(pause) if fsync else None
         self._pause = pause
-        self._mode = mode
+        self.mode = mode
         self.phases = Phases() if phases is None else phases
         self._kind = "files"
 
@@ -160,8 +160,8 @@ class DurableWriter:
         for d in reversed(below):
             if not os.path.isdir(d):
                 os.makedirs(d, exist_ok=True)
-                if self._mode is not None:
-                    os.chmod(d, self._mode)
+                if self.mode is not None:
+                    os.chmod(d, self.mode)
         self._dirs.update(below)
 
     @contextlib.contextmanager
@@ -205,8 +205,8 @@ class DurableWriter:
         size = 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            if self._mode is not None:
-                os.fchmod(fd, self._mode & 0o666)
+            if self.mode is not None:
+                os.fchmod(fd, self.mode & 0o666)
             for chunk in chunks:
                 known = isinstance(chunk, Checksummed)
                 view = memoryview(chunk.data if known else chunk).cast("B")
@@ -233,6 +233,14 @@ class DurableWriter:
         record = FileRecord(name, size, crc if self._checksums else None, self.algorithm)
         self._schedule_fsync(path)
         return record
+
+    def prepare(self, name: str) -> str:
+        """The path of a file that something else will write under the root.
+
+        Its missing directories are made (with ``mode``) and fsynced by
+        ``finish``; record the file with ``add_existing`` once written.
+        """
+        return self._path(name)
 
     def add_existing(self, name: str, *,
                      known: tuple[int, int, str] | None = None) -> FileRecord:

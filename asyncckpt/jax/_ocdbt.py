@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncckpt._engine import datafile
 from asyncckpt._engine.files import DurableWriter
 from asyncckpt._engine.metrics import OCDBT
 from asyncckpt.jax import _ocdbtwrite
@@ -316,12 +317,14 @@ class DatabaseWriter:
     ``put`` takes each value: one of ``MAX_INLINE_VALUE_BYTES`` or less
     (array metadata, tiny chunks) is copied for its B-tree leaf; a larger one
     is kept as a view of its staging buffer. ``flush`` writes those into
-    data files (``ocdbt_data/<random>``) with the save's ``DurableWriter``:
-    plain writes from the staging buffers, in ``put`` order, checksummed as
-    they are written, each file fsynced once on the writer's fsync threads;
-    a new file starts where the next value would take one past ``target``
-    bytes. Once ``flush`` returns nothing refers to the staging buffers (the
-    slot may be reused). ``finish`` encodes the database
+    data files (``ocdbt_data/<random>``) with the engine's data-file writer
+    (``_engine/datafile.py``: two threads, ``O_DIRECT`` where it pays) from
+    the staging buffers, in ``put`` order, checksummed as they are written,
+    each recorded in the save's ``DurableWriter``, which fsyncs it once with
+    the save's other files; a new file starts where the next value would
+    take one past ``target`` bytes. Once ``flush`` returns nothing refers
+    to the staging buffers (the slot may be reused). ``finish`` encodes the
+    database
     (``_ocdbtwrite``): its B-tree nodes in one node file
     (``ocdbt_meta/<random>``), its manifest; and, for a save of one process,
     the item's root manifest, which refers to this process's tree through
@@ -335,12 +338,12 @@ class DatabaseWriter:
         process_index: This process (names its database directory).
         target: Target data file size (0: no limit).
         files: The save's file writer.
-        pause: The engine's gate (``files`` pauses on it between pieces).
+        pause: The engine's gate, called between the data files' ranges.
     """
 
     def __init__(self, step_root: str, item: str, process_index: int, *, target: int,
                  files: DurableWriter, pause: Callable[[], None] | None = None):
-        del pause  # the writes go through ``files``, which pauses on the gate itself
+        self._pause = pause
         self._item = item
         self._dir = process_dir_name(process_index)
         self._rel = in_item(item, self._dir)
@@ -386,10 +389,22 @@ class DatabaseWriter:
             for key, view in pending[start:end]:
                 self._values[key] = _ocdbtwrite.Value(key, len(view), None, index, offset)
                 offset += len(view)
-            with self._files.kind("ocdbt data"):
-                self._files.write(f"{self._rel}/{name}", [v for _, v in pending[start:end]])
+            self._write_data(f"{self._rel}/{name}", [v for _, v in pending[start:end]])
             self._data_files.append(name)
             start = end
+
+    def _write_data(self, name: str, views: list[memoryview]) -> None:
+        """One data file: by the engine's data-file writer (two threads, ``O_DIRECT`` where it
+        pays), or, without the native CRC32C it needs, as any file of the save."""
+        files = self._files
+        if not datafile.available():
+            with files.kind("ocdbt data"):
+                files.write(name, views)
+            return
+        written = datafile.write(files.prepare(name), [(0, v) for v in views], [False],
+                                 pause=self._pause, phases=files.phases, kind="ocdbt data",
+                                 mode=files.mode)
+        files.add_existing(name, known=written.sums)
 
     def finish(self, *, root: bool = False) -> None:
         """Writes what is left, the B-tree and the manifest; ``root``: the item's too.
