@@ -1,8 +1,10 @@
-"""Draws the pictures in docs/img. Run: python docs/diagrams.py"""
+"""Draws the pictures in docs/img. Run from the checkout: python docs/diagrams.py"""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import matplotlib
 
@@ -10,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(os.path.dirname(HERE), "benchmarks", "results")
 
 
 def pipeline() -> None:
@@ -47,6 +50,25 @@ def pipeline() -> None:
     finish(fig, ax, lanes, "time", "pipeline.png")
 
 
+def durable_breakdown() -> None:
+    """Where the durable time goes, before and after asyncckpt wrote OCDBT itself (issue 37).
+
+    Drawn by ``asyncckpt bench``'s own plot from the two runs' stored results
+    (``benchmarks/results/cpu-durable-breakdown-{before,after}.json``).
+    """
+    sys.path.insert(0, os.path.dirname(HERE))  # the checkout: benchmarks
+    from benchmarks.suite import report
+
+    runs = {}
+    for label, name in (("before: TensorStore writes OCDBT", "before"),
+                        ("after: asyncckpt writes it", "after")):
+        with open(os.path.join(RESULTS, f"cpu-durable-breakdown-{name}.json")) as f:
+            runs[label] = json.load(f)
+    report.plot_breakdown(None, os.path.join(HERE, "img", "cpu-durable-breakdown.png"),
+                          "Durable time per save by phase, 2-core VM (floors stacked: memcpy, "
+                          "CRC32C, raw write, one fsync)", rows=runs)
+
+
 def finish(fig, ax, lanes: dict[str, float], xlabel: str, name: str) -> None:
     """Labels the lanes of a timeline, hides time ticks and saves it as docs/img/<name>."""
     ax.set_yticks(list(lanes.values()))
@@ -61,3 +83,4 @@ def finish(fig, ax, lanes: dict[str, float], xlabel: str, name: str) -> None:
 if __name__ == "__main__":
     os.makedirs(os.path.join(HERE, "img"), exist_ok=True)
     pipeline()
+    durable_breakdown()

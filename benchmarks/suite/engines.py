@@ -332,9 +332,10 @@ class AsyncckptJAX(Engine):
 
 def _phases(stats) -> dict | None:
     """A save's ``SaveStats.phases``, with the time from its call to its commit."""
-    if stats.phases is None:
+    phases = getattr(stats, "phases", None)  # None before asyncckpt recorded them
+    if phases is None:
         return None
-    return {**stats.phases, "committed_s": stats.durable_s}
+    return {**phases, "committed_s": stats.durable_s}
 
 
 class BackgroundRawWrite(Engine):

@@ -90,7 +90,7 @@ def _safe(fn: Callable[[], object], errors: dict, key: str) -> bool:
 def _with_other(recorded: dict, durable_s: float) -> dict:
     """A save's phases, with two more: ``other``, the time to its commit that no phase on the
     writer's way accounts for (phases on helper threads, ``OVERLAPPED``, overlap the others
-    and are left out), and ``waited after``, from the engine's work after the commit to the
+    and are left out), and ``retention wait``, from the engine's work after the commit to the
     engine's wait returning (a manager's retention deleting old steps in the background)."""
     from asyncckpt._engine.metrics import AFTER_COMMIT, OVERLAPPED
 
@@ -99,7 +99,7 @@ def _with_other(recorded: dict, durable_s: float) -> dict:
     after = seconds.get(AFTER_COMMIT, 0.0)
     on_path = sum(v for k, v in seconds.items() if k not in OVERLAPPED and k != AFTER_COMMIT)
     seconds["other"] = committed - on_path
-    seconds["waited after"] = durable_s - committed - after
+    seconds["retention wait"] = durable_s - committed - after
     return {**recorded, "seconds": seconds, "durable_s": durable_s}
 
 
