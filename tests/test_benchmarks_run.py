@@ -35,6 +35,7 @@ CASES = [
      "phases: copy into the slot"),
     ("bench_jax_ocdbt_gil.py", ["--mib", "4", "--values", "4", "--reps", "1"],
      "KvStore.write(bytes), commit"),
+    ("bench_jax_layouts.py", ["--states", "4x256K", "--reps", "1"], "zarr files"),
     ("bench_preemption_deadline.py",
      ["--trials", "1", "--grace", "2", "--step", "0.05", "--write", "0.25", "--noise", "none",
       "--warmup", "2", "--warmup-preemptions", "1"],
