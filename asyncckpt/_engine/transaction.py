@@ -18,6 +18,10 @@ Every front end (TensorFlow, JAX, the job runner, Keras) commits through a
    means committed; before the publish, ``abort`` removes everything the
    save wrote, and after it nothing (a failed upload leaves the local copy).
 
+``commit`` is 3 and 4 for a save of one process, with the manifest written
+before the seal: its fsync then joins the files' (one batch, which the file
+system commits together) instead of following them.
+
 A multi-process save is one transaction per process over a shared
 directory: the others ``seal`` and ``release`` (``jax/_job.py`` hands their
 records to the primary), and the primary publishes every process's files.
