@@ -129,8 +129,10 @@ def _probe_database_puts() -> None:
     """Reports each value a JAX write puts into its OCDBT database, as a file of its own.
 
     In the OCDBT layout (the default) a shard is a value of the process's
-    database rather than a file, so a kill sent on the k-th value lands
-    inside the write as a kill on the k-th file does in the zarr-file layout.
+    database rather than a file: a kill sent on the k-th value lands inside
+    the write (before the data file is written, the values being recorded),
+    and the data file, B-tree and manifests that follow are files the probe
+    on ``DurableWriter.write`` reports.
     """
     from asyncckpt.jax._ocdbt import DatabaseWriter
 

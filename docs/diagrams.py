@@ -1,15 +1,18 @@
-"""Draws the pictures in docs/img. Run: python docs/diagrams.py"""
+"""Draws the pictures in docs/img. Run from the checkout: python docs/diagrams.py"""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(os.path.dirname(HERE), "benchmarks", "results")
 
 
 def pipeline() -> None:
@@ -72,7 +75,7 @@ def structure() -> None:
         box(x, 5.0, 2.2, 0.9, front, "#c6dbef")
         box(x, 3.5, 2.2, 1.0, writer, "#c7e9c0")
         arrow(x + 1.1, 5.0, x + 1.1, 4.5)
-        arrow(x + 1.1, 3.5, 5.0 if i < 2 else 5.0, 2.7)
+        arrow(x + 1.1, 3.5, 5.0, 2.7)
     box(2.6, 1.9, 4.8, 0.8, "Transaction (_engine/transaction.py)\n"
         "temp -> write (DurableWriter) -> manifest -> publish", "#fdd0a2")
     dests = ["RenamedDirectory", "MarkedDirectory", "PrefixFiles", "Uploaded\n(object store)"]
@@ -93,6 +96,25 @@ def structure() -> None:
     plt.close(fig)
 
 
+def durable_breakdown() -> None:
+    """Where the durable time goes, before and after asyncckpt wrote OCDBT itself (issue 37).
+
+    Drawn by ``asyncckpt bench``'s own plot from the two runs' stored results
+    (``benchmarks/results/cpu-durable-breakdown-{before,after}.json``).
+    """
+    sys.path.insert(0, os.path.dirname(HERE))  # the checkout: benchmarks
+    from benchmarks.suite import report
+
+    runs = {}
+    for label, name in (("before: TensorStore writes OCDBT", "before"),
+                        ("after: asyncckpt writes it", "after")):
+        with open(os.path.join(RESULTS, f"cpu-durable-breakdown-{name}.json")) as f:
+            runs[label] = json.load(f)
+    report.plot_breakdown(None, os.path.join(HERE, "img", "cpu-durable-breakdown.png"),
+                          "Durable time per save by phase, 2-core VM (floors stacked: memcpy, "
+                          "CRC32C, raw write, one fsync)", rows=runs)
+
+
 def finish(fig, ax, lanes: dict[str, float], xlabel: str, name: str) -> None:
     """Labels the lanes of a timeline, hides time ticks and saves it as docs/img/<name>."""
     ax.set_yticks(list(lanes.values()))
@@ -108,3 +130,4 @@ if __name__ == "__main__":
     os.makedirs(os.path.join(HERE, "img"), exist_ok=True)
     pipeline()
     structure()
+    durable_breakdown()

@@ -197,10 +197,12 @@ def test_copy_arrays_does_not_wait_for_a_copy_thread_that_starts_late(monkeypatc
 def test_staging_buffers_are_aligned_writable_and_on_huge_pages_where_little_is_wasted():
     from asyncckpt._engine._pages import aligned_empty
 
-    for nbytes in (100, (2 << 20) + 64, 4 << 20, (32 << 20) + 4096):
+    for nbytes in (100, 64 << 10, (2 << 20) + 64, 4 << 20, (32 << 20) + 4096):
         buf = aligned_empty(nbytes)
         assert buf.nbytes == nbytes and buf.dtype == np.uint8 and buf.flags.writeable
         assert buf.ctypes.data % 64 == 0
+        if nbytes >= 64 << 10:  # on a page: written O_DIRECT from where it is (datafile)
+            assert buf.ctypes.data % 4096 == 0
         buf[-1] = 7  # pre-faulted and writable to its last byte
         # 2 MiB-aligned mappings exactly where huge pages waste <= 1/16 (platform allowing).
         wants_huge = nbytes >= (2 << 20) and (-nbytes % (2 << 20)) * 16 <= nbytes
@@ -237,6 +239,28 @@ def test_engine_saves_commits_and_reports_stats(tmp_path):
         assert m.stats["nbytes"] == 1000
     with pytest.raises(EngineClosedError):
         engine.save(lambda slot: _Job(str(tmp_path), "late", b"x"), label="late")
+
+
+def test_each_save_records_where_its_time_went(tmp_path):
+    """SaveStats.phases: the engine's phases, the file writes by kind, the checksum, the
+    fsyncs (files and directories, counted), the manifest and the publish; not in the
+    manifest, whose stats are the save's until its commit."""
+    data = np.ones(3 << 20, np.uint8)
+    with AsyncEngine(options=AsyncOptions(fsync=True)) as engine:
+        handle = engine.save(lambda slot: DirJob(str(tmp_path), "c", (data,), fsync=True),
+                             label="c")
+        stats = handle.result()
+    phases = stats.phases
+    assert phases is not None
+    seconds, counts, nbytes = phases["seconds"], phases["counts"], phases["bytes"]
+    for phase in ("copy to host", "queue", "write:files", "checksum", "fsync", "fsync wait",
+                  "manifest", "publish", "after commit"):
+        assert seconds[phase] >= 0, phase
+    assert nbytes["write:files"] == nbytes["checksum"] == data.nbytes
+    assert counts["write:files"] == 1
+    assert counts["fsync"] == 3  # data.bin, the manifest (in the same batch), their directory
+    assert seconds["fsync wait"] <= stats.durable_s
+    assert "phases" not in read_manifest(str(tmp_path / "c" / "manifest.json")).stats
 
 
 @pytest.mark.parametrize("stage", ["write", "commit"])

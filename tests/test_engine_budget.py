@@ -285,46 +285,44 @@ def test_the_writers_copy_beside_the_slots_counts_once_in_the_budget(tmp_path, c
     # One copy and the writer's copy over the budget: refused, naming both, nothing allocated.
     with AsyncEngine(options=AsyncOptions(host_memory_limit=nbytes + nbytes // 4)) as engine:
         rec = _ReservingBeside(str(tmp_path / "over"), gate, beside=nbytes // 2)
-        with pytest.raises(HostMemoryError, match="OCDBT transaction") as info:
+        with pytest.raises(HostMemoryError, match="OCDBT B-tree") as info:
             engine.save(rec.stage("a", state), label="a")
         assert info.value.state_nbytes == nbytes and engine.staging_bytes == 0
 
 
-def test_an_ocdbt_save_counts_tensorstores_copies_of_small_values_only(tmp_path):
-    """Values written by reference cost no copy; small values (and metadata) still do."""
+def test_an_ocdbt_save_counts_its_copies_of_small_values_only(tmp_path):
+    """Values written into data files from the slot cost no copy; values small enough for
+    the B-tree's leaves are copied there, and counted."""
     jax = pytest.importorskip("jax")
     import asyncckpt.jax as aj
-    from asyncckpt.jax._ocdbt import BY_REFERENCE_BYTES, TRANSACTION_BYTES, held_copy_bytes
+    from asyncckpt.jax._ocdbt import MAX_INLINE_VALUE_BYTES, held_copy_bytes
 
     mib = 1 << 20
-    assert held_copy_bytes([("w/0.0", 4 * mib, False)]) == 0  # by reference
-    assert held_copy_bytes([("w/0", BY_REFERENCE_BYTES - 1, False)]) == BY_REFERENCE_BYTES - 1
-    assert held_copy_bytes([("w/.zarray", 4 * mib, True)]) == 4 * mib  # bytes, metadata: copied
-    # A transaction commits once it holds TRANSACTION_BYTES, referenced values
-    # included: the copies held at once are the largest transaction's.
-    small = [(f"s/{i}", mib // 2, False) for i in range(1024)]  # 512 MiB, all copied
-    assert held_copy_bytes(small) == TRANSACTION_BYTES
-    mixed = [("big/0", TRANSACTION_BYTES - mib, False), *small[:4]]
-    assert held_copy_bytes(mixed) == mib  # two small ones commit with the big one
-    assert held_copy_bytes([*small[:4], ("w/.zarray", 100, True)]) == 2 * mib + 100
+    inline = MAX_INLINE_VALUE_BYTES
+    assert held_copy_bytes([("w/0.0", 4 * mib, False)]) == 0  # into a data file, uncopied
+    assert held_copy_bytes([("w/0", inline + 1, False)]) == 0
+    assert held_copy_bytes([("w/0", inline, False)]) == inline  # into the leaf: copied
+    assert held_copy_bytes([("w/.zarray", 300, True)]) == 0  # bytes: the plan holds them
+    small = [(f"s/{i}", 1000, False) for i in range(1000)]
+    assert held_copy_bytes([*small, ("big/0", 4 * mib, False)]) == 1_000_000
 
     jnp = jax.numpy
-    one = {"w": jnp.ones((1024, 1024), jnp.float32)}  # 4 MiB, one chunk: by reference
-    eight = {f"w{i}": jnp.ones((128, 1024), jnp.float32) for i in range(8)}  # 8 x 512 KiB
-    limit = AsyncOptions(host_memory_limit=6 * mib)  # one copy of either fits; not two
+    one = {"w": jnp.ones((512, 1024), jnp.float32)}  # 2 MiB, one chunk: from the slot
+    tiny = {f"w{i:04d}": jnp.ones((256,), jnp.float32) for i in range(2048)}  # 2048 x 1 KiB
+    limit = AsyncOptions(host_memory_limit=3 * mib)  # one copy of either fits; not two
     with aj.CheckpointManager(str(tmp_path / "large"), async_options=limit) as mgr:
         mgr.save(1, one)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1]
         got = mgr.restore(1)
-    np.testing.assert_array_equal(np.asarray(got["w"]), np.ones((1024, 1024), np.float32))
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.ones((512, 1024), np.float32))
     with aj.CheckpointManager(str(tmp_path / "small"), async_options=limit) as mgr:
-        with pytest.raises(HostMemoryError, match="OCDBT transaction"):
-            mgr.save(1, eight)  # 4 MiB staged and 4 MiB copied by TensorStore
+        with pytest.raises(HostMemoryError, match="OCDBT B-tree"):
+            mgr.save(1, tiny)  # 2 MiB staged and 2 MiB copied into the leaf
         assert mgr.engine.staging_bytes == 0 and mgr.all_steps() == []
     with aj.CheckpointManager(str(tmp_path / "zarr"), async_options=limit,
                               format_options=aj.FormatOptions(use_ocdbt=False)) as mgr:
-        mgr.save(1, eight)
+        mgr.save(1, tiny)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1]
 
@@ -395,7 +393,7 @@ def test_large_ocdbt_values_cost_no_copy_beside_the_slot(tmp_path):
 
     Measured in a process of its own (peak RSS, VmHWM): the saves grow it by
     the state, its one staging slot and less than 160 MiB more (TensorStore,
-    JAX's transfers, the allocator), where a copy of the values by TensorStore
+    JAX's transfers, the allocator), where a copy of the values by the writer
     would add 256 MiB. 100 MiB is still refused before anything is allocated.
     """
     pytest.importorskip("jax")

@@ -1,4 +1,4 @@
-"""orbax's OCDBT format (the default): written through TensorStore, read by orbax and asyncckpt."""
+"""orbax's OCDBT format (the default): asyncckpt writes it; orbax, TensorStore and it read it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError  # noqa: E402
-from asyncckpt._engine import fastcrc  # noqa: E402
+from asyncckpt._engine import datafile, fastcrc  # noqa: E402
 from asyncckpt.jax import _ocdbt  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
 
@@ -234,76 +234,146 @@ def test_asyncckpt_reads_orbaxs_own_ocdbt_partially_and_resharded(ckpt_dir):
         _same(state, mgr.restore(5, target=_abstract(state)))
 
 
-def test_chunk_keys_name_their_grid_indices():
-    assert _ocdbt.chunk_grid("w/0") == (0,)
-    assert _ocdbt.chunk_grid("params.w/3.1") == (3, 1)
-    assert _ocdbt.chunk_grid("0.0.12") == (0, 0, 12)
-    # zarr v3's default chunk key encoding (a parameter may be named "c").
-    assert _ocdbt.chunk_key_parts("params.w/c/3/1") == ("params.w/c/", (3, 1), "/")
-    assert _ocdbt.chunk_key_parts("c/c/0") == ("c/c/", (0,), "/")
-    assert _ocdbt.chunk_key_parts("c/0.2") == ("c/", (0, 2), ".")
-    assert _ocdbt.chunk_key_parts("w/1.0") == ("w/", (1, 0), ".")
-    for key in ("w/.zarray", "w/", "w/1.", "w/1.x", "w/-1", "w/\u0661", "w/zarr.json", "w/c",
-                "w/c/", "w/c/1/", "w/c/1.0", "w/c/x"):
-        assert _ocdbt.chunk_grid(key) is None, key
+def _recording(monkeypatch) -> list[tuple[str, list]]:
+    """The engine's real data-file writer, recording each file and the buffers it is given."""
+    written: list[tuple[str, list]] = []
+    real = datafile.write
+
+    def write(path, parts, needs_crc, **kw):
+        written.append((path, [buf for _, buf in parts]))
+        return real(path, parts, needs_crc, **kw)
+
+    monkeypatch.setattr(datafile, "write", write)
+    return written
 
 
-def _counting_references(monkeypatch) -> list[tuple[str, int]]:
-    """The real by-reference write, recording each (key, bytes) it is given."""
-    seen: list[tuple[str, int]] = []
-    real = _ocdbt.DatabaseWriter._write_by_reference
-
-    def recording(self, parent, grid, separator, view):
-        seen.append((parent + separator.join(map(str, grid)), len(view)))
-        return real(self, parent, grid, separator, view)
-
-    monkeypatch.setattr(_ocdbt.DatabaseWriter, "_write_by_reference", recording)
-    return seen
+def _leaf_entries(item) -> list[dict]:
+    """The entries of the item's root B-tree node (one leaf), as TensorStore decodes them."""
+    base = ts.KvStore.open(f"file://{item}/").result()
+    location = ts.ocdbt.dump(base).result()["versions"][0]["root"]["location"]
+    return ts.ocdbt.dump(base, location).result()["entries"]
 
 
-def test_large_values_go_to_tensorstore_uncopied_under_the_same_keys_and_bytes(
-        ckpt_dir, monkeypatch):
-    seen = _counting_references(monkeypatch)
+def test_large_values_go_from_the_staging_buffers_into_one_data_file(ckpt_dir, monkeypatch):
+    """Values over 1 KiB: written uncopied, in put order, into one data file that the B-tree
+    refers to; values of 1 KiB or less: inline in the leaf. TensorStore and orbax read both."""
+    written = _recording(monkeypatch)
     big = np.random.default_rng(0).random((512, 1024), dtype=np.float32)  # 2 MiB
     mesh = _mesh((2,), ("d",))
     state = {"big": jax.device_put(big, NamedSharding(mesh, P("d"))),  # two 1 MiB shards
-             "scalar": np.float64(2.5), "small": jnp.arange(100.0),
+             "scalar": np.float64(2.5), "small": jnp.arange(100.0),  # 400 bytes: inline
              "bf": jnp.asarray(big, dtype=jnp.bfloat16)}  # 1 MiB, an extension dtype
     with aj.CheckpointManager(ckpt_dir) as mgr:
         mgr.save(1, state)
-    # The shards of 1 MiB and more; the bfloat16 one through a uint8 view.
-    assert sorted(seen) == [("bf/0.0", 1 << 20), ("big/0.0", 1 << 20),
-                            ("big/1.0", 1 << 20)], seen
+    assert len(written) == 1, written
+    path, chunks = written[0]
+    name = "default/" + path.split(f"{os.sep}default{os.sep}", 1)[1]  # written in a temporary
+    assert name.startswith("default/ocdbt.process_0/ocdbt_data/")
+    # Views of the staging buffers, never bytes copied from them.
+    assert [type(c) for c in chunks] == [memoryview] * 3
+    assert sorted(c.nbytes for c in chunks) == [1 << 20] * 3
     item = ckpt_dir / "1" / "default"
+    assert (ckpt_dir / "1" / name).stat().st_size == 3 << 20
+    entries = {e["key"].decode(): e for e in _leaf_entries(item)}
+    assert set(entries) == set(_keys(item))
+    inline = {k for k, e in entries.items() if "inline_value" in e}
+    assert all(entries[k]["indirect_value"].startswith(
+        "value:ocdbt.process_0/:ocdbt_data/") for k in set(entries) - inline)
+    assert inline == {k for k in entries if not k.startswith(("big/0", "big/1", "bf/0"))}
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result()
     assert kv.read("big/1.0").result().value == big[256:].tobytes()
     assert kv.read("bf/0.0").result().value == np.asarray(state["bf"]).tobytes()
+    assert kv.read("small/0").result().value == np.arange(100, dtype=np.float32).tobytes()
     assert _zarray(item, "big")["chunks"] == [256, 1024]  # the array's own metadata
     assert _zarray(item, "big")["dtype"] == "<f4"
     with aj.CheckpointManager(ckpt_dir) as mgr:
         _same(state, mgr.restore(1, target=_abstract(state)))
     with ocp.CheckpointManager(str(ckpt_dir)) as orbax_mgr:
         _same(state, orbax_mgr.restore(1, args=ocp.args.StandardRestore(_abstract(state))))
+    with ocp.StandardCheckpointer() as ckptr:
+        _same(state, ckptr.restore(item, _abstract(state)))
 
 
-def test_a_slot_is_reused_only_after_its_values_are_committed(ckpt_dir, monkeypatch):
-    """TensorStore reads a large value from the staging slot until its transaction commits.
+def test_a_save_of_one_process_writes_its_root_without_a_merge(ckpt_dir):
+    """The item's manifest.ocdbt names process 0's tree through its directory: no node file
+    of its own, no TensorStore merge; process 0's database reads alone as well."""
+    state = _state(2)
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(2, state)
+    item = ckpt_dir / "2" / "default"
+    assert not (item / "ocdbt_meta").exists()
+    root = ts.ocdbt.dump(ts.KvStore.open(f"file://{item}/").result()).result()
+    assert root["versions"][0]["root"]["location"].startswith(
+        "btreenode:ocdbt.process_0/:ocdbt_meta/")
+    assert _keys(item) == _keys(item / "ocdbt.process_0")
+    assert len(list((item / "ocdbt.process_0" / "ocdbt_meta").iterdir())) == 1
+    with ocp.CheckpointManager(str(ckpt_dir)) as orbax_mgr:
+        _same(state, orbax_mgr.restore(2, args=ocp.args.StandardRestore(_abstract(state))))
 
-    One slot. Step 1's database is held open (the real ``finish``, called late) until
-    step 2 has been staged into that slot: had the slot been given back before step 1's
-    values were committed, step 1 would hold step 2's values.
+
+@pytest.mark.parametrize("node_bytes", [100_000_000, 6000, 1500])
+def test_trees_too_large_for_one_node_get_interior_nodes_that_tensorstore_reads(
+        tmp_path, node_bytes):
+    """_ocdbtwrite's B-tree: one leaf, then leaves under one interior node, then three
+    levels; read through the database's own manifest and through a parent's base path."""
+    from asyncckpt.jax import _ocdbtwrite
+
+    rng = np.random.default_rng(0)
+    values = {f"p{i:03d}/{j}.0": rng.bytes(int(rng.integers(1, 3000)))
+              for i in range(120) for j in range(3)}
+    values["p000/.zarray"] = b'{"zarr_format": 2}'
+    db = tmp_path / "ocdbt.process_0"
+    (db / "ocdbt_meta").mkdir(parents=True)
+    (db / "ocdbt_data").mkdir()
+    data, refs = bytearray(), []
+    for key in sorted(values):
+        v = values[key]
+        if len(v) <= 1024:
+            refs.append(_ocdbtwrite.Value(key.encode(), len(v), v))
+        else:
+            refs.append(_ocdbtwrite.Value(key.encode(), len(v), None, 0, len(data)))
+            data += v
+    (db / "ocdbt_data" / "d").write_bytes(data)
+    nodes, root = _ocdbtwrite.encode_tree(refs, [("", "ocdbt_data/d")], ("", "ocdbt_meta/n"),
+                                          node_bytes)
+    assert root.num_keys == len(values) and root.num_tree_bytes == len(nodes)
+    assert root.height == {100_000_000: 0, 6000: 1, 1500: 3}[node_bytes]
+    (db / "ocdbt_meta" / "n").write_bytes(nodes)
+    config = _ocdbtwrite.Config(os.urandom(16), 1024, node_bytes)
+    (db / "manifest.ocdbt").write_bytes(
+        _ocdbtwrite.encode_manifest(config, root, ("", "ocdbt_meta/n"), 1))
+    (tmp_path / "manifest.ocdbt").write_bytes(
+        _ocdbtwrite.encode_manifest(config, root, ("ocdbt.process_0/", "ocdbt_meta/n"), 1))
+    for where in (db, tmp_path):
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{where}/"}).result()
+        assert sorted(k.decode() for k in kv.list().result()) == sorted(values)
+        for key, value in values.items():
+            assert kv.read(key).result().value == value, key
+    # A root node whose CRC32C does not match its bytes is refused.
+    flip_byte(db / "ocdbt_meta" / "n", root.offset + root.length - 1)
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/"}).result()
+    with pytest.raises(ValueError, match=r"(?i)checksum"):
+        for key in values:
+            kv.read(key).result()
+
+
+def test_a_slot_is_reused_only_after_its_values_are_written(ckpt_dir, monkeypatch):
+    """The data files are written from the staging slot before it is given back.
+
+    One slot. Step 1's database is finished late (the real ``finish``, held) until
+    step 2 has been staged into that slot: had step 1's values still been read from
+    the slot then, step 1 would hold step 2's values.
     """
     from asyncckpt import AsyncOptions
 
-    seen = _counting_references(monkeypatch)
     second_staged = threading.Event()
     real_finish = _ocdbt.DatabaseWriter.finish
     held: list[bool] = []
 
-    def late_finish(self):
+    def late_finish(self, **kw):
         if not held:
             held.append(second_staged.wait(timeout=20))
-        real_finish(self)
+        real_finish(self, **kw)
 
     monkeypatch.setattr(_ocdbt.DatabaseWriter, "finish", late_finish)
 
@@ -317,7 +387,6 @@ def test_a_slot_is_reused_only_after_its_values_are_committed(ckpt_dir, monkeypa
         second_staged.set()
         mgr.wait_until_finished()
         assert held == [True]  # step 2 was staged before step 1 was committed
-        assert len(seen) == 2
         for step in (1, 2):
             _same(state(step), mgr.restore(step, target=_abstract(state(step))))
     with ocp.CheckpointManager(str(ckpt_dir)) as orbax_mgr:

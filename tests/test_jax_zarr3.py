@@ -28,7 +28,7 @@ from asyncckpt import CorruptCheckpointError  # noqa: E402
 from asyncckpt._engine import fastcrc  # noqa: E402
 from asyncckpt._engine import files as files_lib  # noqa: E402
 from asyncckpt.jax import _format as fmt  # noqa: E402
-from asyncckpt.jax import _ocdbt, _tsarrays  # noqa: E402
+from asyncckpt.jax import _tsarrays  # noqa: E402
 from tests.helpers import flip_byte, run_python, write_script  # noqa: E402
 
 ZARR3_FILES = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)
@@ -179,23 +179,18 @@ def test_files_layout_is_zarr3_and_both_libraries_restore_it(ckpt_dir):
     assert err.value.file == str(damaged)
 
 
-def _recording_references(monkeypatch) -> list[str]:
-    """The real uncopied write of large OCDBT values, recording each key it writes."""
-    seen: list[str] = []
-    real = _ocdbt.DatabaseWriter._write_by_reference
-
-    def recording(self, parent, grid, separator, view):
-        seen.append(parent + separator.join(map(str, grid)))
-        return real(self, parent, grid, separator, view)
-
-    monkeypatch.setattr(_ocdbt.DatabaseWriter, "_write_by_reference", recording)
-    return seen
+def _in_data_files(item) -> list[str]:
+    """The keys whose values are in data files, not inline in the root leaf (TensorStore's
+    decoding of the item's B-tree)."""
+    base = ts.KvStore.open(f"file://{item}/").result()
+    location = ts.ocdbt.dump(base).result()["versions"][0]["root"]["location"]
+    return sorted(e["key"].decode() for e in ts.ocdbt.dump(base, location).result()["entries"]
+                  if "indirect_value" in e)
 
 
-def test_ocdbt_layout_is_zarr3_with_several_chunks_per_array(ckpt_dir, monkeypatch):
+def test_ocdbt_layout_is_zarr3_with_several_chunks_per_array(ckpt_dir):
     """SaveArgs chunking and a target data file size split arrays into many zarr v3
     chunks, each a key of the database holding its raw bytes."""
-    seen = _recording_references(monkeypatch)
     rows = np.random.default_rng(0).random((64, 1024), dtype=np.float32)  # 256 KiB
     state = _state(2)
     state["rows"] = jnp.asarray(rows)
@@ -224,7 +219,10 @@ def test_ocdbt_layout_is_zarr3_with_several_chunks_per_array(ckpt_dir, monkeypat
         "chunk_shape"] == [4, 64]
     assert [k for k in keys if k.startswith("chunked/c/")] == [
         f"chunked/c/{i}/0" for i in range(4)]
-    assert seen == []  # no value of 1 MiB or more
+    # Values over 1 KiB in data files (the shards of w hold 2 KiB), the others inline.
+    assert _in_data_files(item) == sorted(
+        [f"params.w/c/{i}/{j}" for i in range(4) for j in range(2)]
+        + [f"rows/c/{i}/0" for i in range(4)])
     kv = _kv(item)
     assert kv.read("rows/c/1/0").result().value == rows[16:32].tobytes()
     assert kv.read("chunked/c/3/0").result().value == np.asarray(
@@ -235,16 +233,16 @@ def test_ocdbt_layout_is_zarr3_with_several_chunks_per_array(ckpt_dir, monkeypat
     _asyncckpt_restores(ckpt_dir, 2, state)
 
 
-def test_large_zarr3_values_go_to_tensorstore_uncopied_under_their_keys(ckpt_dir, monkeypatch):
-    seen = _recording_references(monkeypatch)
+def test_large_zarr3_values_go_into_data_files_under_their_keys(ckpt_dir):
     big = np.random.default_rng(1).random((512, 1024), dtype=np.float32)  # 2 MiB
     state = {"big": jax.device_put(big, NamedSharding(_mesh((2,), ("d",)), P("d"))),
-             "bf": jnp.asarray(big[:, :512], dtype=jnp.bfloat16),  # 0.5 MiB: copied
+             "bf": jnp.asarray(big[:, :512], dtype=jnp.bfloat16),  # 0.5 MiB, an extension dtype
              "vec": jnp.asarray(big.reshape(-1)[: 1 << 18])}  # 1 MiB, one dimension
     with aj.CheckpointManager(ckpt_dir, item_handlers=ZARR3_OCDBT) as mgr:
         mgr.save(1, state)
-    assert sorted(seen) == ["big/c/0/0", "big/c/1/0", "vec/c/0"]
     item = ckpt_dir / "1" / "default"
+    assert _in_data_files(item) == ["bf/c/0/0", "big/c/0/0", "big/c/1/0", "vec/c/0"]
+    assert _kv(item).read("bf/c/0/0").result().value == np.asarray(state["bf"]).tobytes()
     assert _kv(item).read("big/c/1/0").result().value == big[256:].tobytes()
     assert _kv(item).read("vec/c/0").result().value == np.asarray(state["vec"]).tobytes()
     with ocp.CheckpointManager(str(ckpt_dir)) as theirs:

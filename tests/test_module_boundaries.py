@@ -188,6 +188,12 @@ BENCHMARK_PRIVATE_IMPORTS = {
     # The Keras row's floor copies exactly the arrays a backup copies (mid-epoch, the JAX
     # trainer's live values, not the variables'), which only asyncckpt.keras selects.
     "benchmarks/suite/keras_case.py": {"asyncckpt.keras._state"},
+    # The CRC32C floor of the durable breakdown: the checksum a save computes, by the same
+    # implementation (hardware CRC32C where there is one), over the state's bytes.
+    "benchmarks/suite/engines.py": {"asyncckpt._engine"},
+    # The breakdown's "other" and "retention wait": which recorded phases of
+    # SaveStats.phases overlap the writer's path and which come after the commit.
+    "benchmarks/suite/runner.py": {"asyncckpt._engine.metrics"},
 }
 
 

@@ -14,7 +14,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noqa: E402
 
 import asyncckpt.tf as at  # noqa: E402
-from asyncckpt._engine import fastcrc  # noqa: E402
+from asyncckpt._engine import datafile, fastcrc  # noqa: E402
 from asyncckpt.tf import _bundlewrite, _job, _slices  # noqa: E402
 from asyncckpt.tf._snapshot import StagedState, StagedTensor  # noqa: E402
 from tests.tfrestore import restore_both  # noqa: E402
@@ -63,9 +63,9 @@ def _state(many_keys: int = 0) -> StagedState:
 ])
 def test_files_are_byte_identical_to_savev2(tmp_path, monkeypatch, chunk, max_iov, many,
                                             combine_min):
-    monkeypatch.setattr(_bundlewrite, "_CHUNK", chunk)
-    monkeypatch.setattr(_bundlewrite, "_MAX_IOV", max_iov)
-    monkeypatch.setattr(_bundlewrite, "_COMBINE_MIN", combine_min)
+    monkeypatch.setattr(datafile, "_RANGE", chunk)
+    monkeypatch.setattr(datafile, "_MAX_IOV", max_iov)
+    monkeypatch.setattr(datafile, "_COMBINE_MIN", combine_min)
     state = _state(many)
     _job.save_v2_bundle(str(tmp_path / "ref"), state)
     sums = _bundlewrite.write_bundle(str(tmp_path / "ours"), state)
@@ -187,7 +187,7 @@ def test_what_the_own_writer_cannot_write_goes_to_savev2(tmp_path):
 
 
 def test_a_write_error_on_a_helper_thread_is_raised_by_the_writer(tmp_path, monkeypatch):
-    monkeypatch.setattr(_bundlewrite, "_CHUNK", 1000)
+    monkeypatch.setattr(datafile, "_RANGE", 1000)
     real = os.pwritev
     calls = []
 
@@ -197,7 +197,7 @@ def test_a_write_error_on_a_helper_thread_is_raised_by_the_writer(tmp_path, monk
             raise OSError(28, "No space left on device")
         return real(fd, views, offset)
 
-    monkeypatch.setattr(_bundlewrite.os, "pwritev", full_disk)
+    monkeypatch.setattr(datafile.os, "pwritev", full_disk)
     state = StagedState((StagedTensor("x", "", tf.float32, np.ones(10000, np.float32)),), b"g")
     with pytest.raises(OSError, match="No space left"):
         _bundlewrite.write_bundle(str(tmp_path / "ckpt"), state)
@@ -216,7 +216,7 @@ def _big_state() -> StagedState:
 def _direct_ok(directory) -> bool:
     probe = directory / "probe"
     probe.write_bytes(b"")
-    fd = _bundlewrite._open_direct_for_write(str(probe))
+    fd = datafile._open_direct_for_write(str(probe))
     if fd >= 0:
         os.close(fd)
     return fd >= 0
@@ -225,14 +225,14 @@ def _direct_ok(directory) -> bool:
 def _direct_jobs(monkeypatch) -> list:
     """Records the offsets of the ranges written with O_DIRECT (the real function runs)."""
     offsets = []
-    real = _bundlewrite._run_job_direct
+    real = datafile._run_range_direct
 
     def spy(fd, job, needs_crc):
         out = real(fd, job, needs_crc)
         offsets.append(job.offset)
         return out
 
-    monkeypatch.setattr(_bundlewrite, "_run_job_direct", spy)
+    monkeypatch.setattr(datafile, "_run_range_direct", spy)
     return offsets
 
 
@@ -249,8 +249,8 @@ def test_aligned_ranges_are_written_with_o_direct_and_the_files_stay_identical(
         tmp_path, monkeypatch):
     if not _direct_ok(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
-    monkeypatch.setattr(_bundlewrite, "_CHUNK", 64 << 10)
-    monkeypatch.setattr(_bundlewrite, "_DIRECT_MIN", 0)  # a big file's way, on a small one
+    monkeypatch.setattr(datafile, "_RANGE", 64 << 10)
+    monkeypatch.setattr(datafile, "DIRECT_MIN", 0)  # a big file's way, on a small one
     direct = _direct_jobs(monkeypatch)
     state = _big_state()
     sums = _bundlewrite.write_bundle(str(tmp_path / "ours"), state)
@@ -264,23 +264,23 @@ def test_aligned_ranges_are_written_with_o_direct_and_the_files_stay_identical(
 
 def test_a_refused_direct_write_goes_through_the_page_cache_and_a_full_disk_fails(
         tmp_path, monkeypatch):
-    monkeypatch.setattr(_bundlewrite, "_CHUNK", 64 << 10)
-    monkeypatch.setattr(_bundlewrite, "_DIRECT_MIN", 0)
+    monkeypatch.setattr(datafile, "_RANGE", 64 << 10)
+    monkeypatch.setattr(datafile, "DIRECT_MIN", 0)
     real = os.pwrite
     refusal = [errno.EINVAL]
 
     def pwrite(fd, data, offset):  # only the direct writes go through os.pwrite
         raise OSError(refusal[0], os.strerror(refusal[0]))
 
-    monkeypatch.setattr(_bundlewrite.os, "pwrite", pwrite)
+    monkeypatch.setattr(datafile.os, "pwrite", pwrite)
     state = _big_state()
     sums = _bundlewrite.write_bundle(str(tmp_path / "ours"), state)
-    monkeypatch.setattr(_bundlewrite.os, "pwrite", real)
+    monkeypatch.setattr(datafile.os, "pwrite", real)
     _assert_same_as_savev2(tmp_path, state, sums)
     if not _direct_ok(tmp_path):
         return  # no direct writes on this file system: nothing more to refuse
     refusal[0] = errno.ENOSPC
-    monkeypatch.setattr(_bundlewrite.os, "pwrite", pwrite)
+    monkeypatch.setattr(datafile.os, "pwrite", pwrite)
     with pytest.raises(OSError, match="No space left"):
         _bundlewrite.write_bundle(str(tmp_path / "full"), state)
     assert not (tmp_path / "full.index").exists()
@@ -291,17 +291,18 @@ def test_direct_write_buffers_fit_the_ranges_and_are_reused_from_save_to_save(
     if not _direct_ok(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     chunk = 2 << 20
-    monkeypatch.setattr(_bundlewrite, "_CHUNK", chunk)
-    monkeypatch.setattr(_bundlewrite, "_BOUNCE", [])
-    monkeypatch.setattr(_bundlewrite, "_BOUNCE_SIZE", [0])
+    monkeypatch.setattr(datafile, "_RANGE", chunk)
+    monkeypatch.setattr(datafile, "_MIN_RANGE", chunk)  # not an eighth of this small file
+    monkeypatch.setattr(datafile, "_BOUNCE", [])
+    monkeypatch.setattr(datafile, "_BOUNCE_SIZE", [0])
     allocated = []
-    real_mmap = _bundlewrite.mmap.mmap
+    real_mmap = datafile.mmap.mmap
 
     def counting_mmap(fileno, length, *args, **kwargs):
         allocated.append(length)
         return real_mmap(fileno, length, *args, **kwargs)
 
-    monkeypatch.setattr(_bundlewrite.mmap, "mmap", counting_mmap)
+    monkeypatch.setattr(datafile.mmap, "mmap", counting_mmap)
     rng = np.random.default_rng(3)
     # 5.5 MiB of data: two whole 2 MiB ranges and a shorter tail range.
     state = StagedState((
@@ -313,7 +314,7 @@ def test_direct_write_buffers_fit_the_ranges_and_are_reused_from_save_to_save(
     assert direct, "no range was written O_DIRECT"
     # Buffers the size of a range, not of the default 16 MiB range.
     assert allocated and set(allocated) == {chunk}
-    kept = list(_bundlewrite._BOUNCE)
+    kept = list(datafile._BOUNCE)
     assert kept and all(len(b) == chunk for b in kept)
     _assert_same_as_savev2(tmp_path, state, sums)
     # The next save of the same state allocates nothing.
@@ -323,16 +324,16 @@ def test_direct_write_buffers_fit_the_ranges_and_are_reused_from_save_to_save(
 
 
 def test_direct_write_buffers_are_sized_in_whole_mib_by_the_largest_range(monkeypatch):
-    monkeypatch.setattr(_bundlewrite, "_BOUNCE", [])
-    monkeypatch.setattr(_bundlewrite, "_BOUNCE_SIZE", [0])
+    monkeypatch.setattr(datafile, "_BOUNCE", [])
+    monkeypatch.setattr(datafile, "_BOUNCE_SIZE", [0])
     mib = 1 << 20
-    small = _bundlewrite._take_bounce(3 * mib + 1)
+    small = datafile._take_bounce(3 * mib + 1)
     assert len(small) == 4 * mib  # a 3 MiB state does not get a 16 MiB buffer
-    _bundlewrite._give_bounce(small)
-    assert _bundlewrite._take_bounce(mib) is small  # a shorter range reuses it
-    larger = _bundlewrite._take_bounce(5 * mib)
+    datafile._give_bounce(small)
+    assert datafile._take_bounce(mib) is small  # a shorter range reuses it
+    larger = datafile._take_bounce(5 * mib)
     assert len(larger) == 5 * mib
-    _bundlewrite._give_bounce(small)  # now too small for the ranges seen: dropped
-    _bundlewrite._give_bounce(larger)
-    assert len(_bundlewrite._BOUNCE) == 1 and _bundlewrite._BOUNCE[0] is larger
-    assert _bundlewrite._take_bounce(2 * mib) is larger
+    datafile._give_bounce(small)  # now too small for the ranges seen: dropped
+    datafile._give_bounce(larger)
+    assert len(datafile._BOUNCE) == 1 and datafile._BOUNCE[0] is larger
+    assert datafile._take_bounce(2 * mib) is larger

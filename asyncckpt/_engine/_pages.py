@@ -14,6 +14,11 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _ALIGNMENT = 64  # bytes; cache-line aligned, and what XLA/Eigen expect for zero-copy use.
+# Buffers from this size on start on a page: a buffer whose length is whole pages
+# is then written to disk with O_DIRECT from where it is (``_engine/datafile``),
+# without a copy. At most 4 KiB more per buffer, 6% of the smallest.
+_PAGE_FROM = 64 << 10
+_PAGE = 4096
 _FAULT_CHUNK = 1 << 20  # bytes touched per GIL-free step when pre-faulting
 _ZEROS = np.zeros(_FAULT_CHUNK, dtype=np.uint8)
 
@@ -59,7 +64,8 @@ def _huge_empty(nbytes: int) -> np.ndarray | None:
 
 
 def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
-    """Returns a 1-D uint8 array of ``nbytes`` whose data is 64-byte aligned.
+    """Returns a 1-D uint8 array of ``nbytes`` whose data is 64-byte aligned (a page's, from
+    64 KiB on).
 
     Args:
         nbytes: Size of the buffer.
@@ -71,8 +77,9 @@ def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
     waste = -nbytes % _HUGE_PAGE
     buf = _huge_empty(nbytes) if nbytes >= _HUGE_PAGE and waste * 16 <= nbytes else None
     if buf is None:
-        raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
-        offset = (-raw.ctypes.data) % _ALIGNMENT
+        align = _PAGE if nbytes >= _PAGE_FROM else _ALIGNMENT
+        raw = np.empty(nbytes + align, dtype=np.uint8)
+        offset = (-raw.ctypes.data) % align
         buf = raw[offset : offset + nbytes]
     if prefault and nbytes:
         touch_pages(buf)

@@ -174,8 +174,8 @@ class Budget:
         """How many slots of ``state_nbytes`` fit beside ``beside`` bytes (None: any number).
 
         ``beside``: memory the writer holds outside the slots while it writes
-        (TensorStore's copies of the small values of an OCDBT transaction;
-        values it reads in place cost nothing), once whatever the slots.
+        (the OCDBT writer's copies of small values for its B-tree leaves;
+        values it writes from the slot cost nothing), once whatever the slots.
         """
         if self.nbytes is None or state_nbytes <= 0:
             return None

@@ -8,7 +8,11 @@ manifest read ``SaveStats``.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +35,8 @@ class SaveStats:
         post_commit_error: ``repr`` of an error raised after the checkpoint
             was published (state file, retention, callbacks), which does not
             make the save fail; None when there was none.
+        phases: Where the save's time went (``Phases.to_dict``): seconds,
+            counts and bytes per phase; None where the front end records none.
     """
 
     label: str
@@ -43,6 +49,7 @@ class SaveStats:
     durable_s: float
     started_at: float
     post_commit_error: str | None = None
+    phases: dict[str, Any] | None = None
 
     @property
     def background_s(self) -> float:
@@ -56,8 +63,76 @@ class SaveStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if d["phases"] is None:
+            del d["phases"]
         d["throughput_bytes_per_s"] = self.throughput_bytes_per_s
         return d
+
+
+# Phases of a save, in the order they happen on its way to durable (``Phases``).
+SLOT_WAIT = "slot wait"  # save() waiting for a free staging slot (before its copy)
+COPY = "copy to host"  # the blocking copy into the slot (and a deferred background copy)
+QUEUE = "queue"  # staged, waiting for the writer (an earlier save being written)
+CHECKSUM = "checksum"  # CRC of bytes as they are written
+READ_BACK = "checksum (read back)"  # CRC of files others wrote, read back from the page cache
+OCDBT = "ocdbt commit"  # OCDBT B-tree nodes and manifests (encoded, or TensorStore's merge)
+FSYNC = "fsync"  # fsync calls (files and directories), on helper threads: count and seconds
+FSYNC_WAIT = "fsync wait"  # the writer waiting for those fsyncs (``Transaction.seal``)
+MANIFEST = "manifest"  # asyncckpt's manifest of the checkpoint's files
+PUBLISH = "publish"  # the atomic step (rename, marker, index) and its directory fsync
+AFTER_COMMIT = "after commit"  # retention, state files, callbacks, after the publish
+WRITE = "write:"  # prefix: writing files of one kind (``write:ocdbt data``...), checksums apart
+# Checksums computed on helper threads while the writer writes (TensorFlow's bundle).
+CHECKSUM_BESIDE = "checksum (beside the write)"
+# Phases spent on helper threads, overlapping the writer's: their seconds are
+# not on the way to durable (what the writer waited for is ``FSYNC_WAIT``).
+OVERLAPPED = frozenset({FSYNC, CHECKSUM_BESIDE})
+
+
+class Phases:
+    """Where one save's time goes, recorded as data for ``SaveStats.phases``.
+
+    A phase accumulates seconds, a count and bytes. Timers are two
+    ``time.perf_counter()`` calls per timed piece (a file, a fsync, a 1 MiB
+    write), summed in a dict: nothing measurable beside a save's I/O, so
+    every save records them, and the benchmarks read them
+    (``asyncckpt bench``'s durable-time breakdown). One thread adds at a
+    time: helper threads (fsyncs, a bundle's writers) keep their own sums
+    and add them once they are joined.
+    """
+
+    __slots__ = ("counts", "nbytes", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.nbytes: dict[str, int] = {}
+
+    def add(self, phase: str, seconds: float, count: int = 1, nbytes: int = 0) -> None:
+        """Adds ``seconds`` (and ``count`` events of ``nbytes`` in all) to ``phase``."""
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        self.counts[phase] = self.counts.get(phase, 0) + count
+        if nbytes:
+            self.nbytes[phase] = self.nbytes.get(phase, 0) + nbytes
+
+    @contextmanager
+    def timed(self, phase: str, nbytes: int = 0) -> Iterator[None]:
+        """Times the block as one event of ``phase``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - t0, 1, nbytes)
+
+    def merge(self, other: Phases) -> None:
+        """Adds every phase of ``other`` (a helper thread's sums)."""
+        for phase, seconds in other.seconds.items():
+            self.add(phase, seconds, other.counts.get(phase, 0), other.nbytes.get(phase, 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"seconds": {...}, "counts": {...}, "bytes": {...}}`` by phase."""
+        return {"seconds": dict(self.seconds), "counts": dict(self.counts),
+                "bytes": dict(self.nbytes)}
 
 
 class WriteTimeEstimator:

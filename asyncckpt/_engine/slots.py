@@ -95,11 +95,10 @@ class Slot:
         Args:
             nbytes: Bytes of staging buffers this part will ask for.
             beside: Bytes its writer will hold copied outside the slots while
-                it writes (TensorStore's copies of the values of an OCDBT
-                transaction that it does not read in place: small ones and
-                metadata), which the budget counts once beside the slots.
-                Copies that are not made (values written by reference) are
-                not counted.
+                it writes (the OCDBT writer's copies of the small values it
+                stores in its B-tree leaves), which the budget counts once
+                beside the slots. Values written from the slot itself (larger
+                ones, into data files) are not counted.
 
         Raises:
             HostMemoryError: Not even one staging copy of the state fits.
@@ -308,7 +307,7 @@ class StagingPool:
         budget = self._budget(self.nbytes)
         if budget.nbytes is not None and nbytes + beside > budget.nbytes:
             writer = (f" and its writer {_size(beside)} more while it writes "
-                      "(TensorStore's copies of small values in an OCDBT transaction)" if beside
+                      "(copies of small values for the leaves of an OCDBT B-tree)" if beside
                       else "")
             raise HostMemoryError(
                 f"a staging copy of this state needs {nbytes / 2**20:.1f} MiB{writer}, over the "

@@ -18,6 +18,10 @@ Every front end (TensorFlow, JAX, the job runner, Keras) commits through a
    means committed; before the publish, ``abort`` removes everything the
    save wrote, and after it nothing (a failed upload leaves the local copy).
 
+``commit`` is 3 and 4 for a save of one process, with the manifest written
+before the seal: its fsync then joins the files' (one batch, which the file
+system commits together) instead of following them.
+
 A multi-process save is one transaction per process over a shared
 directory: the others ``seal`` and ``release`` (``jax/_job.py`` hands their
 records to the primary), and the primary publishes every process's files.
@@ -26,13 +30,14 @@ records to the primary), and the primary publishes every process's files.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from asyncckpt._engine import commit as commit_lib
 from asyncckpt._engine.destinations import Destination
 from asyncckpt._engine.files import DurableWriter, FileRecord
 from asyncckpt._engine.manifest import Manifest
-from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.metrics import FSYNC_WAIT, MANIFEST, PUBLISH, Phases, SaveStats
 from asyncckpt.options import AsyncOptions
 
 
@@ -70,6 +75,8 @@ class Transaction:
         self._workdir: str | None = None
         self._files: DurableWriter | None = None
         self.published = False
+        #: Where the commit's time goes (``SaveStats.phases``); its writers add theirs.
+        self.phases = Phases()
 
     @property
     def began(self) -> bool:
@@ -88,7 +95,7 @@ class Transaction:
         if self._files is None:
             self._files = DurableWriter(self.workdir, fsync=self.fsync,
                                         checksums=self._checksums, pause=self._pause,
-                                        mode=self._mode)
+                                        mode=self._mode, phases=self.phases)
         return self._files
 
     def set_pause(self, pause: Callable[[], None] | None) -> None:
@@ -106,7 +113,7 @@ class Transaction:
     def writer(self) -> DurableWriter:
         """Another writer into ``workdir`` (its records are passed to ``publish``)."""
         return DurableWriter(self.workdir, fsync=self.fsync, checksums=self._checksums,
-                             pause=self._pause, mode=self._mode)
+                             pause=self._pause, mode=self._mode, phases=self.phases)
 
     def adopt(self, names: Iterable[str], *,
               known: dict[str, tuple[int, int, str]] | None = None) -> None:
@@ -133,15 +140,32 @@ class Transaction:
         """Waits until every file written or adopted is durable; their records."""
         if self._files is None:
             return []
-        return self._files.finish()
+        with self.phases.timed(FSYNC_WAIT):
+            return self._files.finish()
 
     def publish(self, records: Sequence[FileRecord], stats: SaveStats | dict,
                 extra: dict | None = None) -> Manifest:
         """Writes the manifest of ``records`` and publishes the checkpoint.
 
-        Returns the manifest. On return the checkpoint is committed.
+        For files already durable (``seal``), records from elsewhere among
+        them (a multi-process save's primary). Returns the manifest. On
+        return the checkpoint is committed.
         """
-        manifest = Manifest(
+        manifest = self._manifest(records, stats, extra)
+        workdir = self.workdir
+        t0 = time.perf_counter()
+        if self._mode is not None:
+            self._apply_mode(workdir)
+        commit_lib.write_text_atomic(os.path.join(workdir, self.manifest_name),
+                                     manifest.to_json(), fsync=self.fsync,
+                                     mode=self._mode)
+        self.phases.add(MANIFEST, time.perf_counter() - t0)
+        self._publish(workdir)
+        return manifest
+
+    def _manifest(self, records: Sequence[FileRecord], stats: SaveStats | dict,
+                  extra: dict | None) -> Manifest:
+        return Manifest(
             framework=self.framework,
             label=self.label,
             step=self.step,
@@ -149,17 +173,15 @@ class Transaction:
             stats=stats.to_dict() if isinstance(stats, SaveStats) else dict(stats),
             extra=dict(extra or {}),
         )
-        workdir = self.workdir
-        if self._mode is not None:
-            self._apply_mode(workdir)
-        commit_lib.write_text_atomic(os.path.join(workdir, self.manifest_name),
-                                     manifest.to_json(), fsync=self.fsync,
-                                     mode=self._mode)
+
+    def _publish(self, workdir: str) -> None:
+        """The destination's atomic step, then its completion (an upload)."""
+        t0 = time.perf_counter()
         self.destination.publish(workdir, sorted(os.listdir(workdir)))
         self._workdir = None  # published: nothing of it is removed any more
         self.published = True
         self.destination.complete()  # an upload: if it fails, so does the save
-        return manifest
+        self.phases.add(PUBLISH, time.perf_counter() - t0)
 
     def _apply_mode(self, workdir: str) -> None:
         """Gives what others wrote (TensorStore, an orbax handler) the mode too."""
@@ -172,8 +194,23 @@ class Transaction:
                 os.chmod(os.path.join(parent, f), mode & 0o666)
 
     def commit(self, stats: SaveStats | dict, extra: dict | None = None) -> Manifest:
-        """``seal`` then ``publish``: the whole commit of a one-process save."""
-        return self.publish(self.seal(), stats, extra)
+        """The whole commit of a one-process save: manifest, durable, published.
+
+        The manifest of every file written or adopted is written beside them
+        before they are made durable, so its fsync joins theirs (``seal``,
+        one batch); then the destination publishes. Returns the manifest; on
+        return the checkpoint is committed.
+        """
+        files = self.files
+        manifest = self._manifest(files.records, stats, extra)
+        t0 = time.perf_counter()
+        if self._mode is not None:
+            self._apply_mode(self.workdir)
+        files.write_unlisted(self.manifest_name, manifest.to_json().encode())
+        self.phases.add(MANIFEST, time.perf_counter() - t0)
+        self.seal()
+        self._publish(self.workdir)
+        return manifest
 
     def release(self, *, remove: bool = False) -> None:
         """This process is done with ``workdir``: another process publishes it

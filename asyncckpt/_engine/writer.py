@@ -39,7 +39,15 @@ from asyncckpt._engine import _process
 from asyncckpt._engine._gate import SaveGate
 from asyncckpt._engine._jobs import SaveJob, StageFn
 from asyncckpt._engine.budget import staging_budget
-from asyncckpt._engine.metrics import SaveStats, WriteTimeEstimator
+from asyncckpt._engine.metrics import (
+    AFTER_COMMIT,
+    COPY,
+    QUEUE,
+    SLOT_WAIT,
+    Phases,
+    SaveStats,
+    WriteTimeEstimator,
+)
 from asyncckpt._engine.slots import Slot, StagingPool
 from asyncckpt._threads import lower_thread_priority
 from asyncckpt.errors import EngineClosedError
@@ -429,6 +437,7 @@ class AsyncEngine(ClosingContext):
             now = time.perf_counter()
             stats = replace(stats, commit_s=now - t2, durable_s=now - w.t0)
             stats = self._after_commit(job, stats)
+            stats = replace(stats, phases=self._phases(w, t1, now))
             self._estimator.update(stats.background_s, stats.nbytes)
             with self._cond:
                 self._history.append(stats)
@@ -450,6 +459,20 @@ class AsyncEngine(ClosingContext):
                 self._inflight -= 1
                 self._cond.notify_all()
         return error
+
+    @staticmethod
+    def _phases(w: _Work, t1: float, committed: float) -> dict:
+        """The save's phases (``SaveStats.phases``): its transaction's, and the engine's own."""
+        txn = w.job.transaction
+        phases = Phases()
+        if w.slot_wait_s:
+            phases.add(SLOT_WAIT, w.slot_wait_s)
+        phases.add(COPY, w.blocking_s - w.slot_wait_s)
+        phases.add(QUEUE, max(0.0, t1 - w.t0 - w.blocking_s))
+        if txn is not None:
+            phases.merge(txn.phases)
+        phases.add(AFTER_COMMIT, time.perf_counter() - committed)
+        return phases.to_dict()
 
     def _after_commit(self, job: SaveJob, stats: SaveStats) -> SaveStats:
         try:

@@ -32,7 +32,7 @@ from asyncckpt._engine.destinations import (
 )
 from asyncckpt._engine.files import FileRecord
 from asyncckpt._engine.manifest import OWNER_MARKER, owner_marker_bytes
-from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.metrics import FSYNC_WAIT, OCDBT, SaveStats
 from asyncckpt._engine.transaction import Transaction
 from asyncckpt.jax import _format as fmt
 from asyncckpt.jax import _ocdbt, _parts
@@ -206,23 +206,25 @@ class JaxSaveJob(SaveJob):
             self.transaction.begin()
             files = self.transaction.files
             splits = staged.splits
-            for name, buf in staged.chunks:  # names are relative to the step directory
-                # A byte view: extension dtypes (bfloat16) have no buffer format.
-                data = buf.reshape(-1).view(np.uint8)
-                if (db := self._database(name)) is None:
-                    files.write(name, (data,))
-                elif (pieces := splits.get(name)) is None:
-                    db.put(name[db.strip:], data)
-                else:  # equal, contiguous runs of the chunk's bytes
-                    size = len(data) // len(pieces)
-                    for k, piece in enumerate(pieces):
-                        if piece is not None:
-                            db.put(piece[db.strip:], data[k * size:(k + 1) * size])
-            for name, data in staged.metadata_files:
-                if (db := self._database(name)) is None:
-                    files.write(name, (data,))
-                else:
-                    db.put(name[db.strip:], data)
+            with files.kind("zarr chunks"):
+                for name, buf in staged.chunks:  # names are relative to the step directory
+                    # A byte view: extension dtypes (bfloat16) have no buffer format.
+                    data = buf.reshape(-1).view(np.uint8)
+                    if (db := self._database(name)) is None:
+                        files.write(name, (data,))
+                    elif (pieces := splits.get(name)) is None:
+                        db.put(name[db.strip:], data)
+                    else:  # equal, contiguous runs of the chunk's bytes
+                        size = len(data) // len(pieces)
+                        for k, piece in enumerate(pieces):
+                            if piece is not None:
+                                db.put(piece[db.strip:], data[k * size:(k + 1) * size])
+            with files.kind("metadata"):
+                for name, data in staged.metadata_files:
+                    if (db := self._database(name)) is None:
+                        files.write(name, (data,))
+                    else:
+                        db.put(name[db.strip:], data)
             for db in self._dbs.values():  # they read the slot's buffers until committed
                 db.flush()
             if self._primary:
@@ -231,9 +233,10 @@ class JaxSaveJob(SaveJob):
                     metrics=info.metrics, custom_metadata=info.custom_metadata,
                     init_ns=self._init_ns, commit_ns=time.time_ns(),
                     item_handlers=info.item_handlers)
-                files.write(fmt.STEP_METADATA, (step_meta.encode(),))
-                # Says "asyncckpt wrote this": without its manifest it is corrupt.
-                files.write(OWNER_MARKER, (owner_marker_bytes(),))
+                with files.kind("metadata"):
+                    files.write(fmt.STEP_METADATA, (step_meta.encode(),))
+                    # Says "asyncckpt wrote this": without its manifest it is corrupt.
+                    files.write(OWNER_MARKER, (owner_marker_bytes(),))
         finally:
             self._staged = None  # the slot is reused once this returns
 
@@ -280,8 +283,8 @@ class JaxSaveJob(SaveJob):
 
     def _commit(self, stats: SaveStats) -> None:
         txn, peers, handlers = self.transaction, self._peers, self._handlers
-        for db in self._dbs.values():  # the last values, and the files TensorStore wrote
-            db.finish()
+        for db in self._dbs.values():  # the B-trees; one process's are the items' roots too
+            db.finish(root=peers is None)
         # A directory of this process's own: its handlers' files are its to record.
         private = peers is None or peers.shards is not None
         if handlers:
@@ -289,15 +292,19 @@ class JaxSaveJob(SaveJob):
             if private:  # (a checkpointer's handler writes beside asyncckpt's own files)
                 txn.adopt(handlers.files(
                     txn.workdir, skip=frozenset(r.name for r in txn.files.records)))
+        if peers is None:  # one process: its manifest joins its files' fsyncs
+            self._extra = self._manifest_extra(1)
+            self._check_deadline()
+            txn.commit(stats, self._extra)
+            return
         records = txn.seal()
         if not self._primary:
             self._hand_over(records)
             return
-        shards = None if peers is None else peers.shards
+        shards = peers.shards
         if shards is not None:
             shards.upload(self.label, txn.workdir, records)
-        if peers is not None:
-            records = records + self._others_records()
+        records = records + self._others_records()
         if handlers and not private:  # a shared directory: every process's, once all are done
             late = txn.writer()
             for name in handlers.files(txn.workdir, skip=frozenset(r.name for r in records)):
@@ -307,13 +314,13 @@ class JaxSaveJob(SaveJob):
             shards.check(self.label, records)
         if self._ocdbt:
             records = records + self._merge(records)
-        self._extra = {
-            "num_processes": 1 if peers is None else peers.coordinator.process_count,
-            "metrics": self._info.metrics,
-            "custom_metadata": self._info.custom_metadata or {},
-        }
+        self._extra = self._manifest_extra(peers.coordinator.process_count)
         self._check_deadline()
         txn.publish(records, stats, self._extra)
+
+    def _manifest_extra(self, processes: int) -> dict:
+        return {"num_processes": processes, "metrics": self._info.metrics,
+                "custom_metadata": self._info.custom_metadata or {}}
 
     def _hand_over(self, records: list[FileRecord]) -> None:
         """Not the primary: this process's records go to the primary, which publishes."""
@@ -380,10 +387,12 @@ class JaxSaveJob(SaveJob):
                 r for r in records if r.name in wanted
                 and not os.path.exists(here + r.name)])
         merged = txn.writer()
-        for item in sorted(self._ocdbt):
-            if os.path.isdir(os.path.join(workdir, item)):
-                _ocdbt.merge(workdir, item, files=merged)
-        new = merged.finish()
+        with txn.phases.timed(OCDBT):
+            for item in sorted(self._ocdbt):
+                if os.path.isdir(os.path.join(workdir, item)):
+                    _ocdbt.merge(workdir, item, files=merged)
+        with txn.phases.timed(FSYNC_WAIT):
+            new = merged.finish()
         if shards is not None:
             shards.upload(self.label, workdir, new)
         return new

@@ -1,4 +1,4 @@
-"""orbax's OCDBT layout, written and read through TensorStore's ``ocdbt`` kvstore driver.
+"""orbax's OCDBT layout: written by asyncckpt, merged and read through TensorStore's driver.
 
 With OCDBT an item directory holds a few large data files instead of one
 file per array shard. The layout is orbax's (``orbax.checkpoint`` writes it
@@ -9,7 +9,8 @@ same files at the top of its path, as orbax's checkpointers lay them out::
         _METADATA                   tree metadata, "use_ocdbt": true
         _sharding                   shardings of the jax.Array leaves
         manifest.ocdbt              the merged database: a B-tree over every process's keys
-        ocdbt_meta/<hash>           its B-tree nodes
+        ocdbt_meta/<hash>           its B-tree nodes (several processes; one process's
+                                    manifest.ocdbt names process 0's tree instead)
         ocdbt.process_<i>/          process i's own database
             manifest.ocdbt
             ocdbt_meta/<hash>       B-tree and version tree nodes (with small values inline)
@@ -26,15 +27,18 @@ The keys of a database are the zarr keys of the non-OCDBT layout
 ``<param>/c/<i>/<j>``), so every array is still an uncompressed zarr array,
 only stored inside OCDBT. Each process writes its
 own database (``DatabaseWriter``), from the staged host buffers, on the
-background writer thread; the primary then merges them (``merge``: the
-parent database's B-tree refers to the children's data files by relative
-path, which is why the step directory can be renamed into place) and the
-save commits as any other (manifest with every file's checksum, one rename).
+background writer thread, without TensorStore: its values with plain writes
+into data files, its B-tree and manifest encoded by ``_ocdbtwrite``. With
+several processes the primary then merges them through TensorStore
+(``merge``: the parent database's B-tree refers to the children's data
+files by relative path, which is why the step directory can be renamed into
+place); one process writes the item's root manifest itself. The save
+commits as any other (manifest with every file's checksum, one rename).
 
 Reading goes through TensorStore's zarr driver over the same kvstore
 (``_tsarrays``), which also reads orbax's own checkpoints.
 
-TensorStore is imported when a save or restore needs it, not at import.
+TensorStore is imported when a merge or a restore needs it, not at import.
 """
 
 from __future__ import annotations
@@ -42,13 +46,16 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from asyncckpt._engine import datafile
 from asyncckpt._engine.files import DurableWriter
+from asyncckpt._engine.metrics import OCDBT
+from asyncckpt.jax import _ocdbtwrite
 from asyncckpt.jax._format import in_item
 
 logger = logging.getLogger(__name__)
@@ -61,17 +68,12 @@ DATA_PREFIX = "ocdbt_data/"
 # orbax's defaults for the target size of a data file: 2 GiB, 400 MiB on GCS.
 DEFAULT_TARGET_DATA_FILE_SIZE = 2**31
 GCS_TARGET_DATA_FILE_SIZE = 400 * 2**20
-# A process's database is committed every this many bytes: TensorStore holds a
-# copy of a transaction's small values, and references to its large ones, until
-# it commits, so this bounds both.
-TRANSACTION_BYTES = 256 << 20
-# Chunk values from this size go to TensorStore uncopied (``DatabaseWriter``):
-# below it the copy costs less than opening TensorStore's zarr driver for the value.
-BY_REFERENCE_BYTES = 1 << 20
 # orbax's OCDBT configuration: small values (the .zarray keys) inline in the
 # B-tree, one root node for fast traversal, a single-file manifest.
-_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000,
-           "manifest_kind": "single"}
+MAX_INLINE_VALUE_BYTES = 1024
+MAX_DECODED_NODE_BYTES = 100_000_000
+_CONFIG = {"max_inline_value_bytes": MAX_INLINE_VALUE_BYTES,
+           "max_decoded_node_bytes": MAX_DECODED_NODE_BYTES, "manifest_kind": "single"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,58 +291,39 @@ def process_dir_name(process_index: int) -> str:
     return f"{PROCESS_PREFIX}{process_index}"
 
 
-def copies(key: str, nbytes: int, *, is_bytes: bool = False) -> bool:
-    """Whether ``DatabaseWriter.put`` copies a value (else TensorStore reads it in place).
-
-    A ``bytes`` value, a value under ``BY_REFERENCE_BYTES``, and a value whose
-    key is not a zarr chunk key (metadata) are copied; the budget counts
-    these copies (``held_copy_bytes``) and only these.
-    """
-    return is_bytes or nbytes < BY_REFERENCE_BYTES or chunk_grid(key) is None
-
-
 def held_copy_bytes(values: Iterable[tuple[str, int, bool]]) -> int:
     """Most bytes a ``DatabaseWriter`` holds copied while it writes ``values``.
 
     ``values``: ``(key, size, is_bytes)`` of each value of one item, in the
-    order they are put. TensorStore keeps its copy of a copied value until
-    the transaction commits, and a transaction commits once it holds
-    ``TRANSACTION_BYTES`` (values written by reference count towards that,
-    though nothing is copied for them); the copies held at once are those
-    of the largest transaction. Values written by reference count 0: a
-    state of large arrays holds next to nothing beside its staging slot.
-    The host memory budget counts this beside the slots
-    (``Slot.reserve(beside=...)``): it is held while the slot is written
-    and, for the last transaction, until the commit.
+    order they are put. A value of ``MAX_INLINE_VALUE_BYTES`` or less is
+    stored in its B-tree leaf: one from a staging buffer is copied at
+    ``put`` and held until the leaf is written, at the commit (``bytes``
+    values are held by the plan already). Larger values go from the
+    staging buffer into a data file uncopied. The host memory budget
+    counts this beside the slots (``Slot.reserve(beside=...)``).
     """
-    held = most = pending = 0
-    for key, nbytes, is_bytes in values:
-        if copies(key, nbytes, is_bytes=is_bytes):
-            held += nbytes
-            most = max(most, held)
-        pending += nbytes
-        if pending >= TRANSACTION_BYTES:
-            held = pending = 0
-    return most
+    return sum(n for _, n, is_bytes in values if n <= MAX_INLINE_VALUE_BYTES and not is_bytes)
 
 
 class DatabaseWriter:
-    """One process's OCDBT database of one item, written from staged buffers.
+    """One process's OCDBT database of one item, written by asyncckpt from staged buffers.
 
-    Values are committed every ``TRANSACTION_BYTES``. TensorStore's
-    ``KvStore.write`` takes only ``bytes`` and copies them again while it
-    holds the GIL (as does making the ``bytes``): about 0.5 s of the
-    interpreter per GiB, taken from a training loop's thread. So a chunk
-    value of ``BY_REFERENCE_BYTES`` or more goes through TensorStore's zarr
-    driver instead, as a one-chunk ``uint8`` array whose chunk key is the
-    value's key, written with ``can_reference_source_data_indefinitely``:
-    TensorStore reads the staged buffer itself, on its own threads, and
-    the database holds the same bytes under the same key. The staged
-    buffers must then stay untouched until their transaction commits, so
-    ``flush`` commits before the slot is given back. Smaller values and
-    metadata are copied (``held_copy_bytes`` counts those copies).
-    ``finish`` records every file TensorStore wrote with ``files`` (which
-    checksums and fsyncs it).
+    ``put`` takes each value: one of ``MAX_INLINE_VALUE_BYTES`` or less
+    (array metadata, tiny chunks) is copied for its B-tree leaf; a larger one
+    is kept as a view of its staging buffer. ``flush`` writes those into
+    data files (``ocdbt_data/<random>``) with the engine's data-file writer
+    (``_engine/datafile.py``: two threads, ``O_DIRECT`` where it pays) from
+    the staging buffers, in ``put`` order, checksummed as they are written,
+    each recorded in the save's ``DurableWriter``, which fsyncs it once with
+    the save's other files; a new file starts where the next value would
+    take one past ``target`` bytes. Once ``flush`` returns nothing refers
+    to the staging buffers (the slot may be reused). ``finish`` encodes the
+    database
+    (``_ocdbtwrite``): its B-tree nodes in one node file
+    (``ocdbt_meta/<random>``), its manifest; and, for a save of one process,
+    the item's root manifest, which refers to this process's tree through
+    its directory (no merge, no node file of its own). Every file goes
+    through ``files``, so it is in the checkpoint's manifest.
 
     Args:
         step_root: The temporary step directory.
@@ -348,141 +331,108 @@ class DatabaseWriter:
             checkpoint's root, as a checkpointer writes it).
         process_index: This process (names its database directory).
         target: Target data file size (0: no limit).
-        files: The save's file writer; records the database's files.
-        pause: The engine's gate, called before each value.
+        files: The save's file writer.
+        pause: The engine's gate, called between the data files' ranges.
     """
 
     def __init__(self, step_root: str, item: str, process_index: int, *, target: int,
                  files: DurableWriter, pause: Callable[[], None] | None = None):
-        self._ts = load_tensorstore()
-        self._rel = in_item(item, process_dir_name(process_index))
+        self._pause = pause
+        self._item = item
+        self._dir = process_dir_name(process_index)
+        self._rel = in_item(item, self._dir)
         # A file of the item (``<item>/<param>/<chunk>``) is the key ``<param>/<chunk>``.
         self.strip = len(in_item(item, ""))
-        self._root = step_root
-        self._path = os.path.join(step_root, item, process_dir_name(process_index))
-        os.makedirs(self._path, exist_ok=True)
         self._files = files
-        self._pause = pause
-        self._spec = kvstore_spec(self._path, target=target)
-        self._context = _write_context()
-        self._kv = wait(self._ts.KvStore.open(self._spec, context=self._context), self._path)
-        self._txn: Any = None
-        self._view: Any = None
-        self._pending: list[Any] = []
-        self._bytes = 0
+        self._target = target
+        self._pending: list[tuple[bytes, memoryview]] = []  # large values, until ``flush``
+        self._values: dict[bytes, _ocdbtwrite.Value] = {}
+        self._data_files: list[str] = []  # relative to the database's directory
         self.keys = 0
+        os.makedirs(os.path.join(step_root, *self._rel.split("/")), exist_ok=True)
 
     def put(self, key: str, data: Any) -> None:
         """Adds one value (bytes, or any buffer) under ``key``, relative to the item.
 
-        A buffer of ``BY_REFERENCE_BYTES`` or more under a chunk key is read
-        in place until the next ``flush`` (or the commit every
-        ``TRANSACTION_BYTES``); it must not change before then. A file name
+        A buffer larger than ``MAX_INLINE_VALUE_BYTES`` is read in place by
+        the next ``flush``; it must not change before then. A file name
         relative to the step is the key ``name[self.strip:]``.
         """
-        if self._pause is not None:
-            self._pause()
-        if self._txn is None:
-            self._txn = self._ts.Transaction()
-            self._view = self._kv.with_transaction(self._txn)
+        name = key.encode()
         view = memoryview(data).cast("B")
-        is_bytes = isinstance(data, bytes)
-        parts = None  # ``copies``'s rule, the key parsed only for a value large enough
-        if not is_bytes and len(view) >= BY_REFERENCE_BYTES:
-            parts = chunk_key_parts(key)
-        if parts is not None:
-            self._pending.append(self._write_by_reference(*parts, view))
+        if len(view) <= MAX_INLINE_VALUE_BYTES:
+            inline = data if isinstance(data, bytes) else view.tobytes()
+            self._values[name] = _ocdbtwrite.Value(name, len(view), inline)
         else:
-            value = data if is_bytes else view.tobytes()
-            self._pending.append(self._view.write(key, value))
-        self._bytes += len(view)
+            self._pending.append((name, view))
         self.keys += 1
-        if self._bytes >= TRANSACTION_BYTES:
-            self.flush()
-
-    def _write_by_reference(self, parent: str, grid: tuple[int, ...], separator: str,
-                            view: memoryview) -> Any:
-        """Writes ``view`` under a chunk key through the zarr driver, uncopied.
-
-        The key is ``parent`` (``w/``; zarr v3: ``w/c/``) then the chunk's
-        ``grid`` indices joined by ``separator`` (``0.1``; zarr v3: ``0/1``).
-        The array opened is a stand-in: zarr v2, ``uint8``, of ``len(grid)``
-        dimensions, chunks of ``1 x ... x 1 x n`` bytes, its dimension
-        separator ``separator``, at ``parent``: so its chunk ``grid`` is
-        exactly the key, and its uncompressed encoding is the value's bytes.
-        Its metadata is assumed, never written: the parameter's own
-        ``.zarray``/``zarr.json`` is a value of its own.
-        """
-        n = len(view)
-        shape = [g + 1 for g in grid[:-1]] + [(grid[-1] + 1) * n]
-        metadata = {"shape": shape, "chunks": [1] * (len(grid) - 1) + [n], "dtype": "|u1",
-                    "compressor": None, "filters": None, "order": "C", "fill_value": None,
-                    "dimension_separator": separator, "zarr_format": 2}
-        spec = {"driver": "zarr", "kvstore": {**self._spec, "path": parent},
-                "metadata": metadata}
-        store = wait(self._ts.open(spec, open=True, assume_metadata=True, context=self._context,
-                                   transaction=self._txn), self._path)
-        region = store[(*(slice(g, g + 1) for g in grid[:-1]),
-                        slice(grid[-1] * n, (grid[-1] + 1) * n))]
-        array = np.frombuffer(view, dtype=np.uint8).reshape([1] * (len(grid) - 1) + [n])
-        return region.write(array, can_reference_source_data_indefinitely=True).copy
 
     def flush(self) -> None:
-        """Commits the values put so far: their buffers may change once this returns."""
-        if self._txn is None:
+        """Writes the large values put so far: their buffers may change once this returns."""
+        pending, self._pending = self._pending, []
+        start = 0
+        while start < len(pending):
+            end, size = start, 0
+            while end < len(pending) and (end == start or not self._target
+                                          or size + len(pending[end][1]) <= self._target):
+                size += len(pending[end][1])
+                end += 1
+            index = len(self._data_files)
+            name = f"{DATA_PREFIX}{uuid.uuid4().hex}"
+            offset = 0
+            for key, view in pending[start:end]:
+                self._values[key] = _ocdbtwrite.Value(key, len(view), None, index, offset)
+                offset += len(view)
+            self._write_data(f"{self._rel}/{name}", [v for _, v in pending[start:end]])
+            self._data_files.append(name)
+            start = end
+
+    def _write_data(self, name: str, views: list[memoryview]) -> None:
+        """One data file: by the engine's data-file writer (two threads, ``O_DIRECT`` where it
+        pays), or, without the native CRC32C it needs, as any file of the save."""
+        files = self._files
+        if not datafile.available():
+            with files.kind("ocdbt data"):
+                files.write(name, views)
             return
-        for f in self._pending:
-            wait(f, self._path)
-        wait(self._txn.commit_async(), self._path)
-        self._txn = self._view = None
-        self._pending = []
-        self._bytes = 0
+        written = datafile.write(files.prepare(name), [(0, v) for v in views], [False],
+                                 pause=self._pause, phases=files.phases, kind="ocdbt data",
+                                 mode=files.mode)
+        files.add_existing(name, known=written.sums)
 
-    def finish(self) -> None:
-        """Commits what is left and records the database's files (checksum, fsync)."""
+    def finish(self, *, root: bool = False) -> None:
+        """Writes what is left, the B-tree and the manifest; ``root``: the item's too.
+
+        ``root`` is for a save of one process: the item's ``manifest.ocdbt``
+        then names this database's tree, as the merge of one database would.
+        """
         self.flush()
-        record_tree(self._root, self._rel, self._files)
+        if not self._values:
+            return
+        t0 = time.perf_counter()
+        values = [self._values[k] for k in sorted(self._values)]
+        node_file = f"{META_PREFIX}{uuid.uuid4().hex}"
+        nodes, tree = _ocdbtwrite.encode_tree(
+            values, [("", n) for n in self._data_files], ("", node_file),
+            MAX_DECODED_NODE_BYTES)
+        now = time.time_ns()
+        manifests = [(f"{self._rel}/{MANIFEST}", _ocdbtwrite.encode_manifest(
+            _config(), tree, ("", node_file), now))]
+        if root:
+            manifests.append((in_item(self._item, MANIFEST), _ocdbtwrite.encode_manifest(
+                _config(), tree, (f"{self._dir}/", node_file), now)))
+        phases = self._files.phases
+        phases.add(OCDBT, time.perf_counter() - t0)
+        with self._files.kind("ocdbt b-tree"):
+            self._files.write(f"{self._rel}/{node_file}", [nodes])
+            for name, manifest in manifests:
+                self._files.write(name, [manifest])
 
 
-def _indices(parts: list[str]) -> tuple[int, ...] | None:
-    if not parts or not all(p.isdigit() and p.isascii() for p in parts):
-        return None
-    return tuple(int(p) for p in parts)
-
-
-def chunk_key_parts(key: str) -> tuple[str, tuple[int, ...], str] | None:
-    """A chunk key as ``(prefix, grid indices, separator)``; None for other keys.
-
-    Keys are relative to an item, ``<param>/<chunk>`` (a parameter name has
-    no ``/``): zarr v2 ``"w/1.0"`` is ``("w/", (1, 0), ".")``, zarr v3
-    ``"w/c/1/0"`` is ``("w/c/", (1, 0), "/")``. A 0-d array's chunk
-    (``w/0``, ``w/c``) has no indices to name: None for zarr v3's.
-    """
-    param, slash, rest = key.partition("/")
-    if not slash:
-        rest, param = key, ""
-    prefix = f"{param}/" if slash else ""
-    if rest.startswith("c/"):
-        grid = _indices(rest[2:].split("/"))
-        return None if grid is None else (f"{prefix}c/", grid, "/")
-    grid = _indices(rest.split("."))
-    return None if grid is None else (prefix, grid, ".")
-
-
-def chunk_grid(key: str) -> tuple[int, ...] | None:
-    """The chunk indices a chunk key names (``"w/1.0"``, ``"w/c/1/0"``: (1, 0)); None for
-    other keys."""
-    parts = chunk_key_parts(key)
-    return None if parts is None else parts[1]
-
-
-def record_tree(root: str, rel: str, files: DurableWriter) -> None:
-    """Records every file under ``root/rel`` with ``files`` (written by TensorStore)."""
-    top = os.path.join(root, *rel.split("/"))
-    for dirpath, _, names in os.walk(top):
-        sub = os.path.relpath(dirpath, root).replace(os.sep, "/")
-        for name in sorted(names):
-            files.add_existing(f"{sub}/{name}")
+def _config() -> _ocdbtwrite.Config:
+    """orbax's configuration of a new database (``_CONFIG``), nodes uncompressed."""
+    return _ocdbtwrite.Config(uuid=os.urandom(16), max_inline_value_bytes=MAX_INLINE_VALUE_BYTES,
+                              max_decoded_node_bytes=MAX_DECODED_NODE_BYTES)
 
 
 def merge(step_root: str, item: str, *, files: DurableWriter) -> int:

@@ -132,9 +132,9 @@ class Plan:
             device-to-host transfer (neither host memory already nor pinned).
         nbytes: Bytes of a save staged with this plan (chunks and metadata files).
         ocdbt_copy: Bytes an OCDBT writer holds copied beside the slot while it
-            writes this plan's values (``_ocdbt.held_copy_bytes``): those of
-            small chunks and of the ``.zarray`` keys; none for chunks written
-            by reference.
+            writes this plan's values (``_ocdbt.held_copy_bytes``): chunks
+            small enough to be stored in the B-tree's leaves; none for
+            larger chunks, written from the slot into data files.
         keys: Indices of the typed PRNG key leaves (staged as their key data).
     """
 

@@ -16,6 +16,7 @@ import functools
 import glob
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -25,7 +26,7 @@ from asyncckpt._engine._jobs import SaveJob
 from asyncckpt._engine.destinations import Destination, PrefixFiles, Uploaded
 from asyncckpt._engine.lock import CheckpointLock
 from asyncckpt._engine.manifest import OWNED_RECORD, record_owned
-from asyncckpt._engine.metrics import SaveStats
+from asyncckpt._engine.metrics import COPY, WRITE, Phases, SaveStats
 from asyncckpt._engine.transaction import Transaction
 from asyncckpt.options import AsyncOptions
 from asyncckpt.tf import _bundlewrite, _compat
@@ -84,8 +85,8 @@ def _as_tensor(t: StagedTensor) -> tf.Tensor:
     return tf.constant(host, dtype=t.dtype)  # copies; correct for any dtype
 
 
-def write_bundle(prefix: str, state: StagedState, *,
-                 pause: Callable[[], None] | None = None) -> dict[str, tuple[int, int, str]]:
+def write_bundle(prefix: str, state: StagedState, *, pause: Callable[[], None] | None = None,
+                 phases: Phases | None = None) -> dict[str, tuple[int, int, str]]:
     """Writes ``state`` as a TensorFlow checkpoint at ``prefix``.
 
     Produces ``prefix.index`` and ``prefix.data-00000-of-00001``; the object
@@ -94,12 +95,16 @@ def write_bundle(prefix: str, state: StagedState, *,
     straight from the staging buffers, or by TensorFlow's ``SaveV2`` for what
     that cannot write. Returns the ``(size, checksum, algorithm)`` of each file whose
     checksum is already known (none after ``SaveV2``). ``pause`` is called
-    between the data file's ranges (``SaveV2`` writes in one call: no pauses).
+    between the data file's ranges (``SaveV2`` writes in one call: no pauses);
+    ``phases`` records where the time goes.
     """
-    sums = _bundlewrite.write_bundle(prefix, state, pause=pause)
+    sums = _bundlewrite.write_bundle(prefix, state, pause=pause, phases=phases)
     if sums is not None:
         return sums
+    t0 = time.perf_counter()
     save_v2_bundle(prefix, state)
+    if phases is not None:
+        phases.add(WRITE + "bundle (SaveV2)", time.perf_counter() - t0, 1, state.nbytes)
     return {}
 
 
@@ -168,12 +173,14 @@ class TFSaveJob(SaveJob):
         self._sums: dict[str, tuple[int, int, str]] = {}  # file -> (size, crc, algorithm)
 
     def write(self) -> None:
+        phases = self.transaction.phases
         try:
             if self._state.copy is not None:
-                self._state.copy.wait()  # the background copy into the slot
+                with phases.timed(COPY):
+                    self._state.copy.wait()  # the background copy into the slot
             workdir = self.transaction.begin()
             self._sums = write_bundle(os.path.join(workdir, self.label), self._state,
-                                      pause=self.pause) or {}
+                                      pause=self.pause, phases=phases) or {}
             self.nbytes = self._state.nbytes  # with the variants (iterator state) encoded
         finally:
             self._state = None  # the slot is reused once this returns

@@ -11,7 +11,7 @@ baseline run (no saves) before each, rotating order, medians over rounds:
 * ``floor: raw write, new file``: the same into a new file per save, as a
   checkpoint is: the page cache it fills is fresh memory each time;
 * ``asyncckpt tf (O_DIRECT)``: ``Checkpoint.write`` with the data file's
-  aligned ranges written ``O_DIRECT`` (the default from ``_DIRECT_MIN`` on);
+  aligned ranges written ``O_DIRECT`` (the default from ``datafile.DIRECT_MIN`` on);
 * ``asyncckpt tf (page cache)``: the same with every range written through
   the page cache.
 
@@ -56,7 +56,7 @@ class _NewFileFloor(eng.BackgroundRawWrite):
 
 
 def measure(mib: int, rounds: int, saves: int, work: str) -> dict:
-    from asyncckpt.tf import _bundlewrite
+    from asyncckpt._engine import datafile
 
     nbytes = mib << 20
     state = eng.TFState(nbytes, eng.tensors_for(nbytes))
@@ -66,11 +66,11 @@ def measure(mib: int, rounds: int, saves: int, work: str) -> dict:
         "asyncckpt tf (O_DIRECT)": eng.AsyncckptTF(state, os.path.join(work, "direct")),
         "asyncckpt tf (page cache)": eng.AsyncckptTF(state, os.path.join(work, "cached")),
     }
-    direct_min = _bundlewrite._DIRECT_MIN
+    direct_min = datafile.DIRECT_MIN
 
     def configure(name: str) -> None:
-        _bundlewrite._DIRECT_MIN = 0 if name.endswith("(O_DIRECT)") else direct_min
-        _bundlewrite._DIRECT_WRITES = not name.endswith("(page cache)")
+        datafile.DIRECT_MIN = 0 if name.endswith("(O_DIRECT)") else direct_min
+        datafile._DIRECT_WRITES = not name.endswith("(page cache)")
 
     try:
         train_loop(state, None, 3, 1)  # warm-up
@@ -96,8 +96,8 @@ def measure(mib: int, rounds: int, saves: int, work: str) -> dict:
                 runs[name].append(train_loop(state, engines[name], steps, every))
         base.append(train_loop(state, None, steps, every))
     finally:
-        _bundlewrite._DIRECT_MIN = direct_min
-        _bundlewrite._DIRECT_WRITES = True
+        datafile.DIRECT_MIN = direct_min
+        datafile._DIRECT_WRITES = True
         for e in engines.values():
             e.close()
     base_s = statistics.median(base)

@@ -47,6 +47,7 @@ def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:
     of idle disk; without it a case may inherit the previous case's
     writeback, or find a virtual disk's write burst spent by it.
     """
+    from asyncckpt._engine import datafile
     from asyncckpt.tf import _bundlewrite
 
     own_writer = _bundlewrite.write_bundle
@@ -61,8 +62,8 @@ def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:
         "asyncckpt tf (no early writeback)": eng.AsyncckptTF(state, os.path.join(work, "nowb")),
         "asyncckpt tf (SaveV2)": eng.AsyncckptTF(state, os.path.join(work, "savev2")),
     }
-    own_writeback = _bundlewrite._sync_file_range
-    direct_min = _bundlewrite._DIRECT_MIN
+    own_writeback = datafile._sync_file_range
+    direct_min = datafile.DIRECT_MIN
     parts: dict[str, list[tuple]] = {n: [] for n in engines}
 
     def run(name: str) -> float:
@@ -70,12 +71,12 @@ def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:
         if name.endswith("(SaveV2)"):
             _bundlewrite.write_bundle = lambda prefix, state, **kw: None  # the SaveV2 fallback
         if name.endswith("(no early writeback)"):
-            _bundlewrite._sync_file_range = lambda: None
-            _bundlewrite._DIRECT_WRITES = False
+            datafile._sync_file_range = lambda: None
+            datafile._DIRECT_WRITES = False
         if name.endswith("(page cache)"):
-            _bundlewrite._DIRECT_WRITES = False
+            datafile._DIRECT_WRITES = False
         if name.endswith("(O_DIRECT)"):
-            _bundlewrite._DIRECT_MIN = 0
+            datafile.DIRECT_MIN = 0
         try:
             t0 = time.perf_counter()
             e.save()
@@ -86,9 +87,9 @@ def measure(mib: int, reps: int, work: str, gap: float = 0.0) -> dict:
             return dt
         finally:
             _bundlewrite.write_bundle = own_writer
-            _bundlewrite._sync_file_range = own_writeback
-            _bundlewrite._DIRECT_WRITES = True
-            _bundlewrite._DIRECT_MIN = direct_min
+            datafile._sync_file_range = own_writeback
+            datafile._DIRECT_WRITES = True
+            datafile.DIRECT_MIN = direct_min
             eng.clear_dir(e.workdir)  # untimed: old checkpoints off the disk
 
     def raw() -> float:

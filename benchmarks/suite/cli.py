@@ -29,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"a small run: sizes {QUICK_SIZES}, 7 repetitions (saves of milliseconds: "
                         "3 left a median to one outlier), short training loop")
+    p.add_argument("--states", default=None,
+                   help="instead of --sizes: states as <arrays>x<size of one array>, "
+                        "comma-separated, sizes in K, M or G (e.g. 4x16M,500x64K: 64 MiB in 4 "
+                        "arrays, 500 arrays of 64 KiB); with --sizes each state has "
+                        "4-64 arrays of about 16 MiB")
     p.add_argument("--reps", type=int, default=None,
                    help="repetitions per case (default 5, 7 with --quick)")
     p.add_argument("--frameworks", default="tf,jax", help="tf, jax or both (default tf,jax)")
@@ -75,6 +80,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gets a real SIGTERM; final checkpoint in time, share of the grace "
                         "period trained, against TensorFlow's rule on the same runs. Every "
                         "argument after --preemption is its own (--preemption --help)")
+
+
+def parse_states(text: str) -> list[tuple[int, int]]:
+    """``--states``: ``"4x16M,500x64K"`` -> ``[(bytes, arrays), ...]``."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        count, sep, size = item.partition("x")
+        unit = units.get(size[-1:].upper()) if size else None
+        if not sep or unit is None or not count.isdigit() or not size[:-1].isdigit():
+            raise ValueError(f"--states: {item!r} is not <arrays>x<size>[K|M|G] (4x16M)")
+        out.append((int(count) * int(size[:-1]) * unit, int(count)))
+    return out
 
 
 def hand_over(args: argparse.Namespace, name: str) -> int:
@@ -127,6 +147,12 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     sizes_mib = [int(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
                  .split(",") if s]
+    try:
+        states = (parse_states(args.states) if args.states
+                  else [(mib << 20, None) for mib in sizes_mib])
+    except ValueError as e:
+        print(f"asyncckpt bench: {e}", file=sys.stderr)
+        return 2
     reps = args.reps or (7 if args.quick else 5)
     names = [n for n, cls in eng.ENGINES.items() if cls.framework in frameworks]
     if args.engines:
@@ -156,14 +182,15 @@ def run_from_args(args: argparse.Namespace) -> int:
             except Exception:  # a framework that fails to import is reported, not fatal
                 results["versions"][mod] = "import failed"
     with tempfile.TemporaryDirectory(prefix="bench-scratch-", dir=scratch_parent) as work:
-        for mib in sizes_mib:
-            progress(f"state of {mib} MiB ...")
+        for i, (nbytes, arrays) in enumerate(states):
+            progress(f"state of {nbytes / 2**20:.0f} MiB" + (f" in {arrays} arrays" if arrays
+                                                              else "") + " ...")
             results["sizes"].append(runner.measure_size(
-                mib << 20, frameworks=frameworks, engine_names=names, reps=reps,
-                workdir=os.path.join(work, f"{mib}"), progress=progress))
+                nbytes, frameworks=frameworks, engine_names=names, reps=reps,
+                workdir=os.path.join(work, f"{i}"), progress=progress, tensors=arrays))
         train_mib = args.train_size
         if train_mib is None:
-            train_mib = sizes_mib[len(sizes_mib) // 2]
+            train_mib = max(1, states[len(states) // 2][0] >> 20)
         if train_mib:
             progress(f"training loop with a {train_mib} MiB state ...")
             results["training"] = runner.measure_training(

@@ -194,6 +194,10 @@ class Engine:
     def restore(self) -> None:
         raise NotImplementedError
 
+    def phases(self) -> dict | None:
+        """Where the last save's time went (``SaveStats.phases``); None for other engines."""
+        return None
+
     def prune(self) -> None:
         """Deletes the checkpoints older than the newest ``KEEP`` (between timed calls).
 
@@ -279,6 +283,10 @@ class AsyncckptTF(Engine):
     def restore(self) -> None:
         self.ckpt.read(self.last).assert_consumed()
 
+    def phases(self) -> dict | None:
+        handle = self.ckpt.last_save
+        return None if handle is None else _phases(handle.result())
+
     def close(self) -> None:
         self.ckpt.close()
 
@@ -347,8 +355,20 @@ class AsyncckptJAX(Engine):
         )
         jax.block_until_ready(self.manager.restore(self.step_no, target=target))
 
+    def phases(self) -> dict | None:
+        handle = self.manager.last_save
+        return None if handle is None else _phases(handle.result())
+
     def close(self) -> None:
         self.manager.close()
+
+
+def _phases(stats) -> dict | None:
+    """A save's ``SaveStats.phases``, with the time from its call to its commit."""
+    phases = getattr(stats, "phases", None)  # None before asyncckpt recorded them
+    if phases is None:
+        return None
+    return {**phases, "committed_s": stats.durable_s}
 
 
 class BackgroundRawWrite(Engine):
@@ -399,7 +419,12 @@ ENGINES: dict[str, type[Engine]] = {
 
 
 class Floors:
-    """The physical floors for ``nbytes``: host memcpy, raw write + fsync, raw read."""
+    """The physical floors for ``nbytes``: host memcpy, CRC32C, raw write + fsync, raw read.
+
+    ``raw_write`` also keeps its two parts (``last_write_s``, the ``write()``
+    calls into the page cache, and ``last_fsync_s``, the one fsync), the
+    floors of a save's write and fsync phases.
+    """
 
     def __init__(self, nbytes: int, tensors: int, workdir: str):
         os.makedirs(workdir, exist_ok=True)
@@ -419,7 +444,12 @@ class Floors:
         for d, s in self.parts:
             np.copyto(d, s)
 
+    last_write_s = last_fsync_s = 0.0
+
     def raw_write(self) -> None:
+        import time
+
+        t0 = time.perf_counter()
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(self.src).cast("B")
@@ -427,9 +457,17 @@ class Floors:
                 part = view[start : start + (64 << 20)]
                 while part:
                     part = part[os.write(fd, part):]
+            t1 = time.perf_counter()
             os.fsync(fd)
         finally:
             os.close(fd)
+        self.last_write_s, self.last_fsync_s = t1 - t0, time.perf_counter() - t1
+
+    def crc32c(self) -> None:
+        """The checksum a save computes over the state's bytes (asyncckpt's CRC32C)."""
+        from asyncckpt._engine import fastcrc
+
+        fastcrc.crc32c_extend(0, self.src)
 
     def keep_read_buffer_only(self) -> None:
         """Frees the copy floors' buffers (``raw_read``'s stays): a state's worth x3."""

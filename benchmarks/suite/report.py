@@ -70,6 +70,65 @@ def size_table(size: dict) -> list[str]:
     return lines
 
 
+# Phases in the order a save meets them (asyncckpt._engine.metrics names them);
+# write:<kind> rows come where "write:" stands. Each with the floor it is compared with.
+PHASE_ORDER = ["slot wait", "copy to host", "queue", "write:", "checksum", "checksum (read back)",
+               "checksum (beside the write)", "ocdbt commit", "fsync wait", "manifest", "publish",
+               "after commit", "retention wait", "other"]
+PHASE_FLOORS = {"copy to host": "memcpy", "write:": "raw write (no fsync)",
+                "checksum": "crc32c", "fsync wait": "one fsync"}
+OFF_PATH = ("fsync", "checksum (beside the write)")  # on helper threads, overlapping the rest
+
+
+def _phase_rows(breakdown: dict) -> list[str]:
+    """The phases of every engine of one size, in PHASE_ORDER."""
+    seen: list[str] = []
+    for b in breakdown.values():
+        seen += [p for p in b["phases"] if p not in seen and p != "fsync"]
+    rows = []
+    for p in PHASE_ORDER:
+        if p == "write:":
+            rows += sorted(x for x in seen if x.startswith("write:"))
+        elif p in seen:
+            rows.append(p)
+    return rows + [x for x in seen if x not in rows]
+
+
+def breakdown_lines(size: dict) -> list[str]:
+    """Durable time per phase of each asyncckpt engine, with the floors (ms, medians)."""
+    breakdown = size.get("breakdown") or {}
+    if not breakdown:
+        return []
+    names = list(breakdown)
+    floors = size["floors"]
+    lines = ["-- where the durable time goes (median ms per save; phases on the writer's way, "
+             "fsyncs on helper threads apart) --",
+             f"{'phase':<28}" + "".join(f"{n:>15}" for n in names) + "   floor"]
+    writes_done = False
+    for row in _phase_rows(breakdown):
+        cells = "".join(f"{_ms(breakdown[n]['phases'].get(row, {}).get('median_s')):>15}"
+                        for n in names)
+        key = "write:" if row.startswith("write:") else row
+        floor = PHASE_FLOORS.get(key)
+        note = ""
+        if floor and floor in floors and not (key == "write:" and writes_done):
+            note = f"   {floor} {_ms(floors[floor].get('median'))}"
+            if key == "write:":
+                note += " (all files)"
+        writes_done = writes_done or key == "write:"
+        lines.append(f"{row:<28}{cells}{note}")
+    lines.append(f"{'= durable':<28}" + "".join(f"{_ms(breakdown[n]['durable_s']):>15}"
+                                                 for n in names)
+                 + f"   raw write+fsync {_ms(floors['raw write+fsync']['median'])}")
+    fs = []
+    for n in names:
+        f = breakdown[n]["phases"].get("fsync", {})
+        fs.append(f"{f.get('count', 0):.0f} in {_ms(f.get('median_s'))}" if f else "-")
+    lines.append(f"{'fsyncs (count in ms)':<28}" + "".join(f"{c:>15}" for c in fs)
+                 + f"   one fsync {_ms(floors.get('one fsync', {}).get('median'))}")
+    return lines
+
+
 def ratios(size: dict) -> dict[str, float]:
     """The ratios the targets are stated in, for one size."""
     e, f = size["engines"], size["floors"]
@@ -138,6 +197,7 @@ def text(results: dict) -> str:
     for size in results["sizes"]:
         lines += size_table(size)
         lines += [f"  {k}: {v:.3f}" for k, v in ratios(size).items()]
+        lines += breakdown_lines(size)
         lines.append("")
     tr = results.get("training")
     if tr:
@@ -172,6 +232,9 @@ def write(results: dict, out_dir: str) -> dict[str, str]:
         f.write(text(results) + "\n")
     if not plot(results, paths["plot"]):
         del paths["plot"]
+    path = os.path.join(out_dir, "breakdown.png")
+    if plot_breakdown(results, path):
+        paths["breakdown"] = path
     return paths
 
 
@@ -211,3 +274,91 @@ def plot(results: dict, path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# One colour per phase, the same in every picture (the floors' bars use their phase's).
+PHASE_COLORS = {"slot wait": "#bdbdbd", "copy to host": "#e6550d", "queue": "#fdd0a2",
+                "write": "#31a354", "checksum": "#9e9ac8", "checksum (read back)": "#6a51a3",
+                "ocdbt commit": "#3182bd", "fsync wait": "#636363", "manifest": "#fd8d3c",
+                "publish": "#c51b8a", "after commit": "#fa9fb5", "retention wait": "#fcc5c0",
+                "other": "#d9d9d9"}
+FLOOR_PHASES = [("memcpy", "copy to host"), ("crc32c", "checksum"),
+                ("raw write (no fsync)", "write"), ("one fsync", "fsync wait")]
+
+
+def plot_breakdown(results: dict, path: str, title: str | None = None, *,
+                   rows: dict[str, dict] | None = None) -> bool:
+    """Stacked bars per state: each asyncckpt engine's phases (ms), and the floors stacked.
+
+    A line across each panel marks the raw write+fsync of the same bytes, the
+    durable-throughput yardstick; a dashed one 1/0.9 of it. ``rows``: several
+    runs, labelled, one row of panels each (``results`` is then ignored).
+    """
+    runs = rows or {"": results}
+    grid = [[s for s in r["sizes"] if s.get("breakdown")] for r in runs.values()]
+    if not any(grid):
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cols = max(len(g) for g in grid)
+    fig, axes = plt.subplots(len(grid), cols, figsize=(max(7.0, 1.2 + 2.3 * cols),
+                                                      0.9 + 3.9 * len(grid)), squeeze=False)
+    used: dict[str, str] = {}
+    for r, (label, sizes) in enumerate(zip(runs, grid, strict=True)):
+        for c in range(cols):
+            ax = axes[r][c]
+            if c >= len(sizes):
+                ax.axis("off")
+                continue
+            _breakdown_panel(ax, sizes[c], used)
+        axes[r][0].set_ylabel(f"{label}\nms per save (median)" if label
+                              else "ms per save (median)", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in used.values()]
+    handles += [plt.Line2D([0], [0], color="black"),
+                plt.Line2D([0], [0], color="black", linestyle="--")]
+    fig.legend(handles, [*used, "raw write+fsync", "raw write+fsync / 0.9"], fontsize=7,
+               loc="lower center", ncol=min(5, len(handles)), frameon=False)
+    fig.suptitle(title or "Durable time per save, by phase (floors: memcpy, CRC32C, raw "
+                 "write, one fsync)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.14 / len(grid), 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _breakdown_panel(ax, size: dict, used: dict[str, str]) -> None:
+    """One state's bars: its engines' phases, then the floors, and the raw write marked."""
+    bars = []
+    for name, b in size["breakdown"].items():
+        stack: dict[str, float] = {}
+        for phase, v in b["phases"].items():
+            if phase in OFF_PATH:
+                continue
+            key = "write" if phase.startswith("write:") else phase
+            stack[key] = stack.get(key, 0.0) + max(0.0, v["median_s"]) * 1e3
+        bars.append((name.replace("asyncckpt ", ""), stack))
+    floors = size["floors"]
+    bars.append(("floors", {phase: floors[f]["median"] * 1e3 for f, phase in FLOOR_PHASES
+                            if f in floors}))
+    for x, (_label, stack) in enumerate(bars):
+        bottom = 0.0
+        for phase, color in PHASE_COLORS.items():
+            h = stack.get(phase, 0.0)
+            if h <= 0:
+                continue
+            ax.bar(x, h, bottom=bottom, color=color, edgecolor="white", linewidth=0.5,
+                   width=0.7)
+            used[phase] = color
+            bottom += h
+    raw = floors["raw write+fsync"]["median"] * 1e3
+    ax.axhline(raw, color="black", linewidth=1)
+    ax.axhline(raw / 0.9, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([b[0] for b in bars], fontsize=8)
+    ax.set_title(f"{size['nbytes'] / 2**20:.0f} MiB in {size['tensors']} arrays", fontsize=9)
+    ax.tick_params(axis="y", labelsize=8)

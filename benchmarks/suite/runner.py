@@ -87,6 +87,37 @@ def _safe(fn: Callable[[], object], errors: dict, key: str) -> bool:
         return False
 
 
+def _with_other(recorded: dict, durable_s: float) -> dict:
+    """A save's phases, with two more: ``other``, the time to its commit that no phase on the
+    writer's way accounts for (phases on helper threads, ``OVERLAPPED``, overlap the others
+    and are left out), and ``retention wait``, from the engine's work after the commit to the
+    engine's wait returning (a manager's retention deleting old steps in the background)."""
+    from asyncckpt._engine.metrics import AFTER_COMMIT, OVERLAPPED
+
+    seconds = dict(recorded.get("seconds", {}))
+    committed = recorded.get("committed_s", durable_s)
+    after = seconds.get(AFTER_COMMIT, 0.0)
+    on_path = sum(v for k, v in seconds.items() if k not in OVERLAPPED and k != AFTER_COMMIT)
+    seconds["other"] = committed - on_path
+    seconds["retention wait"] = durable_s - committed - after
+    return {**recorded, "seconds": seconds, "durable_s": durable_s}
+
+
+def _phase_medians(runs: list[dict]) -> dict:
+    """Median seconds, count and bytes of each phase over the saves of one engine."""
+    names: list[str] = []
+    for r in runs:
+        names += [n for n in r.get("seconds", {}) if n not in names]
+    out = {}
+    for n in names:
+        out[n] = {
+            "median_s": statistics.median(r.get("seconds", {}).get(n, 0.0) for r in runs),
+            "count": statistics.median(r.get("counts", {}).get(n, 0) for r in runs),
+            "bytes": statistics.median(r.get("bytes", {}).get(n, 0) for r in runs),
+        }
+    return out
+
+
 def measure_size(
     nbytes: int,
     *,
@@ -95,10 +126,14 @@ def measure_size(
     reps: int,
     workdir: str,
     progress: Progress,
+    tensors: int | None = None,
 ) -> dict:
-    """Blocking, durable, back-to-back, restore and memory for one state size."""
-    tensors = eng.tensors_for(nbytes)
-    label = f"{nbytes / 2**20:.0f} MiB"
+    """Blocking, durable, back-to-back, restore and memory for one state size.
+
+    ``tensors``: arrays the state is split into (default ``tensors_for``).
+    """
+    tensors = tensors or eng.tensors_for(nbytes)
+    label = f"{nbytes / 2**20:.0f} MiB in {tensors}"
     states = {}
     if "tf" in frameworks:
         states["tf"] = eng.TFState(nbytes, tensors)
@@ -123,6 +158,7 @@ def measure_size(
         "memcpy": floors.memcpy,
         "memcpy per tensor": floors.memcpy_per_tensor,
         "raw write+fsync": floors.raw_write,
+        "crc32c": floors.crc32c,
     }
     if "jax" in states:
         floor_cases["memcpy jax arrays"] = states["jax"].memcpy_floor()
@@ -131,6 +167,8 @@ def measure_size(
             floor_cases[eng.D2H_FLOOR] = pinned
     blocking: dict[str, list[float]] = {k: [] for k in [*floor_cases, *engines]}
     durable: dict[str, list[float]] = {k: [] for k in engines}
+    phases: dict[str, list[dict]] = {k: [] for k in engines}
+    raw_parts: dict[str, list[float]] = {"raw write (no fsync)": [], "one fsync": []}
     peak: dict[str, int] = dict.fromkeys(engines, 0)
 
     def settle() -> None:
@@ -152,6 +190,9 @@ def measure_size(
             blocking[name].append(t1 - t0)
             durable[name].append(t2 - t0)
             peak[name] = max(peak[name], mem.delta)
+            recorded = e.phases()
+            if recorded is not None:
+                phases[name].append(_with_other(recorded, t2 - t0))
 
     order = [*floor_cases, *engines]
     for rep in range(reps + 2):  # repetitions 0-1 warm up (allocations, tracing)
@@ -164,6 +205,9 @@ def measure_size(
                 floor_cases[name]()
                 if rep > 1:
                     blocking[name].append(time.perf_counter() - t0)
+                    if name == "raw write+fsync":
+                        raw_parts["raw write (no fsync)"].append(floors.last_write_s)
+                        raw_parts["one fsync"].append(floors.last_fsync_s)
             elif name not in errors and not _safe(lambda n=name, r=rep: run_engine(n, r > 1),
                                                    errors, name):
                 progress(f"{label}: {name} failed: {errors[name]}")
@@ -246,6 +290,13 @@ def measure_size(
         "engines": {},
     }
     result["floors"]["raw read"] = {"median": raw_read_s}
+    for k, xs in raw_parts.items():
+        result["floors"][k] = _stats(xs)
+    result["breakdown"] = {
+        name: {"phases": _phase_medians(runs),
+               "durable_s": statistics.median(r["durable_s"] for r in runs)}
+        for name, runs in phases.items() if runs
+    }
     for name in engines:
         d = durable[name]
         result["engines"][name] = {
