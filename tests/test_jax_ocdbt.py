@@ -21,6 +21,7 @@ import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError  # noqa: E402
 from asyncckpt._engine import fastcrc  # noqa: E402
 from asyncckpt.jax import _ocdbt  # noqa: E402
+from asyncckpt.jax._job import JaxSaveJob  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
 
 PLAIN = aj.FormatOptions(use_ocdbt=False)
@@ -248,28 +249,39 @@ def test_chunk_keys_name_their_grid_indices():
         assert _ocdbt.chunk_grid(key) is None, key
 
 
-def _counting_references(monkeypatch) -> list[tuple[str, int]]:
-    """The real by-reference write, recording each (key, bytes) it is given."""
+def _counting_references(before_finish=None) -> tuple[type, list[tuple[str, int]]]:
+    """A manager whose OCDBT databases record each (key, bytes) written by reference.
+
+    Its saves' database writer is the real one, recording the uncopied writes
+    it is given; ``before_finish()`` runs before a database's real ``finish``.
+    """
     seen: list[tuple[str, int]] = []
-    real = _ocdbt.DatabaseWriter._write_by_reference
 
-    def recording(self, parent, grid, separator, view):
-        seen.append((parent + separator.join(map(str, grid)), len(view)))
-        return real(self, parent, grid, separator, view)
+    class Recording(_ocdbt.DatabaseWriter):
+        def _write_by_reference(self, parent, grid, separator, view):
+            seen.append((parent + separator.join(map(str, grid)), len(view)))
+            return super()._write_by_reference(parent, grid, separator, view)
 
-    monkeypatch.setattr(_ocdbt.DatabaseWriter, "_write_by_reference", recording)
-    return seen
+        def finish(self):
+            if before_finish is not None:
+                before_finish()
+            super().finish()
+
+    class Job(JaxSaveJob):
+        database_class = Recording
+
+    return type("Manager", (aj.CheckpointManager,), {"_job_class": Job}), seen
 
 
 def test_large_values_go_to_tensorstore_uncopied_under_the_same_keys_and_bytes(
-        ckpt_dir, monkeypatch):
-    seen = _counting_references(monkeypatch)
+        ckpt_dir):
+    manager, seen = _counting_references()
     big = np.random.default_rng(0).random((512, 1024), dtype=np.float32)  # 2 MiB
     mesh = _mesh((2,), ("d",))
     state = {"big": jax.device_put(big, NamedSharding(mesh, P("d"))),  # two 1 MiB shards
              "scalar": np.float64(2.5), "small": jnp.arange(100.0),
              "bf": jnp.asarray(big, dtype=jnp.bfloat16)}  # 1 MiB, an extension dtype
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with manager(ckpt_dir) as mgr:
         mgr.save(1, state)
     # The shards of 1 MiB and more; the bfloat16 one through a uint8 view.
     assert sorted(seen) == [("bf/0.0", 1 << 20), ("big/0.0", 1 << 20),
@@ -286,7 +298,7 @@ def test_large_values_go_to_tensorstore_uncopied_under_the_same_keys_and_bytes(
         _same(state, orbax_mgr.restore(1, args=ocp.args.StandardRestore(_abstract(state))))
 
 
-def test_a_slot_is_reused_only_after_its_values_are_committed(ckpt_dir, monkeypatch):
+def test_a_slot_is_reused_only_after_its_values_are_committed(ckpt_dir):
     """TensorStore reads a large value from the staging slot until its transaction commits.
 
     One slot. Step 1's database is held open (the real ``finish``, called late) until
@@ -295,23 +307,20 @@ def test_a_slot_is_reused_only_after_its_values_are_committed(ckpt_dir, monkeypa
     """
     from asyncckpt import AsyncOptions
 
-    seen = _counting_references(monkeypatch)
     second_staged = threading.Event()
-    real_finish = _ocdbt.DatabaseWriter.finish
     held: list[bool] = []
 
-    def late_finish(self):
+    def late_finish():
         if not held:
             held.append(second_staged.wait(timeout=20))
-        real_finish(self)
 
-    monkeypatch.setattr(_ocdbt.DatabaseWriter, "finish", late_finish)
+    manager, seen = _counting_references(before_finish=late_finish)
 
     def state(step):
         return {"w": jnp.full((512, 1024), step, dtype=jnp.float32)}  # one 2 MiB chunk
 
     one_slot = AsyncOptions(num_slots=1, max_slots=1)
-    with aj.CheckpointManager(ckpt_dir, async_options=one_slot) as mgr:
+    with manager(ckpt_dir, async_options=one_slot) as mgr:
         mgr.save(1, state(1))
         mgr.save(2, state(2))  # returns once step 1's write has given the slot back
         second_staged.set()

@@ -29,6 +29,7 @@ from asyncckpt._engine import fastcrc  # noqa: E402
 from asyncckpt._engine import files as files_lib  # noqa: E402
 from asyncckpt.jax import _format as fmt  # noqa: E402
 from asyncckpt.jax import _ocdbt, _tsarrays  # noqa: E402
+from asyncckpt.jax._job import JaxSaveJob  # noqa: E402
 from tests.helpers import flip_byte, run_python, write_script  # noqa: E402
 
 ZARR3_FILES = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)
@@ -179,23 +180,25 @@ def test_files_layout_is_zarr3_and_both_libraries_restore_it(ckpt_dir):
     assert err.value.file == str(damaged)
 
 
-def _recording_references(monkeypatch) -> list[str]:
-    """The real uncopied write of large OCDBT values, recording each key it writes."""
+def _recording_references() -> tuple[type, list[str]]:
+    """A manager whose OCDBT databases record each key they write uncopied (by reference)."""
     seen: list[str] = []
-    real = _ocdbt.DatabaseWriter._write_by_reference
 
-    def recording(self, parent, grid, separator, view):
-        seen.append(parent + separator.join(map(str, grid)))
-        return real(self, parent, grid, separator, view)
+    class Recording(_ocdbt.DatabaseWriter):  # the real database writer, recorded
+        def _write_by_reference(self, parent, grid, separator, view):
+            seen.append(parent + separator.join(map(str, grid)))
+            return super()._write_by_reference(parent, grid, separator, view)
 
-    monkeypatch.setattr(_ocdbt.DatabaseWriter, "_write_by_reference", recording)
-    return seen
+    class Job(JaxSaveJob):
+        database_class = Recording
+
+    return type("Manager", (aj.CheckpointManager,), {"_job_class": Job}), seen
 
 
-def test_ocdbt_layout_is_zarr3_with_several_chunks_per_array(ckpt_dir, monkeypatch):
+def test_ocdbt_layout_is_zarr3_with_several_chunks_per_array(ckpt_dir):
     """SaveArgs chunking and a target data file size split arrays into many zarr v3
     chunks, each a key of the database holding its raw bytes."""
-    seen = _recording_references(monkeypatch)
+    manager, seen = _recording_references()
     rows = np.random.default_rng(0).random((64, 1024), dtype=np.float32)  # 256 KiB
     state = _state(2)
     state["rows"] = jnp.asarray(rows)
@@ -203,7 +206,7 @@ def test_ocdbt_layout_is_zarr3_with_several_chunks_per_array(ckpt_dir, monkeypat
                                       NamedSharding(_mesh((2,), ("d",)), P("d")))
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(), state)
     save_args["chunked"] = ocp.SaveArgs(chunk_byte_size=4 * 64 * 4)  # 4 rows a chunk
-    with aj.CheckpointManager(ckpt_dir, format_options=aj.FormatOptions(use_zarr3=True)) as mgr:
+    with manager(ckpt_dir, format_options=aj.FormatOptions(use_zarr3=True)) as mgr:
         mgr.save(2, args=ocp.args.PyTreeSave(state, save_args=save_args,
                                              ocdbt_target_data_file_size=64 << 10))
     item = ckpt_dir / "2" / "default"
@@ -235,13 +238,13 @@ def test_ocdbt_layout_is_zarr3_with_several_chunks_per_array(ckpt_dir, monkeypat
     _asyncckpt_restores(ckpt_dir, 2, state)
 
 
-def test_large_zarr3_values_go_to_tensorstore_uncopied_under_their_keys(ckpt_dir, monkeypatch):
-    seen = _recording_references(monkeypatch)
+def test_large_zarr3_values_go_to_tensorstore_uncopied_under_their_keys(ckpt_dir):
+    manager, seen = _recording_references()
     big = np.random.default_rng(1).random((512, 1024), dtype=np.float32)  # 2 MiB
     state = {"big": jax.device_put(big, NamedSharding(_mesh((2,), ("d",)), P("d"))),
              "bf": jnp.asarray(big[:, :512], dtype=jnp.bfloat16),  # 0.5 MiB: copied
              "vec": jnp.asarray(big.reshape(-1)[: 1 << 18])}  # 1 MiB, one dimension
-    with aj.CheckpointManager(ckpt_dir, item_handlers=ZARR3_OCDBT) as mgr:
+    with manager(ckpt_dir, item_handlers=ZARR3_OCDBT) as mgr:
         mgr.save(1, state)
     assert sorted(seen) == ["big/c/0/0", "big/c/1/0", "vec/c/0"]
     item = ckpt_dir / "1" / "default"
@@ -446,18 +449,17 @@ def test_catalog_describes_zarr3_arrays(ckpt_dir):
         catalog.verify(found)
 
 
-def test_every_directory_above_a_nested_chunk_file_is_made_durable(tmp_path, monkeypatch):
+def test_every_directory_above_a_nested_chunk_file_is_made_durable(tmp_path):
     """zarr v3 chunk keys are nested (w/c/0/1): each directory on the way holds the
     entry of the next, so each is fsynced."""
     synced: list[str] = []
-    real = files_lib.fsync_path
 
-    def recording(path):
-        synced.append(os.path.relpath(path, tmp_path))
-        return real(path)
+    class Recording(files_lib.DurableWriter):  # the real writer, recording its fsyncs
+        def sync(self, path):
+            synced.append(os.path.relpath(path, tmp_path))
+            super().sync(path)
 
-    monkeypatch.setattr(files_lib, "fsync_path", recording)
-    writer = files_lib.DurableWriter(str(tmp_path), fsync=True, checksums=True)
+    writer = Recording(str(tmp_path), fsync=True, checksums=True)
     writer.write("default/w/c/0/1", (b"x",))
     writer.write("default/w/zarr.json", (b"{}",))
     writer.finish()

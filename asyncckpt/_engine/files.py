@@ -131,7 +131,7 @@ class DurableWriter:
         self._update = fastcrc.updater(self.algorithm)
         self._records: list[FileRecord] = []
         self._dirs: set[str] = {root}
-        self._flusher = _Flusher(pause) if fsync else None
+        self._flusher = _Flusher(self.sync, pause) if fsync else None
         self._pause = pause
         self._mode = mode
 
@@ -221,6 +221,11 @@ class DurableWriter:
         self._records.append(record)
         return record
 
+    def sync(self, path: str) -> None:
+        """Makes one file or directory durable: every fsync of the writer is this call
+        (on the flushing thread for files, in ``finish`` for directories)."""
+        fsync_path(path)
+
     def _schedule_fsync(self, path: str) -> None:
         if self._flusher is not None:
             self._flusher.submit(path)
@@ -239,7 +244,7 @@ class DurableWriter:
             self._flusher.join()
             # Deepest first, so each directory's entry in its parent is flushed last.
             for d in sorted(self._dirs, key=len, reverse=True):
-                fsync_path(d)
+                self.sync(d)
         return self.records
 
     def abort(self) -> None:
@@ -256,7 +261,9 @@ class _Flusher:
     in-flight saves needs it.
     """
 
-    def __init__(self, pause: Callable[[], None] | None = None):
+    def __init__(self, sync: Callable[[str], None],
+                 pause: Callable[[], None] | None = None):
+        self._sync = sync  # the fsync of one path (DurableWriter.sync)
         self._pause = pause  # called before each fsync (see DurableWriter)
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -269,7 +276,7 @@ class _Flusher:
                 try:
                     if self._pause is not None:
                         self._pause()
-                    fsync_path(path)
+                    self._sync(path)
                 except BaseException as e:  # surfaced by join()
                     self._error = e
 

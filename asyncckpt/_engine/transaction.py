@@ -49,7 +49,14 @@ class Transaction:
         mode: Permission bits of the files written (orbax's
             ``FileOptions.path_permission_mode``, less the execute bits);
             None: the umask's default.
+
+    Attributes:
+        writer_class: What writes (and adopts) the checkpoint's files: a
+            ``DurableWriter``, or a subclass of it (one that counts, holds or
+            fails writes in a test) set on a transaction before ``files``.
     """
+
+    writer_class: type[DurableWriter] = DurableWriter
 
     def __init__(self, destination: Destination, *, framework: str, label: str,
                  step: int | None, manifest_name: str, options: AsyncOptions,
@@ -83,9 +90,7 @@ class Transaction:
     def files(self) -> DurableWriter:
         """The writer of the checkpoint's files, relative to ``workdir``."""
         if self._files is None:
-            self._files = DurableWriter(self.workdir, fsync=self.fsync,
-                                        checksums=self._checksums, pause=self._pause,
-                                        mode=self._mode)
+            self._files = self.writer()
         return self._files
 
     def set_pause(self, pause: Callable[[], None] | None) -> None:
@@ -100,8 +105,8 @@ class Transaction:
 
     def writer(self) -> DurableWriter:
         """Another writer into ``workdir`` (its records are passed to ``publish``)."""
-        return DurableWriter(self.workdir, fsync=self.fsync, checksums=self._checksums,
-                             pause=self._pause, mode=self._mode)
+        return self.writer_class(self.workdir, fsync=self.fsync, checksums=self._checksums,
+                                 pause=self._pause, mode=self._mode)
 
     def adopt(self, names: Iterable[str], *,
               known: dict[str, tuple[int, int, str]] | None = None) -> None:

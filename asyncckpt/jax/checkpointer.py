@@ -205,6 +205,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
     """
 
     _blocking = True  # save() returns once the checkpoint is durable
+    # Each save's format writer; a subclass may set its own (one that holds or fails writes).
+    _job_class: type[JaxSaveJob] = JaxSaveJob
 
     def __init__(
         self,
@@ -391,7 +393,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                 zarr3=self._format.use_zarr3))
             txn = step_transaction(path, options=self._options, step=None,
                                    token=f"{token}-{seq}", replace=force, mode=self._mode)
-            return JaxSaveJob(
+            return self._job_class(
                 transaction=txn,
                 step=None,
                 staged=staged,
