@@ -128,8 +128,10 @@ def test_restore_of_a_step_in_flight_waits_for_its_save(frontend):
 
         reader = threading.Thread(target=restore)
         reader.start()
-        reader.join(0.5)
-        assert reader.is_alive() and not errors  # waiting for the write, not failing
+        reader.join(0.2)
+        # Waiting for the write, not failing (a restore that does not wait fails or
+        # restores something else: both are caught below too).
+        assert reader.is_alive() and not errors
     finally:
         gate.release()
     reader.join(60)
