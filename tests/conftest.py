@@ -57,6 +57,8 @@ class WriteGate:
         import asyncckpt.tf as at
         from asyncckpt.tf._job import TFSaveJob
 
+        self.at = at
+
         self.open = threading.Event()
         self.open.set()
         self.entered = threading.Semaphore(0)
@@ -68,12 +70,20 @@ class WriteGate:
                 assert gate.open.wait(60), "the test never opened the gate"
                 return super().write_bundle(prefix, state)
 
+        self.job_class = GatedJob
         self.Checkpoint = type("GatedCheckpoint", (at.Checkpoint,), {"_job_class": GatedJob})
 
 
 @pytest.fixture
-def gate():
-    """A ``WriteGate`` (its ``Checkpoint`` saves through it), opened again at the end."""
+def gate(monkeypatch):
+    """A ``WriteGate`` (its ``Checkpoint`` saves through it), opened again at the end.
+
+    For the test's duration ``asyncckpt.tf.Checkpoint``'s own save job class
+    (its ``_job_class`` seam) is the gated one too: code a test does not
+    write makes its checkpoint itself (tests/clients/test_tf_model_garden_manager.py);
+    tests of this project's own use ``gate.Checkpoint``.
+    """
     g = WriteGate()
+    monkeypatch.setattr(g.at.Checkpoint, "_job_class", g.job_class)
     yield g
     g.open.set()
