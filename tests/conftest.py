@@ -43,30 +43,47 @@ def ckpt_dir(tmp_path):
 
 
 class WriteGate:
-    """Wraps TensorFlow's real bundle writer; writes wait while the gate is closed.
+    """Holds TensorFlow saves in their background write while the gate is closed.
 
-    Tests close it (``open.clear()``) to hold a save in its background write,
-    learn that a write reached it from ``entered``, and open it to let it go.
+    ``Checkpoint`` is an ``asyncckpt.tf.Checkpoint`` whose saves' format
+    writer (``TFSaveJob``, through the class's ``_job_class``) waits at this
+    gate before writing its bundle; ``Checkpoint.wrap(plain)`` wraps a
+    ``tf.train.Checkpoint`` for a manager. Tests close the gate
+    (``open.clear()``) to hold a save in its background write, learn that a
+    write reached it from ``entered``, and open it to let it go.
     """
 
-    def __init__(self, real):
-        self.real = real
+    def __init__(self):
+        import asyncckpt.tf as at
+        from asyncckpt.tf._job import TFSaveJob
+
+        self.at = at
+
         self.open = threading.Event()
         self.open.set()
         self.entered = threading.Semaphore(0)
+        gate = self
 
-    def __call__(self, prefix, state, **kw):
-        self.entered.release()
-        assert self.open.wait(60), "the test never opened the gate"
-        return self.real(prefix, state, **kw)
+        class GatedJob(TFSaveJob):
+            def write_bundle(self, prefix, state):
+                gate.entered.release()
+                assert gate.open.wait(60), "the test never opened the gate"
+                return super().write_bundle(prefix, state)
+
+        self.job_class = GatedJob
+        self.Checkpoint = type("GatedCheckpoint", (at.Checkpoint,), {"_job_class": GatedJob})
 
 
 @pytest.fixture
 def gate(monkeypatch):
-    """A ``WriteGate`` around asyncckpt.tf's bundle writer, opened again at the end."""
-    from asyncckpt.tf import _job
+    """A ``WriteGate`` (its ``Checkpoint`` saves through it), opened again at the end.
 
-    g = WriteGate(_job.write_bundle)
-    monkeypatch.setattr(_job, "write_bundle", g)
+    For the test's duration ``asyncckpt.tf.Checkpoint``'s own save job class
+    (its ``_job_class`` seam) is the gated one too: code a test does not
+    write makes its checkpoint itself (tests/clients/test_tf_model_garden_manager.py);
+    tests of this project's own use ``gate.Checkpoint``.
+    """
+    g = WriteGate()
+    monkeypatch.setattr(g.at.Checkpoint, "_job_class", g.job_class)
     yield g
     g.open.set()

@@ -191,7 +191,6 @@ _EXIT_TF = """
 import sys, threading
 import tensorflow as tf
 import asyncckpt.tf as atf
-from asyncckpt.tf import checkpoint as checkpoint_module
 from asyncckpt.tf._job import TFSaveJob
 
 class AfterMainJob(TFSaveJob):
@@ -201,8 +200,10 @@ class AfterMainJob(TFSaveJob):
         print("writing after the main thread finished", flush=True)
         super().write()
 
-checkpoint_module.TFSaveJob = AfterMainJob
-ckpt = atf.Checkpoint(v=tf.Variable(tf.range(1000, dtype=tf.float32)))
+class Ckpt(atf.Checkpoint):
+    _job_class = AfterMainJob
+
+ckpt = Ckpt(v=tf.Variable(tf.range(1000, dtype=tf.float32)))
 print("saved", ckpt.save(sys.argv[1]), flush=True)
 # No sync(), no close(): the main thread ends here.
 """

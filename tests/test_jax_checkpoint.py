@@ -480,28 +480,28 @@ def test_unsupported_leaves_are_refused_on_the_calling_thread(ckpt_dir):
 
 
 
-def test_a_burst_deeper_than_the_slots_gets_a_spare_slot_and_saves_exact_values(
-    ckpt_dir, monkeypatch
-):
+def test_a_burst_deeper_than_the_slots_gets_a_spare_slot_and_saves_exact_values(ckpt_dir):
     from asyncckpt import AsyncOptions
-    from asyncckpt.jax import _job
+    from asyncckpt.jax._job import JaxSaveJob
 
     gate, entered = threading.Event(), threading.Event()
-    real_write = _job.JaxSaveJob.write
 
-    def gated_write(self):
-        entered.set()
-        assert gate.wait(60), "test never opened the gate"
-        real_write(self)
+    class GatedJob(JaxSaveJob):  # the real job, its write held until the gate opens
+        def write(self):
+            entered.set()
+            assert gate.wait(60), "test never opened the gate"
+            super().write()
 
-    monkeypatch.setattr(_job.JaxSaveJob, "write", gated_write)
+    class Manager(aj.CheckpointManager):
+        _job_class = GatedJob
+
     mesh = _mesh((8,), ("d",))
     state = {"w": jax.device_put(jnp.zeros((512, 64), jnp.float32), NamedSharding(mesh, P("d"))),
              "n": jnp.arange(5, dtype=jnp.int32)}
     step = jax.jit(lambda t: {k: v + 1 for k, v in t.items()}, donate_argnums=0)
     expected = {}
     opts = AsyncOptions(num_slots=1, max_slots=2)
-    with aj.CheckpointManager(ckpt_dir, async_options=opts) as mgr:
+    with Manager(ckpt_dir, async_options=opts) as mgr:
         try:
             mgr.save(0, state, force=True)
             expected[0] = {k: np.asarray(v).copy() for k, v in state.items()}

@@ -24,7 +24,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import asyncckpt.jax as aj  # noqa: E402
 from asyncckpt import CorruptCheckpointError, layout  # noqa: E402
 from asyncckpt._engine import files as files_lib  # noqa: E402
-from asyncckpt._engine import transaction as transaction_lib  # noqa: E402
 from asyncckpt._engine.manifest import OWNER_MARKER  # noqa: E402
 from asyncckpt.jax import _job, _ocdbt  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
@@ -94,18 +93,22 @@ def _is_ocdbt(path) -> bool:
     return ocdbt
 
 
-def _gate_writes(monkeypatch):
-    """Holds every background write of a save until the returned event is set."""
+def _gated_checkpointer():
+    """A StandardCheckpointer whose background writes wait while the returned event is
+    clear (it starts set); ``entered`` is set by each write that reached it."""
     gate, entered = threading.Event(), threading.Event()
-    real_write = _job.JaxSaveJob.write
+    gate.set()
 
-    def gated_write(self):
-        entered.set()
-        assert gate.wait(60), "the test never opened the gate"
-        real_write(self)
+    class GatedJob(_job.JaxSaveJob):  # the real job, its write held
+        def write(self):
+            entered.set()
+            assert gate.wait(60), "the test never opened the gate"
+            super().write()
 
-    monkeypatch.setattr(_job.JaxSaveJob, "write", gated_write)
-    return gate, entered
+    class Gated(aj.StandardCheckpointer):
+        _job_class = GatedJob
+
+    return Gated(), gate, entered
 
 
 def test_sharded_state_saved_async_restores_resharded_with_asyncckpt_and_orbax(tmp_path):
@@ -243,19 +246,21 @@ def test_ocdbt_target_data_file_size_and_save_args_chunks(tmp_path):
 
 
 def test_existing_destination_raises_and_force_replaces_it_once_the_new_one_is_durable(
-    tmp_path, monkeypatch
+    tmp_path
 ):
     path = tmp_path / "ckpt"
     old = {"w": jnp.zeros(8), "n": 1}
     new = {"w": jnp.ones(8), "n": 2}
-    with aj.StandardCheckpointer() as ckptr:
+    ckptr, gate, entered = _gated_checkpointer()
+    with ckptr:
         ckptr.save(path, old)
         with pytest.raises(ValueError, match="already exists"):
             ckptr.save(path, new)  # still in flight, or already there: as orbax, refused
         ckptr.wait_until_finished()
         with pytest.raises(ValueError, match="already exists"):
             ckptr.save(path, new)
-        gate, entered = _gate_writes(monkeypatch)
+        gate.clear()
+        entered.clear()
         try:
             ckptr.save(path, new, force=True)  # returns while its write is held
             assert entered.wait(30)
@@ -296,12 +301,22 @@ class _DiskFullDatabase(_ocdbt.DatabaseWriter):
 
 
 @pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
-def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkeypatch, ocdbt):
-    if ocdbt:
-        monkeypatch.setattr(_ocdbt, "DatabaseWriter", _DiskFullDatabase)
-    else:
-        monkeypatch.setattr(transaction_lib, "DurableWriter", _DiskFullWriter)
-    ckptr = aj.StandardCheckpointer(use_ocdbt=ocdbt)
+def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, ocdbt):
+    full = threading.Event()
+
+    class DiskFullJob(_job.JaxSaveJob):  # the real job, on a full disk while `full` is set
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            if full.is_set() and ocdbt:
+                self.database_class = _DiskFullDatabase
+            elif full.is_set():
+                self.transaction.writer_class = _DiskFullWriter
+
+    class DiskFull(aj.StandardCheckpointer):
+        _job_class = DiskFullJob
+
+    full.set()
+    ckptr = DiskFull(use_ocdbt=ocdbt)
     ckptr.save(tmp_path / "ckpt", {"w": jnp.arange(64.0), "n": 1})  # staging succeeds
     with pytest.raises(OSError) as err:
         ckptr.wait_until_finished()
@@ -309,7 +324,7 @@ def test_a_failed_background_write_is_raised_and_leaves_nothing(tmp_path, monkey
     assert os.listdir(tmp_path) == []
     with pytest.raises(FileNotFoundError):
         ckptr.restore(tmp_path / "ckpt")
-    monkeypatch.undo()
+    full.clear()  # the disk has room again
     ckptr.save(tmp_path / "ckpt", {"w": jnp.arange(64.0), "n": 1})  # the path is free
     ckptr.close()
     assert ckptr.restore(tmp_path / "ckpt")["n"] == 1

@@ -160,16 +160,25 @@ def test_a_save_behind_a_write_in_flight_does_not_list_the_directory(ckpt_dir, m
     import threading
     import time
 
-    from asyncckpt._engine import transaction as transaction_lib
     from asyncckpt._engine.files import DurableWriter
+    from asyncckpt.jax._job import JaxSaveJob
 
-    made, release = threading.Event(), threading.Event()
+    made, release, hold = threading.Event(), threading.Event(), threading.Event()
 
     class HeldWriter(DurableWriter):  # holds the first file of a write until released
         def write(self, name, chunks):
             made.set()
             release.wait(30)
             return super().write(name, chunks)
+
+    class HeldJob(JaxSaveJob):  # the real job, writing through HeldWriter once `hold` is set
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            if hold.is_set():
+                self.transaction.writer_class = HeldWriter
+
+    class Manager(aj.CheckpointManager):
+        _job_class = HeldJob
 
     listings: list[str] = []
     real_scandir = os.scandir
@@ -180,11 +189,11 @@ def test_a_save_behind_a_write_in_flight_does_not_list_the_directory(ckpt_dir, m
             listings.append(os.fspath(path))
         return real_scandir(path)
 
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with Manager(ckpt_dir) as mgr:
         _save_all(mgr, [0])
         time.sleep(0.02)  # the temporary directory's mtime lands in a later clock tick
-        monkeypatch.setattr(transaction_lib, "DurableWriter", HeldWriter)
-        monkeypatch.setattr(os, "scandir", counting_scandir)
+        hold.set()
+        monkeypatch.setattr(os, "scandir", counting_scandir)  # counts the listings
         try:
             assert mgr.save(1, _state(1), force=True)
             assert made.wait(30)  # the write of step 1 made its directory and is held

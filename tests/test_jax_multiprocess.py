@@ -36,7 +36,7 @@ pid, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                            initialization_timeout=120)
 import asyncckpt.jax as aj
-from asyncckpt.jax import _ocdbt
+from asyncckpt.jax import _job, _ocdbt
 
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
@@ -70,8 +70,22 @@ class FailingDatabase(_ocdbt.DatabaseWriter):
         return super().put(key, data)
 
 
+class FaultyJob(_job.JaxSaveJob):
+    # The real save job; its OCDBT databases are written by `database` when one is set.
+    database = None
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if FaultyJob.database is not None:
+            self.database_class = FaultyJob.database
+
+
+class Manager(aj.CheckpointManager):
+    _job_class = FaultyJob
+
+
 out = {}
-mgr = aj.CheckpointManager(directory, max_to_keep=2, coordination_timeout_s=60)
+mgr = Manager(directory, max_to_keep=2, coordination_timeout_s=60)
 for step in (1, 2, 3):
     mgr.save(step, state(step), custom_metadata={"by": "two processes"})
 mgr.wait_until_finished()  # on process 1 too: returns once process 0 has committed
@@ -79,16 +93,15 @@ out["steps"] = mgr.all_steps()
 out["nbytes"] = [s.nbytes for s in mgr.engine.history]
 
 # A save that fails on process 1 fails on both, and leaves nothing behind.
-real_database = _ocdbt.DatabaseWriter
 if pid == 1:
-    _ocdbt.DatabaseWriter = FailingDatabase
+    FaultyJob.database = FailingDatabase
 mgr.save(4, state(4))
 try:
     mgr.wait_until_finished()
     out["failure"] = None
 except Exception as e:
     out["failure"] = f"{type(e).__name__}: {e}"
-_ocdbt.DatabaseWriter = real_database
+FaultyJob.database = None
 out["steps_after_failure"] = mgr.all_steps()
 
 # Staging that fails on process 1 only fails the save on process 0 too (no timeout).

@@ -37,8 +37,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
 from jax._src import distributed
 import asyncckpt.jax as aj
 from asyncckpt._engine import files as files_lib
-from asyncckpt._engine import transaction as transaction_lib
-from asyncckpt.jax import _job, manager as manager_lib
+from asyncckpt.jax import _job
 from asyncckpt.options import AsyncOptions
 
 client = distributed.global_state.client
@@ -92,22 +91,37 @@ out = {}
 """
 
 WORKER = COMMON + r"""
-class FailingPublish(_job.JaxSaveJob):
-    # Process 0's commit of step 4 fails after every process's files are in.
+class FaultyJob(_job.JaxSaveJob):
+    # The real save job. Its files are written by `writer` when one is set (a save
+    # staged meanwhile), and with `fail_publish` process 0's commit of step 4 fails
+    # after every process's files are in.
+    writer = None
+    fail_publish = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if FaultyJob.writer is not None:
+            self.transaction.writer_class = FaultyJob.writer
+        self.fail_publish = FaultyJob.fail_publish
+
     def _commit(self, stats):
-        if pid == 0 and self.step == 4:
+        if self.fail_publish and pid == 0 and self.step == 4:
             raise OSError(5, "Input/output error", "publish of step 4")
         return super()._commit(stats)
+
+
+class Manager(aj.CheckpointManager):
+    _job_class = FaultyJob
 
 
 # Managers made in a different order on each process: matched by directory.
 a_dir, b_dir = os.path.join(base, "a"), os.path.join(base, "b")
 if pid == 0:
-    ma = aj.CheckpointManager(a_dir, max_to_keep=3, **OPTS)
-    mb = aj.CheckpointManager(b_dir, max_to_keep=2, **OPTS)
+    ma = Manager(a_dir, max_to_keep=3, **OPTS)
+    mb = Manager(b_dir, max_to_keep=2, **OPTS)
 else:
-    mb = aj.CheckpointManager(b_dir, max_to_keep=2, **OPTS)
-    ma = aj.CheckpointManager(a_dir, max_to_keep=3, **OPTS)
+    mb = Manager(b_dir, max_to_keep=2, **OPTS)
+    ma = Manager(a_dir, max_to_keep=3, **OPTS)
 
 # The first saves in a different order too (each process saves both at once).
 first = [ma, mb] if pid == 0 else [mb, ma]
@@ -135,25 +149,25 @@ ma.wait_until_finished()
 
 # A write failure on process 1: the same error on both processes.
 if pid == 1:
-    transaction_lib.DurableWriter = FailingWriter
+    FaultyJob.writer = FailingWriter
 ma.save(3, state(3))
 out["write_failure"] = error_of(ma.wait_until_finished)
-transaction_lib.DurableWriter = files_lib.DurableWriter
+FaultyJob.writer = None
 
 # A commit failure on process 0 reaches process 1 as the same error.
-manager_lib.JaxSaveJob = FailingPublish
+FaultyJob.fail_publish = True
 ma.save(4, state(4))
 out["commit_failure"] = error_of(ma.wait_until_finished)
-manager_lib.JaxSaveJob = _job.JaxSaveJob
+FaultyJob.fail_publish = False
 
 # Process 1's save of step 5 fails, and process 1 has seen it fail before its
 # next save(): that save() raises it. User code catches and goes on.
 if pid == 1:
-    transaction_lib.DurableWriter = FailingWriter
+    FaultyJob.writer = FailingWriter
 ma.save(5, state(5))
 if pid == 1:
     concurrent.futures.wait([ma.last_save.committed])
-transaction_lib.DurableWriter = files_lib.DurableWriter
+FaultyJob.writer = None
 raised = []
 for step in (6, 7, 8):
     err = error_of(lambda: ma.save(step, state(step)))

@@ -219,7 +219,6 @@ import json, os, random, signal, sys, threading, time
 import numpy as np
 import tensorflow as tf
 import asyncckpt.tf as at
-from asyncckpt.tf import checkpoint as checkpoint_module
 from asyncckpt.tf._job import TFSaveJob
 from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
 
@@ -233,7 +232,9 @@ class SlowDiskJob(TFSaveJob):
         super().write()
 
 
-checkpoint_module.TFSaveJob = SlowDiskJob
+class SlowDisk(at.Checkpoint):
+    _job_class = SlowDiskJob
+
 rng = random.Random(int(sys.argv[6]))
 results = []
 for trial in range(trials):
@@ -244,7 +245,7 @@ for trial in range(trials):
     v = tf.Variable(np.zeros(1 << 14, np.float32))
     step = tf.Variable(0, dtype=tf.int64)
     directory = os.path.join(root, f"trial{trial}")
-    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v, step=step), directory, max_to_keep=3)
+    mgr = at.CheckpointManager(SlowDisk(v=v, step=step), directory, max_to_keep=3)
     config = TerminationConfig(grace_period=grace, exit_fn=lambda: None, platform="other")
     handler = PreemptionCheckpointHandler(mgr, termination_config=config)
 
@@ -626,13 +627,12 @@ def test_watch_preemption_scope_reports_an_error_to_the_cluster_and_reraises(ckp
     assert coordinator.reported == [error]
 
 
-def test_an_adopted_save_in_flight_reports_the_run_count_it_holds(ckpt_dir, monkeypatch):
+def test_an_adopted_save_in_flight_reports_the_run_count_it_holds(ckpt_dir):
     """With no time for a new final save, the save in flight becomes the final
     checkpoint; its run count is read back from it, not taken from its number
     (the manager names it by its save counter)."""
     import asyncckpt.tf as at
     from asyncckpt.preemption import PreemptionCheckpointHandler, TerminationConfig
-    from asyncckpt.tf import checkpoint as checkpoint_module
     from asyncckpt.tf._job import TFSaveJob
 
     class SlowDiskJob(TFSaveJob):  # the real job, on a disk that takes 1.5 s per checkpoint
@@ -640,9 +640,11 @@ def test_an_adopted_save_in_flight_reports_the_run_count_it_holds(ckpt_dir, monk
             time.sleep(1.5)
             super().write()
 
-    monkeypatch.setattr(checkpoint_module, "TFSaveJob", SlowDiskJob)
+    class SlowDisk(at.Checkpoint):
+        _job_class = SlowDiskJob
+
     v = tf.Variable(0.0)
-    mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), str(ckpt_dir), max_to_keep=5)
+    mgr = at.CheckpointManager(SlowDisk(v=v), str(ckpt_dir), max_to_keep=5)
     exits = []
     config = TerminationConfig(grace_period=0.3, exit_fn=lambda: exits.append(1),
                                platform="other")

@@ -19,7 +19,7 @@ keras = pytest.importorskip("keras")
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt._engine import fastcrc  # noqa: E402
-from asyncckpt.tf import _bundle, _bundlewrite, _job  # noqa: E402
+from asyncckpt.tf import _bundle, _job  # noqa: E402
 from asyncckpt.tf._variant import CapturedVariant  # noqa: E402
 from tests.conftest import TF_LOGICAL_CPUS  # noqa: E402
 
@@ -107,30 +107,37 @@ def _assert_both_readers(kind: str, path: str, expected, method: str = "restore"
         assert _same(got, expected), f"{reader} restored another position"
 
 
-def _own_writer_spy(monkeypatch) -> list:
-    calls = []
-    real = _bundlewrite.write_bundle
+def _own_writer_spy(reference: str | None = None) -> tuple[type, list]:
+    """A Checkpoint class whose saves record what their bundle writer returned.
 
-    def spy(prefix, state, **kw):
-        calls.append(real(prefix, state, **kw))
-        return calls[-1]
+    Non-empty: the checksums of asyncckpt's own writer; empty: TensorFlow's
+    ``SaveV2`` wrote the files. With ``reference``, the very state each save
+    captured is also written there by ``SaveV2``.
+    """
+    calls: list = []
 
-    monkeypatch.setattr(_bundlewrite, "write_bundle", spy)
-    return calls
+    class Spied(_job.TFSaveJob):  # the real format writer, recorded
+        def write_bundle(self, prefix, state):
+            if reference is not None:
+                _job.save_v2_bundle(reference, state)
+            calls.append(super().write_bundle(prefix, state))
+            return calls[-1]
+
+    return type("SpiedCheckpoint", (at.Checkpoint,), {"_job_class": Spied}), calls
 
 
 # --- the trips -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_asyncckpt_save_then_asyncckpt_restore(ckpt_dir, monkeypatch, kind):
-    calls = _own_writer_spy(monkeypatch)
+def test_asyncckpt_save_then_asyncckpt_restore(ckpt_dir, kind):
+    spied, calls = _own_writer_spy()
     it, expected = _advanced(kind)
-    with at.Checkpoint(it=it, step=tf.Variable(7, dtype=tf.int64)) as ckpt:
+    with spied(it=it, step=tf.Variable(7, dtype=tf.int64)) as ckpt:
         path = ckpt.save(str(ckpt_dir / "ckpt"))
         ckpt.sync()
         stats = ckpt.last_save.result()
-    assert calls and all(c is not None for c in calls)  # written by asyncckpt's own writer
+    assert calls and all(calls)  # written by asyncckpt's own writer
     at.verify_checkpoint(path)
     entry = _bundle.parse_index(_read(path + ".index")).entries[KEY]
     assert entry.dtype == tf.variant.as_datatype_enum
@@ -187,7 +194,7 @@ def test_write_then_read(ckpt_dir, kind):
 def test_advanced_right_after_save_returns(ckpt_dir, gate, kind):
     it, expected = _advanced(kind)
     step = tf.Variable(5, dtype=tf.int64)
-    with at.Checkpoint(it=it, step=step) as ckpt:
+    with gate.Checkpoint(it=it, step=step) as ckpt:
         gate.open.clear()  # the write waits until the iterator has run on
         path = ckpt.save(str(ckpt_dir / "ckpt"))
         assert gate.entered.acquire(timeout=60)
@@ -247,21 +254,14 @@ def test_assert_consumed_and_expect_partial_verdicts_equal_tensorflows(ckpt_dir,
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_files_are_byte_identical_to_savev2s_of_the_same_state(ckpt_dir, monkeypatch, kind):
+def test_files_are_byte_identical_to_savev2s_of_the_same_state(ckpt_dir, kind):
     """The very state a save captured, written by SaveV2 beside asyncckpt's writer."""
-    calls = _own_writer_spy(monkeypatch)
-    real = _job.write_bundle
-
-    def with_reference(prefix, state, **kw):
-        _job.save_v2_bundle(str(ckpt_dir / "ref"), state)
-        return real(prefix, state, **kw)
-
-    monkeypatch.setattr(_job, "write_bundle", with_reference)
+    spied, calls = _own_writer_spy(reference=str(ckpt_dir / "ref"))
     it, _ = _advanced(kind)
-    with at.Checkpoint(it=it) as ckpt:
+    with spied(it=it) as ckpt:
         path = ckpt.write(str(ckpt_dir / "ours"))
         ckpt.sync()
-    assert calls and calls[-1] is not None
+    assert calls and calls[-1]
     for suffix in (".index", ".data-00000-of-00001"):
         assert _read(path + suffix) == _read(str(ckpt_dir / "ref") + suffix)
 

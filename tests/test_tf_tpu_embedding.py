@@ -207,7 +207,7 @@ def test_write_then_read(ckpt_dir, kind):
 def test_trained_right_after_save_returns(ckpt_dir, gate, kind):
     emb = _embedding(kind, seed=1)
     expected = _train(emb, kind, 8.0)
-    with at.Checkpoint(embedding=emb) as ckpt:
+    with gate.Checkpoint(embedding=emb) as ckpt:
         gate.open.clear()
         path = ckpt.save(str(ckpt_dir / "ckpt"))
         assert gate.entered.acquire(timeout=60)

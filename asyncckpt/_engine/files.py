@@ -138,7 +138,7 @@ class DurableWriter:
         self._update = fastcrc.updater(self.algorithm)
         self._records: list[FileRecord] = []
         self._dirs: set[str] = {root}
-        self._flusher = _Flusher(pause) if fsync else None
+        self._flusher = _Flusher(self.sync, pause) if fsync else None
         self._pause = pause
         self.mode = mode
         self.phases = Phases() if phases is None else phases
@@ -271,6 +271,11 @@ class DurableWriter:
         self._records.append(record)
         return record
 
+    def sync(self, path: str) -> None:
+        """Makes one file or directory durable: every fsync of the writer is this call
+        (on the process's fsync threads, files and directories alike)."""
+        fsync_path(path)
+
     def _schedule_fsync(self, path: str) -> None:
         if self._flusher is not None:
             self._flusher.submit(path)
@@ -295,7 +300,8 @@ class DurableWriter:
                 self._flusher.submit(d)
             self._flusher.join()
             self.phases.merge(self._flusher.phases)
-            self._flusher = _Flusher(self._pause)  # files written after this: a new batch
+            # Files written after this: a new batch.
+            self._flusher = _Flusher(self.sync, self._pause)
         return self.records
 
     def abort(self) -> None:
@@ -359,7 +365,9 @@ class _Flusher:
     fsync (``FSYNC``); ``join`` waits for all of them.
     """
 
-    def __init__(self, pause: Callable[[], None] | None = None):
+    def __init__(self, sync: Callable[[str], None],
+                 pause: Callable[[], None] | None = None):
+        self._sync = sync  # the fsync of one path (DurableWriter.sync)
         self._pause = pause  # called before each fsync (see DurableWriter)
         self._cv = threading.Condition()
         self._pending = 0
@@ -380,7 +388,7 @@ class _Flusher:
                 if self._pause is not None:
                     self._pause()
                 t0 = time.perf_counter()
-                fsync_path(path)
+                self._sync(path)
                 seconds = time.perf_counter() - t0
             except BaseException as e:  # surfaced by join()
                 error = e

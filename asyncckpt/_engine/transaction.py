@@ -56,7 +56,14 @@ class Transaction:
             None: the umask's default.
         on_begin: Called once the working directory exists (the JAX manager
             lists its directory again then, off the training thread).
+
+    Attributes:
+        writer_class: What writes (and adopts) the checkpoint's files: a
+            ``DurableWriter``, or a subclass of it (one that counts, holds or
+            fails writes in a test) set on a transaction before ``files``.
     """
+
+    writer_class: type[DurableWriter] = DurableWriter
 
     def __init__(self, destination: Destination, *, framework: str, label: str,
                  step: int | None, manifest_name: str, options: AsyncOptions,
@@ -93,9 +100,7 @@ class Transaction:
     def files(self) -> DurableWriter:
         """The writer of the checkpoint's files, relative to ``workdir``."""
         if self._files is None:
-            self._files = DurableWriter(self.workdir, fsync=self.fsync,
-                                        checksums=self._checksums, pause=self._pause,
-                                        mode=self._mode, phases=self.phases)
+            self._files = self.writer()
         return self._files
 
     def set_pause(self, pause: Callable[[], None] | None) -> None:
@@ -112,8 +117,8 @@ class Transaction:
 
     def writer(self) -> DurableWriter:
         """Another writer into ``workdir`` (its records are passed to ``publish``)."""
-        return DurableWriter(self.workdir, fsync=self.fsync, checksums=self._checksums,
-                             pause=self._pause, mode=self._mode, phases=self.phases)
+        return self.writer_class(self.workdir, fsync=self.fsync, checksums=self._checksums,
+                                 pause=self._pause, mode=self._mode, phases=self.phases)
 
     def adopt(self, names: Iterable[str], *,
               known: dict[str, tuple[int, int, str]] | None = None) -> None:

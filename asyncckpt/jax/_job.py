@@ -145,7 +145,13 @@ class JaxSaveJob(SaveJob):
         handlers: Items saved by their own orbax handlers, started at the
             ``save()`` call into the transaction's directory; finished (their
             futures, ``finalize``) and their files adopted before the commit.
+
+    Attributes:
+        database_class: The writer of an OCDBT item's database (a subclass
+            of ``_ocdbt.DatabaseWriter`` where a test holds or fails its writes).
     """
+
+    database_class: type[_ocdbt.DatabaseWriter] = _ocdbt.DatabaseWriter
 
     def __init__(self, *, transaction: Transaction, staged: StagedTree, info: StepInfo,
                  peers: Peers | None = None, ocdbt: Mapping[str, int] | None = None,
@@ -262,7 +268,7 @@ class JaxSaveJob(SaveJob):
         db = self._dbs.get(item)
         if db is None:
             index = 0 if self._peers is None else self._peers.coordinator.process_index
-            db = self._dbs[item] = _ocdbt.DatabaseWriter(
+            db = self._dbs[item] = self.database_class(
                 self.transaction.workdir, item, index, target=self._ocdbt[item],
                 files=self.transaction.files, pause=self.pause)
         return db

@@ -212,6 +212,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
     """
 
     _blocking = True  # save() returns once the checkpoint is durable
+    # Each save's format writer; a subclass may set its own (one that holds or fails writes).
+    _job_class: type[JaxSaveJob] = JaxSaveJob
 
     def __init__(
         self,
@@ -430,7 +432,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
                     foreign.abandon()
                     txn.abort()
                     raise
-            return JaxSaveJob(
+            return self._job_class(
                 transaction=txn,
                 staged=staged,
                 info=StepInfo(custom_metadata=custom, item_handlers=recorded),

@@ -62,6 +62,14 @@ def _own_async_options(options: Any) -> AsyncOptions:
                     f"{type(options).__module__}.{type(options).__qualname__}")
 
 
+def _delete_step(view: _view.StepView, todelete_subdir: str | None,
+                 tiers: StepTiers | None, step: int) -> None:
+    """Deletes ``step`` (retention, or ``delete``): here, and in a URL directory's bucket."""
+    _view.delete_step_dir(view, step, todelete_subdir)
+    if tiers is not None:
+        tiers.delete(step)
+
+
 class CheckpointManager(ClosingContext):
     """Numbered asynchronous checkpoints of pytrees, spelled and laid out as orbax's.
 
@@ -150,6 +158,13 @@ class CheckpointManager(ClosingContext):
         ValueError: an orbax option asyncckpt cannot honour (named), or
             conflicting arguments.
     """
+
+    # The format writer of each save (the background part); a subclass may set a
+    # JaxSaveJob subclass of its own (one that holds or fails writes).
+    _job_class: type[JaxSaveJob] = JaxSaveJob
+    # Deletes one step (retention, delete()); a subclass may wrap it. A plain
+    # function of the view, not a method: a dropped manager's saves still finish.
+    _delete_step = staticmethod(_delete_step)
 
     def __init__(
         self,
@@ -242,7 +257,7 @@ class CheckpointManager(ClosingContext):
         # Deletes what a save condemned; holds the view, not the manager, so a
         # dropped manager's saves still finish. Only the primary deletes.
         self._delete = functools.partial(
-            _delete_step, self._view, self._config.todelete_subdir,
+            type(self)._delete_step, self._view, self._config.todelete_subdir,
             self._tiers if self._tiers.remote_only else None) if self._primary else None
         if self._tiers.remote_only:  # steps only the bucket holds: their records from there
             self._view.remote_record = functools.partial(
@@ -611,6 +626,8 @@ class CheckpointManager(ClosingContext):
         then = (None if self._on_published is None
                 else functools.partial(self._on_published, step))
 
+        job_class = self._job_class
+
         def stage(slot):
             trees = [self._snapshotter.stage(i.value, slot, item=i.name, chunking=i.chunking,
                                              ocdbt=targets[i.name],
@@ -631,7 +648,7 @@ class CheckpointManager(ClosingContext):
                     raise
             elif not config.create_directories_asynchronously:
                 txn.begin()  # on this thread, as orbax makes it
-            return JaxSaveJob(
+            return job_class(
                 transaction=txn,
                 staged=StagedTree.combine(trees),
                 info=StepInfo(metrics, custom_metadata, typestrs, started=res.record.timestamp),
@@ -862,14 +879,6 @@ def register_with_orbax() -> bool:
 
 
 register_with_orbax()  # orbax imported before asyncckpt.jax: registered at once
-
-
-def _delete_step(view: _view.StepView, todelete_subdir: str | None,
-                 tiers: StepTiers | None, step: int) -> None:
-    """Deletes ``step`` (retention, or ``delete``): here, and in a URL directory's bucket."""
-    _view.delete_step_dir(view, step, todelete_subdir)
-    if tiers is not None:
-        tiers.delete(step)
 
 
 def _remote_record(tiers: StepTiers, step: int, *, checksums: bool) -> StepRecord:

@@ -487,7 +487,7 @@ class ArrayStore:
                 algorithm = fastcrc.CRC32C if fastcrc.CRC32C in e else fastcrc.CRC32
                 if fastcrc.updater(algorithm)(out, 0) != e[algorithm]:
                     raise CorruptCheckpointError(
-                        f"array {name!r} of {step_dir!r} fails its {algorithm.upper()} check",
+                        f"array {name!r} in {data_path!r} fails its {algorithm.upper()} check",
                         checkpoint=step_dir, file=data_path)
                 arrays[name] = out.view(_dtype_from_name(e["dtype"])).reshape(e["shape"])
         finally:

@@ -215,9 +215,10 @@ class ManagedCheckpoints:
         state file.
         """
         del path, stats
-        self.steps.committed(res, delete=self._delete, on_change=self._write_state_file)
+        self.steps.committed(res, delete=self.delete, on_change=self.write_state_file)
 
-    def _delete(self, name: str) -> None:
+    def delete(self, name: str) -> None:
+        """Deletes the checkpoint ``name`` (retention), index first."""
         delete_checkpoint(os.path.join(self.abs_dir, name))
         if self._remote_delete is not None:
             self._remote_delete(name)  # in the background
@@ -243,7 +244,8 @@ class ManagedCheckpoints:
             self.abs_dir, latest or "", [n for n, _ in entries], [t for _, t in entries],
             last_preserved)
 
-    def _write_state_file(self, deleting: frozenset[str]) -> None:
+    def write_state_file(self, deleting: frozenset[str]) -> None:
+        """Rewrites the state file (atomically) to name the durable checkpoints."""
         text = self._state_text(deleting)
         # Other processes' managers may write it too (last writer wins, as in
         # TensorFlow); the lock keeps their cleanup off its temporary.
@@ -304,10 +306,15 @@ def _managed_checkpoints(directory: str) -> list[str]:
     return names
 
 
-def view_for(directory: str, *, fsync: bool) -> ManagedCheckpoints:
-    """The process's view of ``directory``, read from disk if nobody holds one."""
+def view_for(directory: str, *, fsync: bool,
+             view_class: type[ManagedCheckpoints] = ManagedCheckpoints) -> ManagedCheckpoints:
+    """The process's view of ``directory``, read from disk if nobody holds one.
+
+    ``view_class`` makes it when none is held (a subclass wraps its deletions
+    or state file writes).
+    """
     path = os.path.abspath(directory)
-    view, made = shared("tf", path, lambda: ManagedCheckpoints(path, fsync))
+    view, made = shared("tf", path, lambda: view_class(path, fsync))
     if not made:
         view.attach()
     return view

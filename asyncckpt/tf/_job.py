@@ -179,11 +179,21 @@ class TFSaveJob(SaveJob):
                 with phases.timed(COPY):
                     self._state.copy.wait()  # the background copy into the slot
             workdir = self.transaction.begin()
-            self._sums = write_bundle(os.path.join(workdir, self.label), self._state,
-                                      pause=self.pause, phases=phases) or {}
+            self._sums = self.write_bundle(os.path.join(workdir, self.label),
+                                           self._state) or {}
             self.nbytes = self._state.nbytes  # with the variants (iterator state) encoded
         finally:
             self._state = None  # the slot is reused once this returns
+
+    def write_bundle(self, prefix: str, state: StagedState) -> dict[str, tuple[int, int, str]]:
+        """Writes the bundle's files at ``prefix`` (in the transaction's directory).
+
+        The module's ``write_bundle``, pausing on the engine's gate and
+        recording its phases in the transaction's; a
+        subclass may wrap it (hold or fail the write). Returns the
+        checksums known from the writing (see ``write_bundle``).
+        """
+        return write_bundle(prefix, state, pause=self.pause, phases=self.transaction.phases)
 
     def start_background(self) -> None:
         """Starts the background copy into the slot (the save is queued)."""

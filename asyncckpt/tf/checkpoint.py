@@ -321,6 +321,10 @@ class Checkpoint(tf.train.Checkpoint, ClosingContext):
 
     checkpoint = _Attribute(_graph_checkpoint)
 
+    # The format writer of each save (the background part); a subclass may set a
+    # TFSaveJob subclass of its own (one that holds or fails writes).
+    _job_class: type[TFSaveJob] = TFSaveJob
+
     def __init__(
         self,
         root=None,
@@ -647,10 +651,12 @@ def stage_save(checkpoint: Checkpoint, prefix: str, wopts: WriteOptions, step: i
         prefix, on_published = target.local_prefix, target.upload
         on_committed = _urls.AtURL(on_committed, target.url)
 
+    job_class = type(checkpoint)._job_class
+
     def stage(slot):
         staged = state.stager.stage(checkpoint, slot, io_device=io_device,
                                     background_copy=state.options.background_copy)
-        return TFSaveJob(
+        return job_class(
             prefix=prefix,
             state=staged,
             step=step,

@@ -104,6 +104,10 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
             ``RemoteOptions.max_to_keep`` is refused.
     """
 
+    # The directory's bookkeeping (listing, state file, deletions), shared by its
+    # managers; a subclass may set a ManagedCheckpoints subclass of its own.
+    _view_class: type[_dirview.ManagedCheckpoints] = _dirview.ManagedCheckpoints
+
     def __init__(
         self,
         checkpoint,
@@ -175,7 +179,8 @@ class CheckpointManager(tf.train.CheckpointManager, ClosingContext):
         self._last_checkpoint_step = last_checkpoint_step
         self._state = async_state(self._ckpt)  # engine, options, stager of the checkpoint
         self._checksums = self._state.restore_options.checksums
-        self._view = _dirview.view_for(self._directory, fsync=self._state.options.fsync)
+        self._view = _dirview.view_for(self._directory, fsync=self._state.options.fsync,
+                                       view_class=self._view_class)
         if self._tiers.remote_only:
             # A new process on a URL directory manages what is committed there,
             # as TensorFlow's manager does with what its state file names; what

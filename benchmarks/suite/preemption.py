@@ -118,22 +118,24 @@ class CompetingWriter(threading.Thread):
 
 
 def install_slow_disk(framework: str, disk: SlowDisk) -> None:
-    """Replaces the framework's real save job by one that writes ``disk.delay()`` s slower."""
+    """Replaces the framework's real save job by one that writes ``disk.delay()`` s slower.
+
+    Set as the front end's save job class (``_job_class``), for every
+    checkpoint or manager of this process.
+    """
     if framework == "tf":
-        from asyncckpt.tf import checkpoint as module
+        from asyncckpt.tf import Checkpoint as front_end
         from asyncckpt.tf._job import TFSaveJob as Job
-        name = "TFSaveJob"
     else:
-        from asyncckpt.jax import manager as module
+        from asyncckpt.jax import CheckpointManager as front_end
         from asyncckpt.jax._job import JaxSaveJob as Job
-        name = "JaxSaveJob"
 
     class SlowDiskJob(Job):
         def write(self) -> None:
             time.sleep(disk.delay())
             super().write()
 
-    setattr(module, name, SlowDiskJob)
+    front_end._job_class = SlowDiskJob
 
 
 class TFLoop:

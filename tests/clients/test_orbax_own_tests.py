@@ -54,7 +54,7 @@ _LIMITER = (
 _PREEMPTED = (
     "simulates a preempted save by patching orbax's {cls}.finalize, which asyncckpt never "
     "calls: its own commit publishes the checkpoint (docs/compat.md, 'orbax's TemporaryPath "
-    "classes'); a killed asyncckpt save leaves no checkpoint (tests/test_jax_durability.py)")
+    "classes'); a killed asyncckpt save leaves no checkpoint (tests/behaviour/test_durability.py)")
 _TWO_PROCESSES = (
     "a two-process case: only a second process writes the incomplete array metadata it "
     "checks for; with one process orbax's own Checkpointer fails it the same way "

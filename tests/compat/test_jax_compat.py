@@ -25,8 +25,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 import jax.numpy as jnp  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
-from asyncckpt.jax import _view  # noqa: E402
-from asyncckpt.jax import manager as manager_mod  # noqa: E402
+from asyncckpt.jax._job import JaxSaveJob  # noqa: E402
 from tests.helpers import run_python, write_script  # noqa: E402
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's INFO/WARNING chatter
@@ -400,7 +399,7 @@ def test_enable_async_false_saves_synchronously(ckpt_dir):
 # -- methods ----------------------------------------------------------------------------
 
 
-class _GatedJob(manager_mod.JaxSaveJob):
+class _GatedJob(JaxSaveJob):
     """The real save job, held before writing until the test opens the gate."""
 
     gate = threading.Event()
@@ -410,10 +409,14 @@ class _GatedJob(manager_mod.JaxSaveJob):
         super().write()
 
 
-def test_listing_changes_at_save_and_restore_waits_for_the_step(ckpt_dir, monkeypatch):
-    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
+def _manager(job: type[JaxSaveJob]) -> type[aj.CheckpointManager]:
+    """asyncckpt's manager, its saves written by ``job`` (a subclass of the real job)."""
+    return type("Manager", (aj.CheckpointManager,), {"_job_class": job})
+
+
+def test_listing_changes_at_save_and_restore_waits_for_the_step(ckpt_dir):
     _GatedJob.gate.clear()
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with _manager(_GatedJob)(ckpt_dir) as mgr:
         mgr.save(1, _state(1))
         assert mgr.all_steps() == [1] and mgr.latest_step() == 1
         assert mgr.is_saving_in_progress() and not (ckpt_dir / "1").exists()
@@ -464,13 +467,12 @@ def test_reload_best_step_check_for_errors_and_root_metadata(ckpt_dir):
         assert mgr.metadata().custom_metadata == {"version": 2}  # written once, as orbax
 
 
-def test_check_for_errors_reraises_a_background_failure(ckpt_dir, monkeypatch):
-    class Failing(manager_mod.JaxSaveJob):
+def test_check_for_errors_reraises_a_background_failure(ckpt_dir):
+    class Failing(JaxSaveJob):
         def write(self) -> None:
             raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(manager_mod, "JaxSaveJob", Failing)
-    with aj.CheckpointManager(ckpt_dir) as mgr:
+    with _manager(Failing)(ckpt_dir) as mgr:
         mgr.save(1, _state(1))
         assert isinstance(mgr.last_save.committed.exception(), OSError)  # waits for the writer
         with pytest.raises(OSError, match="injected"):
@@ -576,18 +578,18 @@ def test_dropped_managers_are_collected(tmp_path):
     assert all(r() is None for r in refs)
 
 
-def test_a_failed_retention_delete_does_not_fail_the_save(ckpt_dir, monkeypatch, caplog):
-    real = _view.delete_step_dir
+def test_a_failed_retention_delete_does_not_fail_the_save(ckpt_dir, caplog):
     failures = []
 
-    def flaky(view, step, subdir):
-        if not failures:
-            failures.append(step)
-            raise PermissionError(f"cannot delete step {step} (injected)")
-        real(view, step, subdir)
+    class Manager(aj.CheckpointManager):  # the real deletion, on a disk refusing the first
+        @staticmethod
+        def _delete_step(view, todelete_subdir, tiers, step):
+            if not failures:
+                failures.append(step)
+                raise PermissionError(f"cannot delete step {step} (injected)")
+            aj.CheckpointManager._delete_step(view, todelete_subdir, tiers, step)
 
-    monkeypatch.setattr(_view, "delete_step_dir", flaky)
-    with aj.CheckpointManager(ckpt_dir, options=_opts(max_to_keep=1)) as mgr:
+    with Manager(ckpt_dir, options=_opts(max_to_keep=1)) as mgr:
         mgr.save(1, _state(1))
         with caplog.at_level(logging.WARNING):
             mgr.save(2, _state(2))
@@ -771,13 +773,12 @@ def test_a_user_save_decision_policy_gets_orbaxs_inputs(tmp_path):
                                  "MultiprocessingOptions")]
 
 
-def test_decision_context_tells_whether_a_save_is_in_flight(tmp_path, monkeypatch):
+def test_decision_context_tells_whether_a_save_is_in_flight(tmp_path):
     """ContinuousCheckpointingPolicy saves only while no save is in flight; with
     enable_should_save_is_saving_in_progress_check=False it is not told."""
-    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
     _GatedJob.gate.clear()
     policy = _cm.ContinuousCheckpointingPolicy()
-    managers = {check: aj.CheckpointManager(tmp_path / str(check), options=_opts(
+    managers = {check: _manager(_GatedJob)(tmp_path / str(check), options=_opts(
         save_decision_policy=policy, enable_should_save_is_saving_in_progress_check=check))
         for check in (True, False)}
     try:
@@ -799,7 +800,7 @@ def test_decision_context_tells_whether_a_save_is_in_flight(tmp_path, monkeypatc
 _atomicity = ocp.path.atomicity
 
 
-class _GatedCommit(manager_mod.JaxSaveJob):
+class _GatedCommit(JaxSaveJob):
     """The real save job, held once its files are written, before its commit."""
 
     gate = threading.Event()
@@ -811,14 +812,13 @@ class _GatedCommit(manager_mod.JaxSaveJob):
         super().commit(stats)
 
 
-def test_commit_file_temporary_path_writes_in_place_and_commits_by_marker(ckpt_dir, monkeypatch):
-    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedCommit)
+def test_commit_file_temporary_path_writes_in_place_and_commits_by_marker(ckpt_dir):
     _GatedCommit.gate.clear()
     opts = _opts(temporary_path_class=_atomicity.CommitFileTemporaryPath)
     (ckpt_dir / "3").mkdir()  # a save of step 3 that was killed before its commit
     (ckpt_dir / "3" / "half-written").write_text("x")
     try:
-        with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
+        with _manager(_GatedCommit)(ckpt_dir, options=opts) as mgr:
             assert mgr.all_steps() == []  # not committed: not a step (as orbax)
             mgr.save(1, _state(1))
             _GatedCommit.gate.set()
@@ -853,12 +853,11 @@ def test_commit_file_temporary_path_writes_in_place_and_commits_by_marker(ckpt_d
         _same(mgr.restore(2, args=ocp.args.StandardRestore(_abstract())), _state(2))
 
 
-def test_atomic_rename_temporary_path_publishes_by_rename(ckpt_dir, monkeypatch):
-    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
+def test_atomic_rename_temporary_path_publishes_by_rename(ckpt_dir):
     _GatedJob.gate.clear()
     opts = _opts(temporary_path_class=_atomicity.AtomicRenameTemporaryPath)
     try:
-        with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
+        with _manager(_GatedJob)(ckpt_dir, options=opts) as mgr:
             mgr.save(1, _state(1))
             assert not (ckpt_dir / "1").exists()  # only a temporary until the rename
             _GatedJob.gate.set()
@@ -925,12 +924,11 @@ def test_async_options_post_finalization_callback_runs_after_each_commit(ckpt_di
             async_options=ocp.AsyncOptions(post_finalization_callback=callback)))
 
 
-def test_async_options_timeout_fails_a_save_not_finished_in_time(ckpt_dir, monkeypatch):
-    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
+def test_async_options_timeout_fails_a_save_not_finished_in_time(ckpt_dir):
     _GatedJob.gate.clear()
     opts = _opts(async_options=ocp.AsyncOptions(timeout_secs=2))
     try:
-        with aj.CheckpointManager(ckpt_dir, options=opts) as mgr:
+        with _manager(_GatedJob)(ckpt_dir, options=opts) as mgr:
             mgr.save(1, _state(1))
             threading.Timer(2.5, _GatedJob.gate.set).start()  # the write is held past it
             with pytest.raises(TimeoutError, match="timeout_secs"):
@@ -947,15 +945,14 @@ def test_async_options_timeout_fails_a_save_not_finished_in_time(ckpt_dir, monke
             barrier_sync_fn=lambda **kw: None)))
 
 
-def test_async_options_create_directories_synchronously(tmp_path, monkeypatch):
-    monkeypatch.setattr(manager_mod, "JaxSaveJob", _GatedJob)
+def test_async_options_create_directories_synchronously(tmp_path):
     try:
         for asynchronously in (True, False):
             d = tmp_path / str(asynchronously)
             _GatedJob.gate.clear()
             opts = _opts(async_options=ocp.AsyncOptions(
                 create_directories_asynchronously=asynchronously))
-            with aj.CheckpointManager(d, options=opts) as mgr:
+            with _manager(_GatedJob)(d, options=opts) as mgr:
                 mgr.save(1, _state(1))
                 made = any(n.startswith(".asyncckpt-tmp-1") for n in os.listdir(d))
                 assert made != asynchronously  # False: made before save() returns

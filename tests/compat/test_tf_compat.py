@@ -236,7 +236,7 @@ def test_checkpoint_options_are_honoured_or_refused(ckpt_dir):
 
 
 def test_tensorflows_own_manager_saves_it_asynchronously(ckpt_dir, gate):
-    ckpt = at.Checkpoint(v=tf.Variable([7.0]))
+    ckpt = gate.Checkpoint(v=tf.Variable([7.0]))
     manager = tf.train.CheckpointManager(ckpt, str(ckpt_dir), max_to_keep=2)
     path = _closed_gate_save(gate, manager.save)
     assert tf.train.latest_checkpoint(str(ckpt_dir)) is None  # not durable yet
@@ -250,7 +250,7 @@ def test_tensorflows_own_manager_sees_the_save_at_the_call(ckpt_dir, gate):
     ``save()`` call as over ``tf.train.Checkpoint``; the files follow, and a restore
     of the path waits for them. The user's own write callbacks still run once durable."""
     v = tf.Variable([1.0, 2.0])
-    ckpt = at.Checkpoint(v=v)
+    ckpt = gate.Checkpoint(v=v)
     inits = []
     manager = tf.train.CheckpointManager(ckpt, str(ckpt_dir), max_to_keep=3,
                                          init_fn=lambda: inits.append(1))
@@ -290,7 +290,7 @@ def test_tensorflows_own_manager_deletes_a_checkpoint_in_flight_only_once_writte
     """Its retention runs at the call too: a checkpoint it drops while that one is
     still being written is waited for, then deleted whole (its manifest too)."""
     v = tf.Variable([1.0])
-    ckpt = at.Checkpoint(v=v)
+    ckpt = gate.Checkpoint(v=v)
     manager = tf.train.CheckpointManager(ckpt, str(ckpt_dir), max_to_keep=1)
     first = _closed_gate_save(gate, manager.save)
     v.assign([2.0])
@@ -317,24 +317,26 @@ def test_tensorflows_own_manager_deletes_a_checkpoint_in_flight_only_once_writte
     ckpt.close()
 
 
-def test_tensorflows_own_manager_has_recorded_a_save_that_fails_later(ckpt_dir, monkeypatch):
+def test_tensorflows_own_manager_has_recorded_a_save_that_fails_later(ckpt_dir):
     """The price of its bookkeeping at the call: a write that fails afterwards (a full
     disk) finds the save recorded and the checkpoint it pushed out deleted."""
     import errno
 
-    from asyncckpt.tf import _job
+    from asyncckpt.tf._job import TFSaveJob
 
-    real = _job.write_bundle
     fail = threading.Event()
 
-    def full_disk(prefix, state, **kw):  # the real writer, on a disk that fills up
-        if fail.is_set():
-            raise OSError(errno.ENOSPC, "No space left on device", prefix)
-        return real(prefix, state, **kw)
+    class FullDisk(TFSaveJob):  # the real writer, on a disk that fills up
+        def write_bundle(self, prefix, state):
+            if fail.is_set():
+                raise OSError(errno.ENOSPC, "No space left on device", prefix)
+            return super().write_bundle(prefix, state)
 
-    monkeypatch.setattr(_job, "write_bundle", full_disk)
+    class Ckpt(at.Checkpoint):
+        _job_class = FullDisk
+
     v = tf.Variable([1.0])
-    ckpt = at.Checkpoint(v=v)
+    ckpt = Ckpt(v=v)
     manager = tf.train.CheckpointManager(ckpt, str(ckpt_dir), max_to_keep=1)
     first = manager.save()
     ckpt.sync()
@@ -352,7 +354,7 @@ def test_tensorflows_own_manager_has_recorded_a_save_that_fails_later(ckpt_dir, 
 
 def test_restore_of_a_path_in_flight_waits_for_that_save(ckpt_dir, gate):
     v = tf.Variable([1.0, 2.0])
-    writer = at.Checkpoint(v=v)
+    writer = gate.Checkpoint(v=v)
     path = _closed_gate_save(gate, lambda: writer.save(str(ckpt_dir / "ckpt")))
     got = tf.Variable([0.0, 0.0])
     done = threading.Event()
@@ -402,7 +404,7 @@ def test_dropped_checkpoint_is_collected_and_its_save_completes(ckpt_dir, gate):
     v = tf.Variable(np.arange(4, dtype=np.float32))
     refs, paths = [], []
     for i in range(3):
-        ckpt = at.Checkpoint(v=v)
+        ckpt = gate.Checkpoint(v=v)
         paths.append(_closed_gate_save(gate, lambda c=ckpt, i=i: c.save(str(ckpt_dir / f"d{i}"))))
         refs.append(weakref.ref(ckpt))
         del ckpt
@@ -464,7 +466,8 @@ def test_manager_is_a_tf_train_checkpoint_manager(ckpt_dir):
 
 
 def test_manager_view_changes_at_save_call(ckpt_dir, gate):
-    mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), ckpt_dir, max_to_keep=1)
+    mgr = at.CheckpointManager(gate.Checkpoint.wrap(tf.train.Checkpoint(v=tf.Variable([1.0]))),
+                               ckpt_dir, max_to_keep=1)
     first = mgr.save()
     mgr.sync()
     second = _closed_gate_save(gate, mgr.save)
@@ -482,7 +485,7 @@ def test_manager_view_changes_at_save_call(ckpt_dir, gate):
 
 def test_restore_right_after_save_restores_the_new_checkpoint(ckpt_dir, gate):
     v = tf.Variable([1.0])
-    mgr = at.CheckpointManager(at.Checkpoint(v=v), ckpt_dir, max_to_keep=2)
+    mgr = at.CheckpointManager(gate.Checkpoint(v=v), ckpt_dir, max_to_keep=2)
     mgr.save()
     mgr.sync()
     v.assign([2.0])
@@ -505,7 +508,7 @@ def test_restore_right_after_save_restores_the_new_checkpoint(ckpt_dir, gate):
 
 def test_timestamps_are_taken_at_the_save_call(ckpt_dir, gate):
     mgr = at.CheckpointManager(
-        tf.train.Checkpoint(v=tf.Variable([1.0])), ckpt_dir, max_to_keep=3,
+        gate.Checkpoint.wrap(tf.train.Checkpoint(v=tf.Variable([1.0]))), ckpt_dir, max_to_keep=3,
         keep_checkpoint_every_n_hours=1.0,
     )
     _closed_gate_save(gate, mgr.save)
@@ -552,19 +555,21 @@ def test_warns_when_the_clock_is_behind_the_last_preserved_timestamp(ckpt_dir, c
     mgr.close()
 
 
-def test_retention_failure_after_publish_does_not_fail_the_save(ckpt_dir, monkeypatch):
-    from asyncckpt.tf import _dirview
+def test_retention_failure_after_publish_does_not_fail_the_save(ckpt_dir):
+    from asyncckpt.tf._dirview import ManagedCheckpoints
 
-    real = _dirview.delete_checkpoint
     broken = {"ckpt-1"}
 
-    def flaky_delete(prefix):
-        if os.path.basename(prefix) in broken:
-            raise PermissionError(13, "Permission denied", prefix)
-        real(prefix)
+    class FlakyDeletes(ManagedCheckpoints):  # the real view, on a disk refusing deletes
+        def delete(self, name):
+            if name in broken:
+                raise PermissionError(13, "Permission denied", name)
+            super().delete(name)
 
-    monkeypatch.setattr(_dirview, "delete_checkpoint", flaky_delete)
-    mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), ckpt_dir, max_to_keep=1)
+    class Manager(at.CheckpointManager):
+        _view_class = FlakyDeletes
+
+    mgr = Manager(tf.train.Checkpoint(v=tf.Variable([1.0])), ckpt_dir, max_to_keep=1)
     first = mgr.save()
     second = mgr.save()
     mgr.sync()  # does not raise: the second checkpoint is durable
@@ -584,19 +589,21 @@ def test_retention_failure_after_publish_does_not_fail_the_save(ckpt_dir, monkey
     mgr.close()
 
 
-def test_state_file_failure_after_publish_does_not_fail_the_save(ckpt_dir, monkeypatch):
-    from asyncckpt.tf import _dirview
+def test_state_file_failure_after_publish_does_not_fail_the_save(ckpt_dir):
+    from asyncckpt.tf._dirview import ManagedCheckpoints
 
-    real = _dirview.commit_lib.write_text_atomic
     fail = [True]
 
-    def flaky_write(path, text, **kwargs):
-        if os.path.basename(path) == "checkpoint" and fail[0]:
-            raise OSError(28, "No space left on device", path)
-        return real(path, text, **kwargs)
+    class FullDisk(ManagedCheckpoints):  # the real view, on a disk that is full a while
+        def write_state_file(self, deleting):
+            if fail[0]:
+                raise OSError(28, "No space left on device", "checkpoint")
+            super().write_state_file(deleting)
 
-    monkeypatch.setattr(_dirview.commit_lib, "write_text_atomic", flaky_write)
-    mgr = at.CheckpointManager(tf.train.Checkpoint(v=tf.Variable([1.0])), ckpt_dir, max_to_keep=2)
+    class Manager(at.CheckpointManager):
+        _view_class = FullDisk
+
+    mgr = Manager(tf.train.Checkpoint(v=tf.Variable([1.0])), ckpt_dir, max_to_keep=2)
     first = mgr.save()
     mgr.sync()
     assert mgr.retention_failures == 1 and os.path.exists(first + ".index")
@@ -632,7 +639,7 @@ def test_sync_of_a_new_manager_waits_for_a_dropped_managers_saves(ckpt_dir, gate
     # A manager dropped for a restart keeps writing; the one that takes over
     # the directory settles (files, retention, state file) on its sync().
     checkpoint = tf.train.Checkpoint(v=tf.Variable([1.0]))
-    first = at.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=1)
+    first = at.CheckpointManager(gate.Checkpoint.wrap(checkpoint), ckpt_dir, max_to_keep=1)
     old = first.save()
     first.sync()
     held = _closed_gate_save(gate, first.save)
@@ -653,7 +660,8 @@ def test_dropped_managers_are_collected_and_their_saves_complete(ckpt_dir, gate)
     refs, paths = [], []
     for i in range(3):
         directory = ckpt_dir / f"run{i}"
-        mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), directory, max_to_keep=1)
+        mgr = at.CheckpointManager(gate.Checkpoint.wrap(tf.train.Checkpoint(v=v)), directory,
+                                   max_to_keep=1)
         paths.append(_closed_gate_save(gate, mgr.save))
         refs.append(weakref.ref(mgr))
         del mgr
@@ -700,7 +708,7 @@ def test_partial_restore_of_a_subset_through_a_wrapped_checkpoint(ckpt_dir):
 def test_save_in_tensorflows_preemption_save_context_is_durable_on_return(ckpt_dir, gate):
     from tensorflow.python.checkpoint import checkpoint_context
 
-    ckpt = at.Checkpoint(v=tf.Variable([1.0]))
+    ckpt = gate.Checkpoint(v=tf.Variable([1.0]))
     gate.open.clear()
     done = threading.Event()
     seen = []
