@@ -358,3 +358,40 @@ def test_the_job_runner_store_falls_back_past_a_manifest_replaced(tmp_path, kind
         got = reader.restore()
     assert got.step == 1
     np.testing.assert_array_equal(got.arrays["w"], np.full((8,), 1.0, np.float32))
+
+
+@pytest.mark.parametrize("edit", ["beyond the data file", "huge", "size against shape",
+                                  "negative offset", "malformed"])
+def test_the_job_runner_store_checks_its_index_before_allocating(tmp_path, edit):
+    """An index edited with a manifest that matches it (an attacker's or a tool's rewrite):
+    every array's offset and size are checked against the shape, dtype and the data file's
+    size before anything is allocated or read; the store falls back to the step before."""
+    store = ArrayStore(tmp_path / "runs", max_to_keep=None)
+    with store:
+        for step in range(2):
+            store.save(step, {"w": np.full((8,), float(step), np.float32),
+                              "b": np.arange(4, dtype=np.int64) + 2**40})
+        store.wait_until_finished()
+    step_dir = tmp_path / "runs" / "1"
+    index = json.loads((step_dir / "index.json").read_text())
+    entry = index["arrays"]["w"]
+    if edit == "beyond the data file":
+        entry["offset"] = (step_dir / "arrays.bin").stat().st_size - 4
+    elif edit == "huge":  # would be a 1 PiB allocation
+        entry["shape"], entry["nbytes"] = [2**48], 2**50
+    elif edit == "size against shape":
+        entry["nbytes"] = 16
+    elif edit == "negative offset":
+        entry["offset"] = -32
+    else:
+        entry["shape"] = "eight"
+    (step_dir / "index.json").write_text(json.dumps(index))
+    rewrite_manifest(step_dir / MANIFEST, step_dir)
+    with ArrayStore(tmp_path / "runs") as reader:
+        with pytest.raises(CorruptCheckpointError) as err:
+            reader.restore(1)
+        assert err.value.file == str(step_dir / "index.json") and "'w'" in str(err.value)
+        with no_hang():
+            got = reader.restore()  # the newest that verifies
+        assert got.step == 0
+        np.testing.assert_array_equal(got.arrays["b"], np.arange(4, dtype=np.int64) + 2**40)

@@ -34,7 +34,7 @@ import numpy as np
 
 from asyncckpt import _deprecation, layout
 from asyncckpt._engine import commit as commit_lib
-from asyncckpt._engine import fastcrc, retention
+from asyncckpt._engine import contained, fastcrc, retention
 from asyncckpt._engine._copy import copy_arrays
 from asyncckpt._engine._jobs import SaveJob
 from asyncckpt._engine.destinations import RenamedDirectory
@@ -65,6 +65,39 @@ def _dtype_from_name(name: str) -> np.dtype:
         import ml_dtypes  # bfloat16 and friends; installed with JAX and TensorFlow
 
         return np.dtype(getattr(ml_dtypes, name))
+
+
+def _checked_entry(name: str, e: Any, data_size: int, *, checkpoint: str,
+                   file: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """An index entry's ``(dtype, shape, offset, nbytes)``, checked before anything is read.
+
+    The index is untrusted input: its sizes must agree with each other and
+    the array must lie inside the data file (``data_size`` bytes), so a
+    damaged index is refused before an array is allocated.
+    """
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"checkpoint {checkpoint!r} is corrupt: array {name!r} in its index {why}",
+            checkpoint=checkpoint, file=file)
+
+    try:
+        dtype = _dtype_from_name(e["dtype"])
+        shape = tuple(e["shape"])
+        offset, nbytes = e["offset"], e["nbytes"]
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise bad(f"is malformed ({type(err).__name__}: {err})") from None
+    if not all(type(d) is int and d >= 0 for d in (*shape, offset, nbytes)):
+        raise bad(f"has an invalid shape, offset or size ({shape}, {offset!r}, {nbytes!r})")
+    expected = dtype.itemsize
+    for d in shape:
+        expected *= d
+    if nbytes != expected:
+        raise bad(f"records {nbytes} bytes for a {dtype.name} array of shape {shape} "
+                  f"({expected} bytes)")
+    if offset + nbytes > data_size:
+        raise bad(f"lies beyond the end of the data file (bytes {offset}-{offset + nbytes} "
+                  f"of {data_size})")
+    return dtype, shape, offset, nbytes
 
 
 def select_names(
@@ -408,16 +441,20 @@ class ArrayStore:
 
     def read_index(self, step: int) -> dict:
         """The index of a step: ``{"arrays": {...}, "metadata": {...}}``."""
-        path = os.path.join(self.step_dir(step), INDEX_NAME)
+        step_dir = self.step_dir(step)
+        path = os.path.join(step_dir, INDEX_NAME)
         try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
+            index = json.loads(contained.read_file(path, checkpoint=step_dir))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {step} in {self.directory!r}") from None
         except ValueError as e:
             raise CorruptCheckpointError(
-                f"index {path!r} is unreadable: {e}", checkpoint=self.step_dir(step), file=path
+                f"index {path!r} is unreadable: {e}", checkpoint=step_dir, file=path
             ) from e
+        if not isinstance(index, dict) or not isinstance(index.get("arrays"), dict):
+            raise CorruptCheckpointError(f"index {path!r} has no table of arrays",
+                                         checkpoint=step_dir, file=path)
+        return index
 
     def restore(
         self,
@@ -430,14 +467,19 @@ class ArrayStore:
 
         Only the arrays selected by ``include``/``exclude`` (glob patterns on
         names) are read, each checked against its own CRC32; file sizes are
-        checked against the manifest.
+        checked against the manifest, and each array's place in the data file
+        against the data file before anything is allocated. A save of the step
+        in flight in this process (for ``step=None``: every save) is waited
+        for first, as the managers' restores wait.
 
         Raises:
             CheckpointNotFoundError: no checkpoint (or no such step).
             CorruptCheckpointError: ``step`` was given and does not verify.
         """
         if step is not None:
+            self._wait_for(str(int(step)))
             return self._restore_step(int(step), include, exclude)
+        self._wait_for(None)
         steps = self.all_steps()
         if not steps:
             raise CheckpointNotFoundError(f"no checkpoints in {self.directory!r}")
@@ -450,6 +492,13 @@ class ArrayStore:
                                s, self.directory, e)
                 errors.append(e)
         raise errors[0]
+
+    def _wait_for(self, name: str | None) -> None:
+        """Waits for the save of ``name`` (None: every save) in flight in this process, as
+        the managers' restores do; a failed save is raised by the next save or ``wait``."""
+        names = None if name is None else [name]
+        if self._steps.futures(names):
+            self._steps.wait_settled(names)
 
     def _restore_step(self, step: int, include, exclude) -> Restored:
         t0 = time.perf_counter()
@@ -469,15 +518,25 @@ class ArrayStore:
         arrays: dict[str, np.ndarray] = {}
         read = 0
         data_path = os.path.join(step_dir, DATA_NAME)
-        fd = os.open(data_path, os.O_RDONLY)
         try:
+            fd = contained.open_regular(data_path, checkpoint=step_dir)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"checkpoint {step_dir!r} is incomplete: its data file "
+                                         f"{data_path!r} is missing", checkpoint=step_dir,
+                                         file=data_path) from None
+        try:
+            data_size = os.fstat(fd).st_size
+            checked = {name: _checked_entry(name, table[name], data_size, checkpoint=step_dir,
+                                            file=os.path.join(step_dir, INDEX_NAME))
+                       for name in names}
             for name in names:
                 e = table[name]
-                out = np.empty(e["nbytes"], dtype=np.uint8)
+                dtype, shape, offset, nbytes = checked[name]
+                out = np.empty(nbytes, dtype=np.uint8)
                 view = memoryview(out)
                 got = 0
-                while got < e["nbytes"]:
-                    n = os.preadv(fd, [view[got:]], e["offset"] + got)
+                while got < nbytes:
+                    n = os.preadv(fd, [view[got:]], offset + got)
                     if n <= 0:
                         raise CorruptCheckpointError(
                             f"{data_path!r} ends inside array {name!r}",
@@ -485,11 +544,11 @@ class ArrayStore:
                     got += n
                 read += got
                 algorithm = fastcrc.CRC32C if fastcrc.CRC32C in e else fastcrc.CRC32
-                if fastcrc.updater(algorithm)(out, 0) != e[algorithm]:
+                if fastcrc.updater(algorithm)(out, 0) != e.get(algorithm):
                     raise CorruptCheckpointError(
                         f"array {name!r} in {data_path!r} fails its {algorithm.upper()} check",
                         checkpoint=step_dir, file=data_path)
-                arrays[name] = out.view(_dtype_from_name(e["dtype"])).reshape(e["shape"])
+                arrays[name] = out.view(dtype).reshape(shape)
         finally:
             os.close(fd)
         return Restored(step, arrays, index.get("metadata", {}), read, time.perf_counter() - t0)

@@ -659,7 +659,7 @@ class Arrays(Frontend):
     """
 
     name = "arrays"
-    lists_in_flight = waits_for_in_flight = False  # a step in flight is not restorable
+    lists_in_flight = False  # a step is listed once durable (its restore waits for it)
     cli_framework = "arrays"
     inspect_names = ("w ",)
     holder = """
