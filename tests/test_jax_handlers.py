@@ -417,3 +417,67 @@ def test_a_checkpointer_handler_of_orbaxs_older_api_is_wrapped_as_orbax_wraps_it
         str(tmp_path / "old" / "asyncckpt.manifest.json")).files}
     with ocp.Checkpointer(OldHandler()) as c:
         assert c.restore(tmp_path / "old") == 41
+
+
+# -- orbax's pytree handlers, customized --------------------------------------------------------
+
+
+class _CountingNumpyHandler(ocp.type_handlers.NumpyHandler):
+    """orbax's own NumPy type handler, counting the values it serializes."""
+
+    calls: list[int] = []
+
+    async def serialize(self, values, infos, args=None):
+        type(self).calls.append(len(values))
+        return await super().serialize(values, infos, args)
+
+
+def test_a_pytree_handler_with_its_own_type_handlers_writes_its_item_itself(tmp_path):
+    """A ``PyTreeCheckpointHandler(type_handler_registry=...)`` is honoured: its type
+    handlers serialize the leaves (inside asyncckpt's transaction, under its manifest),
+    given to a checkpointer or as a manager's item handler; both libraries restore it."""
+    from orbax.checkpoint._src.serialization import type_handler_registry
+
+    registry = type_handler_registry.create_type_handler_registry(
+        (np.ndarray, _CountingNumpyHandler()))
+
+    def handler():
+        return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+    tree = {"a": np.arange(4, dtype=np.int64) + 2**40, "b": np.ones(3, np.float32)}
+
+    def same(got):
+        assert got["a"].dtype == np.int64
+        np.testing.assert_array_equal(got["a"], tree["a"])
+        np.testing.assert_array_equal(got["b"], tree["b"])
+
+    _CountingNumpyHandler.calls.clear()
+    with aj.Checkpointer(handler()) as c:
+        c.save(tmp_path / "one", args=ocp.args.PyTreeSave(tree))
+        assert _CountingNumpyHandler.calls == [2]  # the user's type handler wrote them
+        same(c.restore(tmp_path / "one"))
+    listed = {r.name for r in read_manifest(str(tmp_path / "one" / "asyncckpt.manifest.json"))
+              .files}
+    assert "manifest.ocdbt" in listed and "_METADATA" in listed
+    with ocp.Checkpointer(handler()) as theirs:
+        same(theirs.restore(tmp_path / "one"))
+
+    with aj.CheckpointManager(tmp_path / "run", item_handlers={"s": handler()}) as mgr:
+        mgr.save(1, args=ocp.args.Composite(s=ocp.args.PyTreeSave(tree)))
+        mgr.wait_until_finished()
+        assert _CountingNumpyHandler.calls == [2, 2]
+        same(mgr.restore(1, args=ocp.args.Composite(s=ocp.args.PyTreeRestore())).s)
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"s": handler()}) as theirs:
+        same(theirs.restore(1, args=ocp.args.Composite(s=ocp.args.PyTreeRestore())).s)
+
+
+def test_stock_pytree_handlers_keep_asyncckpts_own_writer():
+    from orbax.checkpoint._src.metadata.tree import PyTreeMetadataOptions
+
+    from asyncckpt.jax import _handlers
+
+    assert _handlers.customized(ocp.PyTreeCheckpointHandler(use_zarr3=True)) is None
+    assert _handlers.customized(ocp.StandardCheckpointHandler(use_ocdbt=False)) is None
+    rich = ocp.StandardCheckpointHandler(
+        pytree_metadata_options=PyTreeMetadataOptions(support_rich_types=True))
+    assert "support_rich_types" in _handlers.customized(rich)

@@ -98,7 +98,8 @@ class ItemSetup:
 
 def _handler_kind(name: str, handler: Any) -> str:
     """The kind of item ``handler`` saves: ``"pytree"`` and ``"json"`` are written by
-    asyncckpt itself, ``"handler"`` by the handler (``_handlers``).
+    asyncckpt itself, ``"handler"`` by the handler (``_handlers``), orbax's pytree
+    handlers too where customized (``_handlers.customized``).
 
     A pytree handler's format settings (``use_ocdbt``, ``use_zarr3``) are
     honoured by ``_ocdbt.ItemFormats``.
@@ -107,7 +108,8 @@ def _handler_kind(name: str, handler: Any) -> str:
         ValueError: an object without orbax's handler methods.
     """
     kind = _HANDLER_KINDS.get(type(handler).__name__)
-    if kind is None or not type(handler).__module__.startswith("orbax."):
+    if kind is None or not type(handler).__module__.startswith("orbax.") or (
+            kind == "pytree" and _handlers.customized(handler)):
         if not _handlers.is_handler(handler):
             raise ValueError(f"item {name!r}: {type(handler).__name__} is not a checkpoint "
                              "handler (orbax's CheckpointHandler methods save/async_save and "

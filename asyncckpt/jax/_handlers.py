@@ -48,6 +48,35 @@ def is_handler(obj: Any) -> bool:
         callable(getattr(obj, "save", None)) or callable(getattr(obj, "async_save", None)))
 
 
+def customized(handler: Any) -> str | None:
+    """Why orbax's own ``handler`` must write its item itself, or None.
+
+    asyncckpt's writer stands in for orbax's ``StandardCheckpointHandler`` and
+    ``PyTreeCheckpointHandler`` with their stock serialization (``use_ocdbt``
+    and ``use_zarr3`` are honoured by it). A handler given its own type
+    handlers (``type_handler_registry``: custom leaf types), its own
+    ``handler_impl``, or rich-type tree metadata (``pytree_metadata_options``)
+    writes what only it knows how to write: such an item is saved by the
+    handler, inside asyncckpt's transaction, like any other handler's.
+    """
+    if not type(handler).__module__.startswith("orbax."):
+        return None
+    impl = getattr(handler, "_impl", None)  # StandardCheckpointHandler wraps a PyTree one
+    inner = impl if impl is not None else handler
+    registry = getattr(inner, "_type_handler_registry", None)
+    if registry is not None:
+        from orbax.checkpoint._src.serialization import type_handler_registry
+
+        if registry is not type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY:
+            return "its own type_handler_registry"
+    base = getattr(inner, "_handler_impl", None)
+    if base is not None and type(base).__name__ != "BasePyTreeCheckpointHandler":
+        return f"its own handler_impl ({type(base).__qualname__})"
+    if getattr(getattr(inner, "_pytree_metadata_options", None), "support_rich_types", False):
+        return "pytree_metadata_options(support_rich_types=True)"
+    return None
+
+
 def typestr(handler: Any) -> str:
     """What orbax records for ``handler`` in ``_CHECKPOINT_METADATA``'s ``item_handlers``."""
     named = getattr(handler, "typestr", None)

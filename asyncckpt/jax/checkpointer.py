@@ -102,14 +102,15 @@ _FOREIGN = "handler"  # any other handler: it saves and restores the checkpoint 
 
 def _handler_kind(handler: Any) -> str:
     """``_STANDARD`` or ``_PYTREE`` for one of orbax's pytree handlers (asyncckpt's fast
-    path), ``_FOREIGN`` for any other handler (``_handlers``: it writes the checkpoint's
-    files itself, inside asyncckpt's transaction).
+    path), ``_FOREIGN`` for any other handler, and for orbax's pytree handlers where
+    customized (``_handlers.customized``): it writes the checkpoint's files itself,
+    inside asyncckpt's transaction.
 
     Raises:
         ValueError: an object without orbax's handler methods.
     """
     kind = _orbax_type(handler)
-    if kind in (_STANDARD, _PYTREE):
+    if kind in (_STANDARD, _PYTREE) and not _handlers.customized(handler):
         return kind
     if not _handlers.is_handler(handler):
         raise ValueError(
