@@ -75,15 +75,8 @@ class WriteGate:
 
 
 @pytest.fixture
-def gate(monkeypatch):
-    """A ``WriteGate`` (its ``Checkpoint`` saves through it), opened again at the end.
-
-    For the test's duration ``asyncckpt.tf.Checkpoint``'s own save job class
-    (its ``_job_class`` seam) is the gated one too: code a test does not
-    write makes its checkpoint itself (tests/clients/test_tf_model_garden_manager.py);
-    tests of this project's own use ``gate.Checkpoint``.
-    """
+def gate():
+    """A ``WriteGate`` (its ``Checkpoint`` saves through it), opened again at the end."""
     g = WriteGate()
-    monkeypatch.setattr(g.at.Checkpoint, "_job_class", g.job_class)
     yield g
     g.open.set()

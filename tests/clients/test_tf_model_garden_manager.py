@@ -65,7 +65,7 @@ def _restores(path: str, want: list[float]) -> None:
 def test_model_garden_keeps_the_export_of_a_checkpoint_still_being_written(ckpt_dir, gate):
     manager_class = _model_garden_manager_class()
     model = _Exported()
-    ckpt = at.Checkpoint(model=model)
+    ckpt = gate.Checkpoint(model=model)  # an asyncckpt.tf.Checkpoint whose writes wait
     inits = []
     mgr = manager_class(ckpt, str(ckpt_dir), max_to_keep=2, modules_to_export={"model": model},
                         init_fn=lambda: inits.append(1))
