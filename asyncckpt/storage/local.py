@@ -12,7 +12,7 @@ from asyncckpt.storage.base import AlreadyExistsError, ObjectInfo, ObjectStore
 _TMP = ".asyncckpt-obj-tmp-"
 
 
-class LocalStore(ObjectStore):
+class LocalObjectStore(ObjectStore):
     """Objects as files under ``root``; puts are atomic (temporary file, fsync, rename).
 
     Args:

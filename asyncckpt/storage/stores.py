@@ -25,6 +25,6 @@ def open_store(location: str | os.PathLike | Location, *, part_size: int = 16 <<
         from asyncckpt.storage.gcs import GCSObjectStore
 
         return GCSObjectStore(loc.bucket, loc.prefix, part_size=part_size)
-    from asyncckpt.storage.local import LocalStore
+    from asyncckpt.storage.local import LocalObjectStore
 
-    return LocalStore(loc.prefix)
+    return LocalObjectStore(loc.prefix)
