@@ -29,7 +29,7 @@ import tensorstore as ts
 import asyncckpt.jax as aj
 from asyncckpt import cli
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.jax._ocdbt import DEFAULT_TARGET_DATA_FILE_SIZE, kvstore_spec
+from asyncckpt.jax._ocdbt import kvstore_spec
 from asyncckpt.jobrunner.store import ArrayStore
 from tests.hostile import Outside, no_hang, replace_with, rewrite_manifest, step_files
 
@@ -282,7 +282,7 @@ def _set_zarray(item_dir, ocdbt: bool, **changes) -> str:
         meta.update(changes)
         path.write_text(json.dumps(meta))
         return str(path)
-    kv = ts.KvStore.open(kvstore_spec(str(item_dir), target=DEFAULT_TARGET_DATA_FILE_SIZE)).result()
+    kv = ts.KvStore.open(kvstore_spec(str(item_dir))).result()
     meta = json.loads(kv.read("w/.zarray").result().value)
     meta.update(changes)
     kv.write("w/.zarray", json.dumps(meta).encode()).result()

@@ -29,15 +29,20 @@ import tensorflow as tf
 import asyncckpt.tf as at
 from asyncckpt.tf import _dirview
 
-real = _dirview.ManagedCheckpoints._write_state_file
-def write_state_file(self, deleting):
-    if "ckpt-2" in self._state_text(deleting):
-        os._exit(9)  # killed after checkpoint 2 is committed, before the state file names it
-    return real(self, deleting)
-_dirview.ManagedCheckpoints._write_state_file = write_state_file
+
+class KilledBeforeTheStateFile(_dirview.ManagedCheckpoints):
+    def write_state_file(self, deleting):
+        if "ckpt-2" in self._state_text(deleting):
+            os._exit(9)  # killed after checkpoint 2 is committed, before the state file names it
+        return super().write_state_file(deleting)
+
+
+class Manager(at.CheckpointManager):
+    _view_class = KilledBeforeTheStateFile
+
 
 v = tf.Variable(np.zeros(1000, np.float32))
-mgr = at.CheckpointManager(tf.train.Checkpoint(v=v), sys.argv[1], max_to_keep=3)
+mgr = Manager(tf.train.Checkpoint(v=v), sys.argv[1], max_to_keep=3)
 for step in (1, 2):
     v.assign(np.full(1000, step, np.float32))
     mgr.save()
