@@ -320,7 +320,12 @@ def read(entry: fmt.TreeEntry, array: Any, want: Want) -> Any:
         return out if want.key_impl is None else jax.random.wrap_key_data(out, impl=want.key_impl)
     value = array.read()
     if want.how == NUMPY:
-        return value.astype(want.dtype or value.dtype, copy=True)
+        # The buffer read is this restore's own (nothing else holds or reuses it): a
+        # second copy only for a cast asked for, or where the read gave a read-only view.
+        dtype = np.dtype(want.dtype or value.dtype)
+        if dtype == value.dtype and value.flags.writeable:
+            return value
+        return value.astype(dtype, copy=True)
     scalar = value[()]
     if want.how == NPSCALAR:
         return want.pytype(scalar)
