@@ -26,6 +26,7 @@ import tensorflow as tf
 import asyncckpt.tf as at
 from asyncckpt import cli
 from asyncckpt._engine import fastcrc
+from asyncckpt._engine.varint import varint
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.tf import _bundle, _sstable
 from tests.helpers import subprocess_env
@@ -205,19 +206,19 @@ def snappy_table(raw: bytes) -> bytes:
     meta_offset, pos = _varint(footer, 0)
     meta_size, _ = _varint(footer, pos)
     data = raw[:meta_offset - 5]  # the one data block, then its trailer
-    packed = bytearray(_sstable.varint(len(data)))
+    packed = bytearray(varint(len(data)))
     for i in range(0, len(data), 60):
         packed += bytes([(len(data[i:i + 60]) - 1) << 2]) + data[i:i + 60]
     out = _trailed(bytes(packed), 1)
     meta_at = len(out)
     out += raw[meta_offset:meta_offset + meta_size + 5]
-    handle = _sstable.varint(0) + _sstable.varint(len(packed))
+    handle = varint(0) + varint(len(packed))
     index = bytes([0, 1, len(handle)]) + b"\xff" + handle + (0).to_bytes(4, "little") + (
         1).to_bytes(4, "little")
     index_at = len(out)
     out += _trailed(index, 0)
-    handles = (_sstable.varint(meta_at) + _sstable.varint(meta_size)
-               + _sstable.varint(index_at) + _sstable.varint(len(index)))
+    handles = (varint(meta_at) + varint(meta_size)
+               + varint(index_at) + varint(len(index)))
     return out + handles.ljust(40, b"\x00") + footer[-8:]
 
 

@@ -30,6 +30,7 @@ from tensorflow.python.ops import gen_io_ops, io_ops  # noqa: E402
 
 import asyncckpt.tf as at  # noqa: E402
 from asyncckpt import CorruptCheckpointError  # noqa: E402
+from asyncckpt._engine.varint import varint  # noqa: E402
 from asyncckpt.tf import _bundle, _bundleread, _restore, _slices, _sstable  # noqa: E402
 from asyncckpt.tf._job import manifest_path, save_v2_bundle  # noqa: E402
 from asyncckpt.tf._snapshot import StagedState, StagedTensor  # noqa: E402
@@ -303,7 +304,7 @@ def test_a_damaged_slice_fails_the_restore_before_anything_is_assigned(ckpt_dir)
 
 def _snappy_literals(data: bytes) -> bytes:
     """``data`` in Snappy's format, as literals only (valid Snappy, no compression)."""
-    out = bytearray(_sstable.varint(len(data)))
+    out = bytearray(varint(len(data)))
     for i in range(0, len(data), 60):
         chunk = data[i:i + 60]
         out.append((len(chunk) - 1) << 2)  # a literal tag of up to 60 bytes
@@ -331,8 +332,8 @@ def _compress_index_block(raw: bytes) -> bytes:
     packed = _snappy_literals(raw[offset:offset + size])
     crc = fastcrc.crc32c_extend(fastcrc.crc32c_extend(0, packed), b"\x01")
     block = packed + b"\x01" + fastcrc.mask(crc).to_bytes(4, "little")
-    handles = (_sstable.varint(meta_offset) + _sstable.varint(meta_size)
-               + _sstable.varint(offset) + _sstable.varint(len(packed)))
+    handles = (varint(meta_offset) + varint(meta_size)
+               + varint(offset) + varint(len(packed)))
     return raw[:offset] + block + handles.ljust(40, b"\x00") + footer[-8:]
 
 

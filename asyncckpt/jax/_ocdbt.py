@@ -136,11 +136,9 @@ def check_target_size(size: Any) -> None:
                          f"{size!r}")
 
 
-def handler_uses_ocdbt(handler: Any) -> bool | None:
-    """Whether an orbax pytree handler instance writes OCDBT (None: not a pytree handler).
-
-    orbax keeps the constructor's ``use_ocdbt`` on the handler (on the
-    ``PyTreeCheckpointHandler`` a ``StandardCheckpointHandler`` wraps).
+def _handler_setting(handler: Any, name: str, default: bool | None, what: str) -> bool | None:
+    """orbax's pytree handler setting ``name`` (kept on the ``PyTreeCheckpointHandler`` a
+    ``StandardCheckpointHandler`` wraps); None for any other handler.
 
     Raises:
         ValueError: a pytree handler whose setting cannot be read.
@@ -148,34 +146,32 @@ def handler_uses_ocdbt(handler: Any) -> bool | None:
     kind = type(handler).__name__
     if kind not in ("StandardCheckpointHandler", "PyTreeCheckpointHandler"):
         return None
-    inner = getattr(handler, "_impl", handler)
-    value = getattr(inner, "_use_ocdbt", None)
+    value = getattr(getattr(handler, "_impl", handler), f"_{name}", default)
     if not isinstance(value, bool):
-        raise ValueError(f"cannot tell whether {kind} {handler!r} writes OCDBT (this orbax "
-                         "version keeps use_ocdbt elsewhere); pass "
-                         "format_options=asyncckpt.jax.FormatOptions(use_ocdbt=...) instead")
+        raise ValueError(f"cannot tell whether {kind} {handler!r} writes {what} (this orbax "
+                         f"version keeps {name} elsewhere); pass "
+                         f"format_options=asyncckpt.jax.FormatOptions({name}=...) instead")
     return value
+
+
+def handler_uses_ocdbt(handler: Any) -> bool | None:
+    """Whether an orbax pytree handler instance writes OCDBT (None: not a pytree handler).
+
+    Raises:
+        ValueError: a pytree handler whose setting cannot be read.
+    """
+    return _handler_setting(handler, "use_ocdbt", None, "OCDBT")
 
 
 def handler_uses_zarr3(handler: Any) -> bool | None:
     """Whether an orbax pytree handler instance writes zarr v3 (None: not a pytree handler).
 
-    ``PyTreeCheckpointHandler(use_zarr3=...)`` keeps it on the handler (a
-    ``StandardCheckpointHandler`` has no such option: False).
+    A ``StandardCheckpointHandler`` has no such option: False.
 
     Raises:
         ValueError: a pytree handler whose setting cannot be read.
     """
-    kind = type(handler).__name__
-    if kind not in ("StandardCheckpointHandler", "PyTreeCheckpointHandler"):
-        return None
-    inner = getattr(handler, "_impl", handler)
-    value = getattr(inner, "_use_zarr3", False)
-    if not isinstance(value, bool):
-        raise ValueError(f"cannot tell whether {kind} {handler!r} writes zarr v3 (this orbax "
-                         "version keeps use_zarr3 elsewhere); pass "
-                         "format_options=asyncckpt.jax.FormatOptions(use_zarr3=...) instead")
-    return value
+    return _handler_setting(handler, "use_zarr3", False, "zarr v3")
 
 
 class ItemFormats:

@@ -51,9 +51,10 @@ import numpy as np
 from asyncckpt._engine import datafile, fastcrc
 from asyncckpt._engine.fastcrc import CRC32C
 from asyncckpt._engine.metrics import WRITE, Phases
+from asyncckpt._engine.varint import varint
 from asyncckpt.tf._compat import OBJECT_GRAPH_KEY, tf
 from asyncckpt.tf._slices import WHOLE, parse_spec, slice_key
-from asyncckpt.tf._sstable import build_table, varint
+from asyncckpt.tf._sstable import build_table
 from asyncckpt.tf._variant import CapturedVariant
 
 logger = logging.getLogger(__name__)

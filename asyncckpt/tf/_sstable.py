@@ -12,21 +12,12 @@ from __future__ import annotations
 import struct
 
 from asyncckpt._engine import fastcrc
+from asyncckpt._engine.varint import varint
 
 _BLOCK_SIZE = 262144  # tsl::table::Options().block_size
 _RESTART_INTERVAL = 16  # tsl::table::Options().block_restart_interval
 _MAGIC = 0xDB4775248B80FB57  # tsl::table::kTableMagicNumber
 _HANDLE_MAX = 20  # BlockHandle::kMaxEncodedLength
-
-
-def varint(n: int) -> bytes:
-    """``n`` as a LevelDB / protobuf varint (7 bits a byte, least significant first)."""
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 class _Block:
