@@ -22,10 +22,10 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-import asyncckpt.jax as aj  # noqa: E402
+import asyncckpt.jax as aj
 
 
 def evict(directory: str) -> None:
