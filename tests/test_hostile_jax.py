@@ -395,3 +395,31 @@ def test_the_job_runner_store_checks_its_index_before_allocating(tmp_path, edit)
             got = reader.restore()  # the newest that verifies
         assert got.step == 0
         np.testing.assert_array_equal(got.arrays["b"], np.arange(4, dtype=np.int64) + 2**40)
+
+
+@pytest.mark.parametrize("read", ["restore", "metadata"])
+def test_a_checkpointers_composite_item_named_outside_is_never_opened(tmp_path, outside, read):
+    """orbax's composite handler opens the item directories _CHECKPOINT_METADATA names:
+    a name leading outside is refused before the handler runs."""
+    path = tmp_path / "ckpt"
+
+    def handler():
+        return ocp.CompositeCheckpointHandler("state", "meta")
+
+    with aj.Checkpointer(handler()) as c:
+        c.save(path, args=ocp.args.Composite(state=ocp.args.StandardSave(tree(1)),
+                                             meta=ocp.args.JsonSave({"k": 1})))
+    outside.write("metadata", b'{"k": 2}')
+    meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
+    meta["item_handlers"] = {"../outside": meta["item_handlers"]["meta"],
+                             "state": meta["item_handlers"]["state"]}
+    (path / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+    remanifest(path)
+    outside.arm()
+    with aj.Checkpointer(handler()) as c, pytest.raises(CorruptCheckpointError) as err:
+        if read == "restore":
+            c.restore(path)
+        else:
+            c.metadata(path)
+    assert err.value.file == str(path / "_CHECKPOINT_METADATA") and "'../outside'" in str(err.value)
+    outside.assert_untouched()

@@ -120,6 +120,19 @@ def _handler_kind(handler: Any) -> str:
     return _FOREIGN
 
 
+def _check_recorded_items(path: str) -> None:
+    """Before a handler reads the checkpoint at ``path``: the items its
+    ``_CHECKPOINT_METADATA`` names (orbax's composite handler opens their
+    directories) must be directories of the checkpoint.
+
+    Raises:
+        CorruptCheckpointError: an item name that leads elsewhere (named).
+    """
+    handlers = fmt.read_step_metadata(path).get("item_handlers")
+    if isinstance(handlers, dict):
+        _metadata.item_names(path, handlers)
+
+
 def _check_flag(name: str, value: Any) -> None:
     """orbax's boolean handler settings must be bools (so ``handler_uses_ocdbt`` reads them)."""
     if not isinstance(value, bool):
@@ -594,6 +607,7 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         """
         if self._kind == _FOREIGN:
             path = self._checkpoint_path(directory)
+            _check_recorded_items(path)
             return _handlers.restore_item(path, ROOT, self._handler,
                                           self._foreign_args(args, kwargs, restore=True),
                                           checksums=self._restore_options.checksums)
@@ -652,6 +666,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         import orbax.checkpoint as ocp
 
         path = self._checkpoint_path(directory)
+        if self._kind == _FOREIGN:
+            _check_recorded_items(path)
         if isinstance(self._handler, ocp.CompositeCheckpointHandler):
             # As orbax: the composite handler describes the whole step itself
             # (orbax's StepMetadata, its items' metadata by their handlers).
