@@ -64,6 +64,13 @@ def _read_holder(fd: int) -> dict:
         return {}
 
 
+def _describe(holder: dict) -> str:
+    """A lock holder as its errors name it: pid, host, since when."""
+    since = holder.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since {when}"
+
+
 @dataclass(eq=False)
 class _Shared:
     """The process's hold on one directory: the locked descriptor and its holders."""
@@ -211,11 +218,9 @@ class DirectoryLock:
         return _read_holder(fd)
 
     def _refuse(self, holder: dict) -> None:
-        since = holder.get("since")
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
         raise DirectoryLockedError(
             f"checkpoint directory {self.directory!r} is in use by another writer "
-            f"(pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since {when}). "
+            f"({_describe(holder)}). "
             "Only one process may save into a directory; stop the other run, or give this "
             "one its own directory."
         )
@@ -279,10 +284,7 @@ class CheckpointLock(DirectoryLock):
             time.sleep(0.05)
 
     def _refuse(self, holder: dict) -> None:
-        since = holder.get("since")
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
         raise DirectoryLockedError(
             f"checkpoint {self.name!r} in {self.directory!r} is being written by another "
-            f"process (pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since "
-            f"{when}); save it under another name (checkpoint_number=...), or let that "
-            "process finish first")
+            f"process ({_describe(holder)}); save it under another name "
+            "(checkpoint_number=...), or let that process finish first")
