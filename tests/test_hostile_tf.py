@@ -180,16 +180,6 @@ def test_a_data_file_the_manifest_does_not_list_is_an_integrity_error(tf_dir, ca
 # -- 2. validate before allocating or calling into TensorFlow -----------------------
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        value |= (buf[pos] & 0x7F) << shift
-        pos += 1
-        if buf[pos - 1] < 0x80:
-            return value, pos
-        shift += 7
-
-
 def _trailed(block: bytes, kind: int) -> bytes:
     crc = fastcrc.crc32c_extend(fastcrc.crc32c_extend(0, block), bytes([kind]))
     return block + bytes([kind]) + fastcrc.mask(crc).to_bytes(4, "little")
@@ -203,8 +193,8 @@ def snappy_table(raw: bytes) -> bytes:
     uncompressed blocks only.
     """
     footer = raw[-48:]
-    meta_offset, pos = _varint(footer, 0)
-    meta_size, _ = _varint(footer, pos)
+    meta_offset, pos = _bundle.read_varint(footer, 0)
+    meta_size, _ = _bundle.read_varint(footer, pos)
     data = raw[:meta_offset - 5]  # the one data block, then its trailer
     packed = bytearray(varint(len(data)))
     for i in range(0, len(data), 60):

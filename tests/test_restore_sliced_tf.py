@@ -312,23 +312,13 @@ def _snappy_literals(data: bytes) -> bytes:
     return bytes(out)
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        value |= (buf[pos] & 0x7F) << shift
-        pos += 1
-        if buf[pos - 1] < 0x80:
-            return value, pos
-        shift += 7
-
-
 def _compress_index_block(raw: bytes) -> bytes:
     """The same table with its index block Snappy-compressed (TensorFlow's tables allow it)."""
     footer = raw[-48:]
-    meta_offset, pos = _varint(footer, 0)
-    meta_size, pos = _varint(footer, pos)
-    offset, pos = _varint(footer, pos)
-    size, _ = _varint(footer, pos)
+    meta_offset, pos = _bundle.read_varint(footer, 0)
+    meta_size, pos = _bundle.read_varint(footer, pos)
+    offset, pos = _bundle.read_varint(footer, pos)
+    size, _ = _bundle.read_varint(footer, pos)
     packed = _snappy_literals(raw[offset:offset + size])
     crc = fastcrc.crc32c_extend(fastcrc.crc32c_extend(0, packed), b"\x01")
     block = packed + b"\x01" + fastcrc.mask(crc).to_bytes(4, "little")
