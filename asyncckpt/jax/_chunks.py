@@ -15,8 +15,9 @@ metadata to the files before anything is sized from it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +30,45 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.jax._format import ARRAY_METADATAS, in_item
 
 _READERS = 8  # parallel file reads: enough to keep a disk's queue full
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """Which files of a step may be read: inside it and, with a manifest, listed there.
+
+    Apart from ``ChunkReader`` so that an OCDBT index can check the files its
+    B-tree names through it: a check holding the reader, which holds the
+    index, would be a reference cycle keeping every buffer the restore read
+    alive until the garbage collector next runs (64 MiB more resident per
+    restore of a 64 MiB checkpoint, and slower restores, until it did).
+    """
+
+    checkpoint: str
+    records: Mapping[str, FileRecord]
+    has_manifest: bool
+
+    def corrupt(self, path: str, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"checkpoint {self.checkpoint!r} is corrupt: file {path!r} {what}",
+            checkpoint=self.checkpoint, file=path)
+
+    def listed(self, name: str, *, source: str) -> FileRecord | None:
+        """The record of ``name`` (relative to the step), a file about to be read.
+
+        ``source``: the file that named it. The name must stay inside the
+        step (``contained.check_name``); in a checkpoint with a manifest it
+        must be listed there. None: no manifest (another library's
+        checkpoint, read unverified).
+
+        Raises:
+            CorruptCheckpointError: it leads outside, or is not listed.
+        """
+        contained.check_name(name, checkpoint=self.checkpoint, source=source)
+        rec = self.records.get(name)
+        if rec is None and self.has_manifest:
+            raise self.corrupt(os.path.join(self.checkpoint, *name.split("/")),
+                               "is not listed in the manifest: it is not read")
+        return rec
 
 
 class ChunkReader:
@@ -47,8 +87,10 @@ class ChunkReader:
                  remote: Any = None):
         self._dir = step_dir
         self._remote = remote
-        self.has_manifest = manifest is not None
-        self._records = {r.name: r for r in manifest.files} if manifest else {}
+        self.listing = Listing(step_dir, {r.name: r for r in manifest.files} if manifest else {},
+                               manifest is not None)
+        self.has_manifest = self.listing.has_manifest
+        self._records = self.listing.records
         self._checksums = checksums
         self._data: dict[str, np.ndarray | None] = {}
         self._checked: set[str] = set()  # names of files checked without keeping their bytes
@@ -72,26 +114,7 @@ class ChunkReader:
         return self._records.get(self._name(path))
 
     def _corrupt(self, path: str, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"checkpoint {self._dir!r} is corrupt: file {path!r} {what}",
-                                      checkpoint=self._dir, file=path)
-
-    def listed(self, name: str, *, source: str) -> FileRecord | None:
-        """The record of ``name`` (relative to the step), a file about to be read.
-
-        ``source``: the file that named it. The name must stay inside the
-        step (``contained.check_name``); in a checkpoint with a manifest it
-        must be listed there. None: no manifest (another library's
-        checkpoint, read unverified).
-
-        Raises:
-            CorruptCheckpointError: it leads outside, or is not listed.
-        """
-        contained.check_name(name, checkpoint=self._dir, source=source)
-        rec = self._records.get(name)
-        if rec is None and self.has_manifest:
-            raise self._corrupt(os.path.join(self._dir, *name.split("/")),
-                                "is not listed in the manifest: it is not read")
-        return rec
+        return self.listing.corrupt(path, what)
 
     def check_layout(self, array: Any) -> None:
         """Holds a ``ZarrArray``'s metadata to the checkpoint's files before anything is sized.
@@ -143,11 +166,11 @@ class ChunkReader:
         for dirpath, _, names in os.walk(directory):
             for name in names:
                 path = os.path.join(dirpath, name)
-                self.listed(self._name(path), source=path)
+                self.listing.listed(self._name(path), source=path)
 
     def _plan(self, path: str) -> tuple[reads.FileRead, np.ndarray] | None:
         """The read of one chunk file into an aligned buffer of its size (None: no file)."""
-        rec = self.listed(self._name(path), source=path)
+        rec = self.listing.listed(self._name(path), source=path)
         try:
             size = contained.regular_size(path, checkpoint=self._dir)
         except FileNotFoundError:
@@ -213,7 +236,7 @@ class ChunkReader:
             file, offset, length = where
             ranges.setdefault(in_item(item, file), []).append((offset, length, path))
         for name in ranges:
-            self.listed(name, source=source)  # inside the step, and in the manifest
+            self.listing.listed(name, source=source)  # inside the step, and in the manifest
         if self._remote is not None:
             self._remote.fetch_names(list(ranges))
         plans = []

@@ -163,8 +163,9 @@ def restore_tree(
     entries = fmt.read_tree_metadata(item_dir)
     store = ChunkReader(step_dir, manifest, checksums=checksums, remote=remote)
     # Every file an OCDBT B-tree names: inside the step, and listed in its manifest.
+    listing = store.listing  # not the store: it holds the index (no reference cycle)
     opener = _tsarrays.ItemArrays(item_dir, entries, checkpoint=step_dir, source=store,
-                                  check=lambda name, source: store.listed(
+                                  check=lambda name, source: listing.listed(
                                       fmt.in_item(item, name), source=source))
     if opener.through_tensorstore and remote is not None:
         # TensorStore reads the item's files itself: all of them are fetched first.
