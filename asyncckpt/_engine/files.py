@@ -138,7 +138,7 @@ class DurableWriter:
         self._update = fastcrc.updater(self.algorithm)
         self._records: list[FileRecord] = []
         self._dirs: set[str] = {root}
-        self._flusher = _Flusher(self.sync, pause) if fsync else None
+        self._flusher = _Flusher(pause) if fsync else None
         self._pause = pause
         self.mode = mode
         self.phases = Phases() if phases is None else phases
@@ -278,7 +278,7 @@ class DurableWriter:
 
     def _schedule_fsync(self, path: str) -> None:
         if self._flusher is not None:
-            self._flusher.submit(path)
+            self._flusher.submit(path, self.sync)
 
     @property
     def records(self) -> list[FileRecord]:
@@ -297,11 +297,11 @@ class DurableWriter:
         """
         if self._flusher is not None:
             for d in sorted(self._dirs, key=len, reverse=True):
-                self._flusher.submit(d)
+                self._flusher.submit(d, self.sync)
             self._flusher.join()
             self.phases.merge(self._flusher.phases)
             # Files written after this: a new batch.
-            self._flusher = _Flusher(self.sync, self._pause)
+            self._flusher = _Flusher(self._pause)
         return self.records
 
     def abort(self) -> None:
@@ -328,22 +328,23 @@ class _FsyncPool:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[_Flusher, str]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Flusher, str, Callable[[str], None]]] = (
+            queue.SimpleQueue())
         self._lock = threading.Lock()
         self._threads = 0
 
-    def submit(self, batch: _Flusher, path: str) -> None:
+    def submit(self, batch: _Flusher, path: str, sync: Callable[[str], None]) -> None:
         with self._lock:
             if self._threads < _FSYNC_THREADS:
                 self._threads += 1
                 threading.Thread(target=self._run, name="asyncckpt-fsync", daemon=True).start()
-        self._queue.put((batch, path))
+        self._queue.put((batch, path, sync))
 
     def _run(self) -> None:
         while True:
-            batch, path = self._queue.get()
-            batch.run(path)
-            del batch
+            batch, path, sync = self._queue.get()
+            batch.run(path, sync)
+            del batch, sync
 
 
 _pool = _FsyncPool()
@@ -362,25 +363,26 @@ class _Flusher:
     """One writer's fsyncs, run by the process's fsync threads (``_FsyncPool``) as submitted.
 
     Counts what is in flight, keeps the first error and sums the time of each
-    fsync (``FSYNC``); ``join`` waits for all of them.
+    fsync (``FSYNC``); ``join`` waits for all of them. Each fsync comes with
+    its function (``DurableWriter.sync``), held only until it has run: a
+    writer holding its flusher holding the writer would be a reference cycle.
     """
 
-    def __init__(self, sync: Callable[[str], None],
-                 pause: Callable[[], None] | None = None):
-        self._sync = sync  # the fsync of one path (DurableWriter.sync)
+    def __init__(self, pause: Callable[[], None] | None = None):
         self._pause = pause  # called before each fsync (see DurableWriter)
         self._cv = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
         self.phases = Phases()  # read once joined
 
-    def submit(self, path: str) -> None:
+    def submit(self, path: str, sync: Callable[[str], None]) -> None:
+        """Queues ``sync(path)``, the fsync of one path."""
         with self._cv:
             self._pending += 1
-        _pool.submit(self, path)
+        _pool.submit(self, path, sync)
 
-    def run(self, path: str) -> None:
-        """On a pool thread: fsyncs ``path`` (unless an earlier fsync of this writer failed)."""
+    def run(self, path: str, sync: Callable[[str], None]) -> None:
+        """On a pool thread: ``sync(path)`` (unless an earlier fsync of this writer failed)."""
         seconds = 0.0
         error = None
         if self._error is None:
@@ -388,7 +390,7 @@ class _Flusher:
                 if self._pause is not None:
                     self._pause()
                 t0 = time.perf_counter()
-                self._sync(path)
+                sync(path)
                 seconds = time.perf_counter() - t0
             except BaseException as e:  # surfaced by join()
                 error = e

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -464,7 +465,8 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
             raise
         with self._lock:
             self._in_flight[path] = handle
-        handle.committed.add_done_callback(lambda _f: self._settled(path, handle))
+        # Given the future, not the handle holding it: no reference cycle.
+        handle.committed.add_done_callback(functools.partial(self._settled, path))
         self._last_save = handle
 
     def _with_commit_file(self, staged: StagedTree) -> StagedTree:
@@ -482,9 +484,10 @@ class Checkpointer(ClosingContext, _OrbaxCheckpointer):
         size = staged.size + len(_COMMIT_TEXT) if staged.size >= 0 else -1
         return StagedTree(staged.chunks, joined[1], staged.keepalive, size, staged.splits)
 
-    def _settled(self, path: str, handle: SaveHandle) -> None:
+    def _settled(self, path: str, committed: concurrent.futures.Future) -> None:
         with self._lock:
-            if self._in_flight.get(path) is handle:
+            handle = self._in_flight.get(path)
+            if handle is not None and handle.committed is committed:
                 del self._in_flight[path]
 
     def prepare(self, state: Any) -> None:

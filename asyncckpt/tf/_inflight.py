@@ -17,7 +17,7 @@ from asyncckpt._engine.writer import SaveHandle
 from asyncckpt.storage.url import is_url
 
 _LOCK = threading.Lock()
-_SAVES: dict[str, list[SaveHandle]] = {}
+_SAVES: dict[str, list[futures.Future]] = {}  # each save's ``committed``
 _IN_CALLBACK = threading.local()
 
 
@@ -29,16 +29,18 @@ def register(prefix: str, handle: SaveHandle) -> None:
     """Records ``handle`` as the save writing ``prefix`` until it finishes."""
     key = _key(prefix)
     with _LOCK:
-        _SAVES.setdefault(key, []).append(handle)
-    handle.committed.add_done_callback(functools.partial(_finished, key, handle))
+        _SAVES.setdefault(key, []).append(handle.committed)
+    # The future, not the handle: a callback naming the handle that holds the
+    # future would be a reference cycle.
+    handle.committed.add_done_callback(functools.partial(_finished, key))
 
 
-def _finished(key: str, handle: SaveHandle, _future) -> None:
+def _finished(key: str, committed: futures.Future) -> None:
     with _LOCK:
-        handles = _SAVES.get(key)
-        if handles is not None:
-            handles[:] = [h for h in handles if h is not handle]
-            if not handles:
+        pending = _SAVES.get(key)
+        if pending is not None:
+            pending[:] = [f for f in pending if f is not committed]
+            if not pending:
                 del _SAVES[key]
 
 
@@ -57,9 +59,9 @@ def wait_for(prefix: str, timeout: float | None = None) -> None:
     if getattr(_IN_CALLBACK, "active", False):
         return
     with _LOCK:
-        handles = list(_SAVES.get(_key(prefix), ()))
-    if handles:
-        futures.wait([h.committed for h in handles], timeout=timeout)
+        pending = list(_SAVES.get(_key(prefix), ()))
+    if pending:
+        futures.wait(pending, timeout=timeout)
 
 
 class callback_scope:
