@@ -58,13 +58,17 @@ class BackgroundRemover:
                 path = self._todo.popleft()
                 self._busy = True
             try:
-                commit_lib.remove_tree(path)
+                self.remove(path)
             except OSError as e:  # a stale temporary: the next run's cleanup removes it
                 logger.warning("could not remove %s: %s", path, e)
             finally:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
+
+    def remove(self, path: str) -> None:
+        """Removes one tree (on the remover's thread): every removal is this call."""
+        commit_lib.remove_tree(path)
 
     @property
     def pending(self) -> int:

@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 # work; asyncckpt's behaviour with any value is what orbax's is (why, for each,
 # in docs/compat.md), so any value is accepted.
 _HINTS = frozenset({
-    "enable_background_delete",  # deleted steps' files are removed on a background thread
     "num_deletion_threads",  # the writer thread deletes
     "lightweight_initialize",  # step records are read lazily, when a rule needs them
     "single_host_load_and_broadcast",  # listing is one local directory read
@@ -40,6 +39,7 @@ _HONOURED = frozenset({
     "should_save_fn", "save_root_metadata", "prevent_write_metrics", "save_decision_policy",
     "preservation_policy", "enable_should_save_is_saving_in_progress_check", "async_options",
     "temporary_path_class", "atomicity_options", "cleanup_tmp_directories", "file_options",
+    "enable_background_delete",
 })
 
 # Why the others are refused when set, and what to use instead.
@@ -138,6 +138,10 @@ class ManagerConfig:
             creates (its own, each step's and everything in it) and, less the
             execute bits, of its files (orbax's ``FileOptions``); None: the
             umask's default.
+        background_delete: ``wait_until_finished()`` and ``delete()`` do not
+            wait for deleted steps' files to be gone; ``close()`` does
+            (orbax's ``enable_background_delete``). A deleted step leaves
+            the listing at once either way.
     """
 
     max_to_keep: int | None = None
@@ -167,6 +171,7 @@ class ManagerConfig:
     post_finalization_callback: Callable[[], Any] | None = None
     create_directories_asynchronously: bool = True
     path_permission_mode: int | None = None
+    background_delete: bool = False
 
     def __post_init__(self) -> None:
         retention.check_max_to_keep(self.max_to_keep, allow_zero=True)  # orbax keeps none at 0
@@ -298,6 +303,7 @@ def from_orbax(options: Any) -> ManagerConfig:
         post_finalization_callback=callback,
         create_directories_asynchronously=dirs_async,
         path_permission_mode=_file_options(options.file_options),
+        background_delete=options.enable_background_delete,
     )
 
 

@@ -689,7 +689,7 @@ class CheckpointManager(ClosingContext):
         step = self._existing_step(step)
         self._wait_for([step])
         self._view.delete(step, self._delete)  # without a deleter: hidden until deleted
-        if self._delete is not None:
+        if self._delete is not None and not self._config.background_delete:
             # orbax's delete returns once the step's files are gone: so does this one
             # (the step was renamed out of the listing; its files go on the remover).
             self._view.steps.removals.wait()
@@ -722,7 +722,8 @@ class CheckpointManager(ClosingContext):
                 f"the save of step {self._last_save.label if self._last_save else '?'} did "
                 f"not finish within the timeout of {self._config.save_timeout_s:.0f} s "
                 "(AsyncOptions.timeout_secs); it will not be committed") from e
-        self._view.steps.removals.wait(timeout)  # [retention] deleted steps' files gone too
+        if not self._config.background_delete:  # [retention] deleted steps' files gone too
+            self._view.steps.removals.wait(timeout)
         self._tiers.wait_until_finished(timeout)
         if self._finalized is not None:
             self._finalized.raise_pending()

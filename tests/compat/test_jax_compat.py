@@ -25,6 +25,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 import jax.numpy as jnp  # noqa: E402
 
 import asyncckpt.jax as aj  # noqa: E402
+from asyncckpt._engine._removals import BackgroundRemover  # noqa: E402
 from asyncckpt.jax._job import JaxSaveJob  # noqa: E402
 from tests.helpers import run_python, write_script  # noqa: E402
 
@@ -171,6 +172,48 @@ def test_options_object_and_refused_fields(ckpt_dir):
     with pytest.raises(ValueError, match="mutually exclusive"):  # as orbax
         aj.CheckpointManager(ckpt_dir, item_names=("a",),
                              handler_registry=ocp.handlers.DefaultCheckpointHandlerRegistry())
+
+
+class _HeldRemovals(BackgroundRemover):
+    """The step directory's remover, each removal held until ``go`` is set."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.go = threading.Event()
+        self.started = threading.Event()
+
+    def remove(self, path: str) -> None:
+        self.started.set()
+        assert self.go.wait(30)
+        super().remove(path)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_enable_background_delete_is_honoured(tmp_path, background):
+    # orbax's enable_background_delete=True: wait_until_finished() and delete() return
+    # while deleted steps' files are still being removed; close() waits for them. False
+    # (the default): both wait, as orbax's deletion at the end of each save does.
+    with aj.CheckpointManager(tmp_path, options=_opts(
+            max_to_keep=1, enable_background_delete=background)) as mgr:
+        held = mgr._view.steps.removals = _HeldRemovals("test")  # the remover's one seam
+        mgr.save(1, args=ocp.args.StandardSave(_state(1)))
+        mgr.wait_until_finished()
+        mgr.save(2, args=ocp.args.StandardSave(_state(2)))
+        waiter = threading.Thread(target=mgr.wait_until_finished)
+        waiter.start()
+        assert held.started.wait(30)  # step 1's files are being removed
+        waiter.join(1.0)
+        assert waiter.is_alive() is not background
+        assert mgr.all_steps() == [2]  # out of the listing at once either way
+        held.go.set()
+        waiter.join(30)
+        assert not waiter.is_alive()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["2"]
+    with aj.CheckpointManager(tmp_path) as ours:  # asyncckpt's reader
+        np.testing.assert_array_equal(ours.restore(2, _abstract())["w"], _state(2)["w"])
+    with ocp.CheckpointManager(tmp_path) as theirs:  # and orbax's
+        np.testing.assert_array_equal(
+            theirs.restore(2, args=ocp.args.StandardRestore(_abstract()))["w"], _state(2)["w"])
 
 
 def test_should_save_first_step_interval_save_on_steps_and_fn(tmp_path):
