@@ -169,7 +169,11 @@ class JAXState:
         return next(iter(next(iter(self.tree.values())).sharding.device_set)).platform
 
 
-KEEP = 2  # checkpoints an engine keeps on disk; restores read the newest
+# Checkpoints an engine keeps on disk; restores read the newest. The managers
+# (orbax's, asyncckpt's JAX one) delete old steps in the background
+# (``enable_background_delete``) and the other engines between timed calls
+# (``prune``), so no engine's durable time includes deleting another checkpoint.
+KEEP = 2
 _CKPT_FILE = re.compile(r"ckpt-(\d+)\.")  # files of the ``ckpt-N`` prefixes the TF engines write
 
 
@@ -302,7 +306,8 @@ class Orbax(Engine):
         self.ocp = ocp
         self.manager = ocp.CheckpointManager(
             workdir, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True,
-                                                          max_to_keep=KEEP)
+                                                          max_to_keep=KEEP,
+                                                          enable_background_delete=True)
         )
 
     def save(self) -> None:
@@ -333,10 +338,13 @@ class AsyncckptJAX(Engine):
     framework = "jax"
 
     def __init__(self, state: JAXState, workdir: str):
+        import orbax.checkpoint as ocp
+
         import asyncckpt.jax as aj
 
         super().__init__(state, workdir)
-        self.manager = aj.CheckpointManager(workdir, max_to_keep=KEEP)
+        self.manager = aj.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(
+            max_to_keep=KEEP, enable_background_delete=True))
 
     def save(self) -> None:
         self.step_no += 1
