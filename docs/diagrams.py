@@ -97,17 +97,19 @@ def structure() -> None:
 
 
 def durable_breakdown() -> None:
-    """Where the durable time goes, before and after asyncckpt wrote OCDBT itself (issue 37).
+    """Where the durable time goes, before and after asyncckpt wrote OCDBT itself (issue 37),
+    and since the bench's managers delete old steps in the background.
 
-    Drawn by ``asyncckpt bench``'s own plot from the two runs' stored results
-    (``benchmarks/results/cpu-durable-breakdown-{before,after}.json``).
+    Drawn by ``asyncckpt bench``'s own plot from the three runs' stored results
+    (``benchmarks/results/cpu-durable-breakdown-{before,after,bgdelete}.json``).
     """
     sys.path.insert(0, os.path.dirname(HERE))  # the checkout: benchmarks
     from benchmarks.suite import report
 
     runs = {}
     for label, name in (("before: TensorStore writes OCDBT", "before"),
-                        ("after: asyncckpt writes it", "after")):
+                        ("after: asyncckpt writes it", "after"),
+                        ("now: old steps deleted in the background", "bgdelete")):
         with open(os.path.join(RESULTS, f"cpu-durable-breakdown-{name}.json")) as f:
             runs[label] = json.load(f)
     report.plot_breakdown(None, os.path.join(HERE, "img", "cpu-durable-breakdown.png"),
