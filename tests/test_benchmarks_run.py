@@ -104,10 +104,10 @@ def test_bench_engines_keep_the_newest_checkpoints_only_and_restore_the_last(tmp
                 e.save()
                 e.wait()
                 e.prune()
-            assert _checkpoints_on_disk(directory) == {3, 4}, (cls.name, os.listdir(directory))
             e.restore()
         finally:
-            e.close()
+            e.close()  # the managers delete in the background: close() waits for that
+        assert _checkpoints_on_disk(directory) == {3, 4}, (cls.name, os.listdir(directory))
 
 
 def test_the_device_to_host_floor_puts_the_state_into_pinned_host_memory():
