@@ -44,10 +44,10 @@ def test_the_file_is_the_parts_in_order_with_its_crc_and_each_owners(tmp_path, m
 
 def test_a_small_file_is_cut_in_eight_ranges_for_its_two_threads():
     mib = 1 << 20
-    assert [r.nbytes for r in datafile._ranges([(0, bytes(16 * mib))])] == [2 * mib] * 8
-    assert len(datafile._ranges([(0, bytes(3 * mib))])) == 3  # 1 MiB at least
-    assert [r.nbytes for r in datafile._ranges([(0, bytes(2 * mib))])] == [mib, mib]
-    big = datafile._ranges([(0, memoryview(bytes(256 * mib)))])
+    assert [r.nbytes for r in datafile._ranges([(0, bytes(16 * mib))], [False])] == [2 * mib] * 8
+    assert len(datafile._ranges([(0, bytes(3 * mib))], [False])) == 3  # 1 MiB at least
+    assert [r.nbytes for r in datafile._ranges([(0, bytes(2 * mib))], [False])] == [mib, mib]
+    big = datafile._ranges([(0, memoryview(bytes(256 * mib)))], [False])
     assert {r.nbytes for r in big} == {16 * mib}  # 16 MiB at most
 
 
@@ -81,3 +81,44 @@ def test_page_aligned_buffers_are_written_o_direct_as_they_are(tmp_path, monkeyp
     content = (tmp_path / "odd").read_bytes()
     assert content == b"".join(b.tobytes() for _, b in odd)
     assert written.crc == fastcrc.crc32c_extend(0, content)
+
+
+def test_small_staging_buffers_are_packed_back_to_back_in_order():
+    from asyncckpt._engine._pages import packed_empty
+
+    sizes = [8192, 8192, 100, 4096, 4 << 20, 65_600, 8192]
+    bufs = packed_empty(sizes)
+    assert [b.nbytes for b in bufs] == sizes
+    address = [b.ctypes.data for b in bufs]
+    assert address[1] == address[0] + 8192  # whole pages: side by side, on pages
+    assert all(a % 4096 == 0 for a, n in zip(address, sizes, strict=True)
+               if n % 4096 == 0 or n >= 64 << 10)
+    assert address[2] % 64 == 0 and address[3] == -(-(address[2] + 100) // 4096) * 4096
+    assert address[4] % (2 << 20) == 0  # a large buffer: its own huge-page mapping
+    for i, b in enumerate(bufs):  # each is its own memory
+        b[:] = i
+    assert [int(b.min()) for b in bufs] == [int(b.max()) for b in bufs] == list(range(len(bufs)))
+
+
+def test_parts_back_to_back_in_memory_are_written_as_one(tmp_path):
+    from asyncckpt._engine._pages import packed_empty
+
+    rng = np.random.default_rng(1)
+    bufs = packed_empty([8192] * 600)  # 4.7 MiB: written O_DIRECT where the disk takes it
+    for b in bufs:
+        b[:] = rng.integers(0, 255, b.nbytes, dtype=np.uint8)
+    # Owner 0's CRC is not wanted: its parts join; owner 1's and 2's are, so they stay apart.
+    owners = [0] * 500 + [1] * 50 + [2] * 50
+    parts = list(zip(owners, bufs, strict=True))
+    views = datafile._coalesced(parts, [False, True, True])
+    assert [(o, len(v)) for o, v in views] == [(0, 500 * 8192), (1, 50 * 8192), (2, 50 * 8192)]
+    assert len(datafile._coalesced(parts, [True, True, True])) == 3
+    assert len(datafile._coalesced(parts[::-1], [False, False, False])) == 600  # not in order
+    path = tmp_path / "data"
+    written = datafile.write(str(path), parts, [False, True, True])
+    content = path.read_bytes()
+    assert content == b"".join(b.tobytes() for b in bufs)
+    assert written.crc == fastcrc.crc32c_extend(0, content)
+    assert written.owner_crcs == [
+        None, fastcrc.crc32c_extend(0, b"".join(b.tobytes() for b in bufs[500:550])),
+        fastcrc.crc32c_extend(0, b"".join(b.tobytes() for b in bufs[550:]))]

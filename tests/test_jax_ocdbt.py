@@ -393,3 +393,35 @@ def test_a_slot_is_reused_only_after_its_values_are_written(ckpt_dir, monkeypatc
         for step in (1, 2):
             _same(state(step), orbax_mgr.restore(
                 step, args=ocp.args.StandardRestore(_abstract(state(step)))))
+
+
+def test_many_small_sharded_arrays_staged_side_by_side_restore_exactly(tmp_path):
+    # 120 arrays of 8 x 8 KiB shards and a few others: the slots pack the small shards
+    # back to back and the data file is written from runs of them (``_pages.packed_empty``,
+    # ``datafile._coalesced``). Back-to-back saves take the second slot, built apart.
+    sharded = NamedSharding(_mesh((8,), ("x",)), P("x"))
+    rng = np.random.default_rng(7)
+
+    def state(step):
+        tree = {f"w{i:03d}": jax.device_put(
+            rng.standard_normal((256, 64), dtype=np.float32) + step, sharded) for i in range(120)}
+        tree["odd"] = jax.device_put(np.arange(8 * 37, dtype=np.int16) - step, sharded)
+        tree["big"] = jax.device_put(rng.standard_normal((8, 1 << 17), dtype=np.float32),
+                                     sharded)
+        tree["host"] = np.arange(5, dtype=np.int64) + step
+        return tree
+
+    saved = {}
+    with aj.CheckpointManager(tmp_path, max_to_keep=None) as mgr:
+        for step in range(4):
+            saved[step] = state(step)
+            mgr.save(step, saved[step])
+        mgr.wait_until_finished()
+        for step in range(4):
+            got = mgr.restore(step, _abstract(saved[step]))
+            for name, value in saved[step].items():
+                np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value))
+    with ocp.CheckpointManager(tmp_path) as theirs:  # and orbax restores the same values
+        got = theirs.restore(3, args=ocp.args.StandardRestore(_abstract(saved[3])))
+        for name, value in saved[3].items():
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value))

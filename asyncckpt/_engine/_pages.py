@@ -84,3 +84,47 @@ def aligned_empty(nbytes: int, *, prefault: bool = True) -> np.ndarray:
     if prefault and nbytes:
         touch_pages(buf)
     return buf
+
+
+# Buffers under this size are packed together (``packed_empty``); larger ones get
+# a mapping of their own (on huge pages, ``aligned_empty``).
+_PACK_BELOW = _HUGE_PAGE
+
+
+def packed_empty(sizes: list[int], *, prefault: bool = True) -> list[np.ndarray]:
+    """One buffer per size in ``sizes``, the small ones side by side in shared memory.
+
+    A state of many small shards (a JAX array sharded over 8 devices gives 8)
+    staged into a buffer each spread them over as many 4 KiB-page
+    allocations: the data file written from them then needed a gathering
+    copy (a buffer under 64 KiB did not start on a page, so ``O_DIRECT``
+    could not take it) and the disk write pinned every page apart. Packed
+    in order into one allocation (on huge pages from 2 MiB), each on a page
+    boundary where its length is whole pages (else 64-byte aligned), they
+    are written straight from where they are, back to back. Buffers of
+    ``_PACK_BELOW`` and more get their own ``aligned_empty``. The shared
+    memory is freed once every buffer packed into it is.
+    """
+    out: list[np.ndarray | None] = [None] * len(sizes)
+    offsets: list[tuple[int, int]] = []
+    end = 0
+    for i, nbytes in enumerate(sizes):
+        if nbytes >= _PACK_BELOW:
+            out[i] = aligned_empty(nbytes, prefault=prefault)
+            continue
+        align = _PAGE if nbytes % _PAGE == 0 or nbytes >= _PAGE_FROM else _ALIGNMENT
+        start = -(-end // align) * align
+        offsets.append((i, start))
+        end = start + nbytes
+    if offsets:
+        if end >= _PAGE_FROM:  # on a page (on huge pages where it pays)
+            arena = aligned_empty(end, prefault=prefault)
+        else:
+            raw = np.empty(end + _PAGE, dtype=np.uint8)
+            shift = (-raw.ctypes.data) % _PAGE
+            arena = raw[shift:shift + end]
+            if prefault:
+                touch_pages(arena)
+        for i, start in offsets:
+            out[i] = arena[start:start + sizes[i]]
+    return out  # type: ignore[return-value]

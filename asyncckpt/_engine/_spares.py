@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from asyncckpt._engine._pages import aligned_empty
+from asyncckpt._engine._pages import packed_empty
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,17 @@ def build_buffers(
     Returns:
         The buffers, or None when ``stopped`` said so (they are then freed).
     """
-    bufs: dict[str, np.ndarray] = {}
+    if stopped():
+        return None
+    # Allocated at once, the small ones side by side as the slot's own are
+    # (``packed_empty``); faulted in buffer by buffer.
+    bufs = dict(zip(layout, packed_empty(list(layout.values()), prefault=False), strict=True))
     for key, nbytes in layout.items():
         if stopped():
             return None
-        buf = aligned_empty(nbytes, prefault=False)
+        buf = bufs[key]
         if on_alloc is not None:
             on_alloc(nbytes)
-        bufs[key] = buf
         for start in range(0, nbytes, _STEP):
             if pause is not None:
                 pause()

@@ -36,7 +36,7 @@ import numpy as np
 
 from asyncckpt._engine import _spares
 from asyncckpt._engine._copy import prefault_all
-from asyncckpt._engine._pages import aligned_empty, touch_pages
+from asyncckpt._engine._pages import aligned_empty, packed_empty, touch_pages
 from asyncckpt._engine.budget import Budget
 from asyncckpt._threads import lower_thread_priority
 from asyncckpt.errors import HostMemoryError
@@ -160,6 +160,17 @@ class Slot:
         if last is not None and last[0] is keys and last[1] is shapes and last[2] is dtypes:
             self._used.update(keys)
             return last[3]
+        wanted = [math.prod(shape) * np.dtype(dtype).itemsize
+                  for shape, dtype in zip(shapes, dtypes, strict=True)]
+        missing = [(key, n) for key, n in zip(keys, wanted, strict=True)
+                   if (b := self._buffers.get(key)) is None or b.nbytes != n]
+        if len(missing) > 1:  # allocated together: the small ones packed (``packed_empty``)
+            for (key, _), buf in zip(missing, packed_empty([n for _, n in missing]),
+                                     strict=True):
+                self._buffers[key] = buf
+                self._views.pop(key, None)
+            self.allocations += len(missing)
+            self._changed = True
         out = list(map(self.buffer, keys, shapes, dtypes))
         self._batch = (keys, shapes, dtypes, out)
         return out
@@ -576,7 +587,7 @@ class StagingPool:
             slot, missing = work
             self._cond.release()
             try:
-                bufs = [aligned_empty(nbytes, prefault=False) for _, nbytes in missing]
+                bufs = packed_empty([nbytes for _, nbytes in missing], prefault=False)
                 prefault_all(bufs)
             except Exception:  # e.g. MemoryError: the save itself succeeded
                 logger.exception("preparing staging slots failed; they are filled on demand")
@@ -632,20 +643,18 @@ class StagingPool:
                         self._cond.notify_all()
                         break
                 slot, missing = work
-                for key, nbytes in missing:
-                    buf = aligned_empty(nbytes)
-                    with self._cond:
-                        # Installed only into a slot nobody holds, and only if
-                        # the layout still wants it: acquire() never sees a
-                        # half-built buffer.
-                        if self._closed or slot not in self._free:
-                            break
-                        if self._layout.get(key) == nbytes:
-                            slot._install(key, buf)
-                            slot.prepared += 1
-                            built += 1
-                    del buf
-                del work, slot, missing
+                bufs = packed_empty([nbytes for _, nbytes in missing])
+                with self._cond:
+                    # Installed only into a slot nobody holds, and only where
+                    # the layout still wants them: acquire() never sees a
+                    # half-built buffer.
+                    if not self._closed and slot in self._free:
+                        for (key, nbytes), buf in zip(missing, bufs, strict=True):
+                            if self._layout.get(key) == nbytes:
+                                slot._install(key, buf)
+                                slot.prepared += 1
+                                built += 1
+                del bufs, work, slot, missing
         except BaseException:
             logger.exception("preparing staging slots failed; they are filled on demand")
             with self._cond:
