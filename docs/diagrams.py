@@ -98,10 +98,11 @@ def structure() -> None:
 
 def durable_breakdown() -> None:
     """Where the durable time goes, before and after asyncckpt wrote OCDBT itself (issue 37),
-    and since the bench's managers delete old steps in the background.
+    and now (the bench's managers delete old steps in the background, small staging
+    buffers are packed side by side).
 
     Drawn by ``asyncckpt bench``'s own plot from the three runs' stored results
-    (``benchmarks/results/cpu-durable-breakdown-{before,after,bgdelete}.json``).
+    (``benchmarks/results/cpu-durable-breakdown-{before,after,packed}.json``).
     """
     sys.path.insert(0, os.path.dirname(HERE))  # the checkout: benchmarks
     from benchmarks.suite import report
@@ -109,7 +110,8 @@ def durable_breakdown() -> None:
     runs = {}
     for label, name in (("before: TensorStore writes OCDBT", "before"),
                         ("after: asyncckpt writes it", "after"),
-                        ("now: old steps deleted in the background", "bgdelete")):
+                        ("now: old steps deleted in the background, small buffers packed",
+                         "packed")):
         with open(os.path.join(RESULTS, f"cpu-durable-breakdown-{name}.json")) as f:
             runs[label] = json.load(f)
     report.plot_breakdown(None, os.path.join(HERE, "img", "cpu-durable-breakdown.png"),

@@ -172,10 +172,14 @@ def measure_size(
     peak: dict[str, int] = dict.fromkeys(engines, 0)
 
     def settle() -> None:
+        """Every engine idle, old checkpoints pruned, and the disk quiet: engines that
+        do not fsync (TensorFlow's, orbax's) leave dirty pages whose writeback would
+        otherwise land in the next timed call, whichever engine's it is."""
         for name, e in engines.items():
             e.wait()
             if name not in errors:
                 _safe(e.prune, errors, name)
+        os.sync()
 
     def run_engine(name: str, record: bool) -> None:
         e = engines[name]
