@@ -207,3 +207,38 @@ def test_a_save_behind_a_write_in_flight_does_not_list_the_directory(ckpt_dir, m
         assert mgr.all_steps() == [0, 1, 2]
         restored = mgr.restore(2)
         np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4, 4), 2.0))
+
+
+def test_a_listing_taken_while_a_step_is_deleted_is_not_kept(ckpt_dir, monkeypatch):
+    # The main thread lists the directory while the writer thread deletes a step
+    # (retention) and lists it afresh; the deletion lands in the same clock tick of the
+    # directory's mtime (ext4 moves it in ticks of a few ms). The main thread's listing,
+    # taken before the deletion and finished after it, must not be kept: it would list
+    # the deleted step from then on. Seen once as a flaky retention test.
+    with aj.CheckpointManager(ckpt_dir) as mgr:
+        _save_all(mgr, [0, 1])
+        view = mgr._view
+        real_scandir = os.scandir
+
+        class DeletedMeanwhile:
+            """The listing as it was; on its end, step 1 goes, as the writer deletes it."""
+
+            def __init__(self, path):
+                self._it = real_scandir(path)
+                self._mtime = os.stat(ckpt_dir).st_mtime_ns
+
+            def __enter__(self):
+                return self._it.__enter__()
+
+            def __exit__(self, *exc):
+                self._it.__exit__(*exc)
+                os.rename(ckpt_dir / "1", ckpt_dir / "elsewhere")
+                view.invalidate()  # what the writer thread's deletion does
+                os.utime(ckpt_dir, ns=(self._mtime, self._mtime))  # within the same tick
+                return False
+
+        view.invalidate()
+        monkeypatch.setattr(os, "scandir", DeletedMeanwhile)  # the OS, not the code under test
+        assert view.disk_steps() == {0, 1}  # as listed before the deletion
+        monkeypatch.undo()
+        assert view.disk_steps() == {0}

@@ -70,6 +70,8 @@ class StepView:
         # (mtime_ns, steps, steps whose name is taken by an entry that is not an
         # uncommitted step directory, uncommitted step directories (commit-file mode))
         self._listing: tuple[int, frozenset[int], frozenset[int], frozenset[int]] | None = None
+        # Bumped by every ``invalidate``: a listing taken across one is not kept (below).
+        self._generation = 0
         self._synced: frozenset[int] | None = None  # the committed steps last given to ``steps``
         # URL directory: reads the record of a step only the bucket holds.
         self.remote_record: Callable[[int], StepRecord] | None = None
@@ -104,6 +106,7 @@ class StepView:
         commit-file mode a commit does not change it (the marker is written
         inside the step), so uncommitted step directories are looked at again.
         """
+        generation = self._generation
         try:
             mtime = os.stat(self.directory).st_mtime_ns
         except FileNotFoundError:
@@ -134,7 +137,12 @@ class StepView:
             self._listing = None
             return frozenset()
         found = frozenset(steps)
-        self._listing = (mtime, found, frozenset(taken), frozenset(pending))
+        # Kept only if this process changed nothing meanwhile. A listing taken
+        # while the writer thread deleted a step, stored after the writer's own
+        # fresh one, would outlive the deletion: the directory's mtime moves in
+        # clock ticks (ext4: a few ms), so it may not tell the two apart.
+        if generation == self._generation:
+            self._listing = (mtime, found, frozenset(taken), frozenset(pending))
         return found
 
     def _committed(self, step: int) -> bool:
@@ -142,6 +150,7 @@ class StepView:
 
     def invalidate(self) -> None:
         """This process changed the directory: list it again next time."""
+        self._generation += 1
         self._listing = None
 
     def refresh(self) -> None:
@@ -149,7 +158,7 @@ class StepView:
 
         The next ``save()`` then finds the listing cached: it only ``stat``s.
         """
-        self._listing = None
+        self.invalidate()
         self.disk_steps()
 
     def listed(self, on_disk: frozenset[int] | None = None, *,
