@@ -303,6 +303,19 @@ def _tf():
     return tf
 
 
+class _ManagerSaver(Saver):
+    """A saver whose object waits, closes and lists as orbax's manager does."""
+
+    def wait(self) -> None:
+        self.obj.wait_until_finished()
+
+    def close(self) -> None:
+        self.obj.close()
+
+    def steps(self) -> list[int]:
+        return self.obj.all_steps()
+
+
 class _TFSaver(Saver):
     def __init__(self, frontend: TFFrontend, faults: Faults | None, checksums: bool):
         import asyncckpt.tf as at
@@ -498,7 +511,7 @@ def _target() -> dict:
     return {"w": np.zeros(N, np.float32), "step": 0}
 
 
-class _JaxSaver(Saver):
+class _JaxSaver(_ManagerSaver):
     def __init__(self, frontend: JaxFrontend, faults, checksums, max_to_keep):
         import asyncckpt.jax as aj
         from asyncckpt.jax._job import JaxSaveJob
@@ -515,15 +528,6 @@ class _JaxSaver(Saver):
         # force: saved whatever the save interval says (a failed step saved again)
         self.obj.save(step, {"w": jnp.asarray(values(x)), "step": step}, force=True,
                       custom_metadata={"total_run_calls": step * 10})
-
-    def wait(self) -> None:
-        self.obj.wait_until_finished()
-
-    def close(self) -> None:
-        self.obj.close()
-
-    def steps(self) -> list[int]:
-        return self.obj.all_steps()
 
     def restore(self, step: int | None = None) -> tuple[int, np.ndarray]:
         got = self.obj.restore(step, target=_target())
@@ -625,7 +629,7 @@ class JaxZarr(JaxFrontend):
 # -- the job runner's ArrayStore (JobRunner, Keras's BackupAndRestore) --------------------
 
 
-class _ArraysSaver(Saver):
+class _ArraysSaver(_ManagerSaver):
     def __init__(self, frontend: Arrays, faults, max_to_keep):
         from asyncckpt.jobrunner.store import ArrayStore
 
@@ -635,15 +639,6 @@ class _ArraysSaver(Saver):
 
     def save(self, step: int, x: float) -> None:
         self.obj.save(step, {"w": values(x)}, {"step": step})
-
-    def wait(self) -> None:
-        self.obj.wait_until_finished()
-
-    def close(self) -> None:
-        self.obj.close()
-
-    def steps(self) -> list[int]:
-        return self.obj.all_steps()
 
     def restore(self, step: int | None = None) -> tuple[int, np.ndarray]:
         got = self.obj.restore(step)
