@@ -329,9 +329,9 @@ def test_trees_too_large_for_one_node_get_interior_nodes_that_tensorstore_reads(
     for key in sorted(values):
         v = values[key]
         if len(v) <= 1024:
-            refs.append(_ocdbtwrite.Value(key.encode(), len(v), v))
+            refs.append((key.encode(), len(v), v, 0, 0))
         else:
-            refs.append(_ocdbtwrite.Value(key.encode(), len(v), None, 0, len(data)))
+            refs.append((key.encode(), len(v), None, 0, len(data)))
             data += v
     (db / "ocdbt_data" / "d").write_bytes(data)
     nodes, root = _ocdbtwrite.encode_tree(refs, [("", "ocdbt_data/d")], ("", "ocdbt_meta/n"),

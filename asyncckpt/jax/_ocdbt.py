@@ -342,13 +342,13 @@ class DatabaseWriter:
         self._files = files
         self._target = target
         # Large values until ``flush``: (key, the caller's buffer, its bytes). Each
-        # value's place below is a plain tuple of bytes and ints, ``Value`` only
-        # while the B-tree is encoded: the garbage collector stops tracking such
-        # tuples, where thousands of objects it tracks (memoryviews, dataclasses)
-        # kept for a whole save were promoted to its oldest generation, and a state
-        # of 4,000 shards then paid a full collection (45 ms) every other save.
+        # value's place below is a plain tuple of bytes and ints, as the encoder's
+        # ``Value`` is: the garbage collector stops tracking such tuples, where
+        # thousands of objects it tracks (memoryviews, dataclasses) kept for a
+        # whole save were promoted to its oldest generation, and a state of 4,000
+        # shards then paid a full collection (45 ms) every other save.
         self._pending: list[tuple[bytes, Any, int]] = []
-        self._values: dict[bytes, tuple[int, bytes | None, int, int]] = {}
+        self._values: dict[bytes, _ocdbtwrite.Value] = {}
         self._data_files: list[str] = []  # relative to the database's directory
         self.keys = 0
         os.makedirs(os.path.join(step_root, *self._rel.split("/")), exist_ok=True)
@@ -365,7 +365,7 @@ class DatabaseWriter:
         size = len(view)
         if size <= MAX_INLINE_VALUE_BYTES:
             inline = data if isinstance(data, bytes) else view.tobytes()
-            self._values[name] = (size, inline, 0, 0)
+            self._values[name] = (name, size, inline, 0, 0)
         else:
             self._pending.append((name, data, size))
         self.keys += 1
@@ -384,7 +384,7 @@ class DatabaseWriter:
             name = f"{DATA_PREFIX}{uuid.uuid4().hex}"
             offset = 0
             for key, _, n in pending[start:end]:
-                self._values[key] = (n, None, index, offset)
+                self._values[key] = (key, n, None, index, offset)
                 offset += n
             self._write_data(f"{self._rel}/{name}", [d for _, d, _ in pending[start:end]])
             self._data_files.append(name)
@@ -413,7 +413,7 @@ class DatabaseWriter:
         if not self._values:
             return
         t0 = time.perf_counter()
-        values = [_ocdbtwrite.Value(k, *self._values[k]) for k in sorted(self._values)]
+        values = [self._values[k] for k in sorted(self._values)]
         node_file = f"{META_PREFIX}{uuid.uuid4().hex}"
         nodes, tree = _ocdbtwrite.encode_tree(
             values, [("", n) for n in self._data_files], ("", node_file),
