@@ -149,8 +149,18 @@ def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     copies while the others take the rest. Under ``_INLINE`` bytes in all,
     the calling thread copies alone.
 
+    A source may also be what NumPy views without copying (a CPU
+    ``jax.Array`` shard, through the buffer protocol): it is viewed only
+    when copied, so each view, and the memoryview NumPy keeps as its base,
+    dies as soon as its copy is done. Views taken up front for a state of
+    thousands of shards were alive through the whole copy, so the garbage
+    collector promoted them, 8,000 objects a save, and every fifth save at
+    4,000 shards paid a full collection (70 ms with JAX loaded) inside the
+    training thread's wait.
+
     Args:
-        pairs: ``(destination, source)`` arrays of equal shape and dtype.
+        pairs: ``(destination, source)`` of equal shape and dtype: NumPy
+            arrays, or sources as above.
 
     Raises:
         ValueError: a pair differs in shape or dtype; nothing is copied then.
@@ -194,7 +204,11 @@ def _cut(pairs: Sequence[tuple[np.ndarray, np.ndarray]],
     """The pairs with every contiguous array over ``step`` bytes cut into pieces of it."""
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
     for dst, src in pairs:
-        if dst.nbytes <= step or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        if dst.nbytes <= step:
+            pieces.append((dst, src))
+            continue
+        src = np.asarray(src)  # a view, kept while its pieces are copied
+        if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             pieces.append((dst, src))
             continue
         d, s = _flat_bytes(dst), _flat_bytes(src)

@@ -733,8 +733,8 @@ class Snapshotter:
                 arrays = map(operator.getitem, map(held.__getitem__, index), shards)
             else:
                 arrays = map(leaves.__getitem__, index)
-            sources = map(np.asarray, arrays)
-            copy_arrays(list(zip(buffers, sources, strict=True)))
+            # The arrays themselves: each is viewed only when copied (``copy_arrays``).
+            copy_arrays(list(zip(buffers, arrays, strict=True)))
             return StagedTree(tuple(zip(files, buffers, strict=True)), plan.metadata_for(item), (),
                               plan.nbytes, plan.splits(item))
         # 1. Start every device-to-host transfer before waiting on any.
