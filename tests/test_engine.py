@@ -93,6 +93,27 @@ def test_copy_arrays_copies_large_and_small_arrays():
         copy_arrays([(np.zeros(8, "<f4"), np.zeros(8, ">f4"))])
 
 
+def test_copy_columns_views_cpu_jax_arrays_as_it_copies_them():
+    """Sources may be CPU ``jax.Array``s, small, shared out and cut in pieces alike."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from asyncckpt._engine._copy import copy_columns
+
+    rng = np.random.default_rng(3)
+    host = [rng.random(n).astype(np.float32) for n in (3, 2 << 10, 1 << 16, 3 << 20)]
+    host += [rng.random(1 << 15).astype(ml_dtypes.bfloat16) for _ in range(40)]
+    srcs = [jnp.asarray(h) for h in host]
+    dsts = [np.zeros_like(h) for h in host]
+    copy_columns(dsts, srcs)
+    for d, h in zip(dsts, host, strict=True):
+        np.testing.assert_array_equal(d, h)
+    with pytest.raises(ValueError, match="2 sources for 1 destinations"):
+        copy_columns([np.zeros(3, np.float32)], srcs[:2])
+    with pytest.raises(ValueError, match="mismatch"):
+        copy_columns([np.zeros(3, np.float64)], srcs[:1])
+
+
 def _tapped_copy(monkeypatch, before=None, after=None, each=None) -> dict[str, int]:
     """Counts the pieces each thread copies.
 

@@ -1,8 +1,8 @@
 """Snapshot stage: copying arrays into staging buffers on every idle core.
 
-Split from ``slots`` (which re-exports ``copy_arrays``): the copy threads and
-how a copy is cut into pieces, used by the slot pool (pre-faulting new
-buffers) and by every framework adapter (the state copy of a save).
+Split from ``slots``: the copy threads and how a copy is cut into pieces,
+used by the slot pool (pre-faulting new buffers) and by every framework
+adapter (the state copy of a save).
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 from asyncckpt._engine._pages import touch_pages
 
-__all__ = ["copy_arrays", "prefault_all"]
+__all__ = ["copy_arrays", "copy_columns", "prefault_all"]
 
 
 def prefault_all(bufs: Sequence[np.ndarray]) -> None:
@@ -132,8 +133,20 @@ def _piece_bytes(total: int, threads: int) -> int:
     return max(1 << 20, min(_PIECE, total // (4 * threads) // 4096 * 4096))
 
 
-def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+def copy_arrays(pairs: Sequence[tuple[np.ndarray, Any]]) -> None:
     """Copies each source array into its destination, on the idle cores too.
+
+    ``pairs``: ``(destination, source)`` of equal shape and dtype; see
+    ``copy_columns``, which this is with the pairs taken apart.
+
+    Raises:
+        ValueError: a pair differs in shape or dtype; nothing is copied then.
+    """
+    copy_columns(list(map(_first, pairs)), list(map(_second, pairs)))
+
+
+def copy_columns(dsts: Sequence[np.ndarray], srcs: Sequence[Any]) -> None:
+    """Copies each ``srcs[i]`` into ``dsts[i]``, on the idle cores too.
 
     The training thread waits for this copy anyway, so the cores it leaves
     idle do the copy with it: arrays are cut into pieces of 1-8 MiB (about
@@ -156,38 +169,41 @@ def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     thousands of shards were alive through the whole copy, so the garbage
     collector promoted them, 8,000 objects a save, and every fifth save at
     4,000 shards paid a full collection (70 ms with JAX loaded) inside the
-    training thread's wait.
+    training thread's wait. For the same reason the sources come as a
+    column, not as pairs: a tuple holding a ``jax.Array`` is tracked by the
+    collector, and 4,000 of them alive through the copy were promoted too.
 
     Args:
-        pairs: ``(destination, source)`` of equal shape and dtype: NumPy
-            arrays, or sources as above.
+        dsts: The destinations (NumPy arrays).
+        srcs: The sources, as many: NumPy arrays, or sources as above, each
+            of its destination's shape and dtype.
 
     Raises:
-        ValueError: a pair differs in shape or dtype; nothing is copied then.
+        ValueError: a source differs in shape or dtype, or the two differ in
+            length; nothing is copied then.
     """
+    if len(dsts) != len(srcs):
+        raise ValueError(f"staging copy: {len(srcs)} sources for {len(dsts)} destinations")
     # Checked and summed by C-level maps: a state of hundreds of arrays paid
     # about 0.5 us an array for a Python loop here.
-    dsts = list(map(_first, pairs))
-    srcs = list(map(_second, pairs))
     if (list(map(_shape, dsts)) != list(map(_shape, srcs))
             or list(map(_dtype, dsts)) != list(map(_dtype, srcs))):
-        for dst, src in pairs:
+        for dst, src in zip(dsts, srcs, strict=True):
             _check_pair(dst, src)  # raises, naming the first mismatch
     sizes = list(map(_nbytes, dsts))
     total = sum(sizes)
     threads = _copy_threads()
     if total < _INLINE or threads < 2 or max(sizes) < _SHARE_MIN:
-        _copy_all(pairs)
+        _copy_all(zip(dsts, srcs, strict=True))
         return
     step = _piece_bytes(total, threads)
-    # With none over a piece (a state of many small arrays), each array is one.
-    pieces = list(pairs) if max(sizes) <= step else _cut(pairs, step)
-    small: list[tuple[np.ndarray, np.ndarray]] = []
-    if min(sizes) < _SHARE_MIN:  # the calling thread's alone (``_SHARE_MIN``)
-        small = [p for p in pieces if p[0].nbytes < _SHARE_MIN]
-        pieces = [p for p in pieces if p[0].nbytes >= _SHARE_MIN]
+    # Arrays over a piece are cut (a state of many small arrays: each is one).
+    large = [(d, s) for d, s, n in zip(dsts, srcs, sizes, strict=True) if n >= _SHARE_MIN]
+    pieces = large if max(sizes) <= step else _cut(large, step)
+    # The calling thread's alone (``_SHARE_MIN``); a pair at a time, as copied.
+    small = ((d, s) for d, s, n in zip(dsts, srcs, sizes, strict=True) if n < _SHARE_MIN)
     if len(pieces) < 2:
-        _copy_all(small + pieces)
+        _copy_all(itertools.chain(small, pieces))
         return
     shared = iter(pieces)  # next() on it is atomic under the GIL: each piece once
     futures = [_pool().submit(_copy_all, shared)

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from asyncckpt._engine._copy import copy_arrays
+from asyncckpt._engine._copy import copy_arrays, copy_columns
 from asyncckpt._engine.slots import Slot
 from asyncckpt.errors import UnsupportedLeafError, UnsupportedObjectError
 from asyncckpt.jax import _format as fmt
@@ -733,8 +733,9 @@ class Snapshotter:
                 arrays = map(operator.getitem, map(held.__getitem__, index), shards)
             else:
                 arrays = map(leaves.__getitem__, index)
-            # The arrays themselves: each is viewed only when copied (``copy_arrays``).
-            copy_arrays(list(zip(buffers, arrays, strict=True)))
+            # The arrays themselves, as a column: each is viewed only when copied
+            # (``copy_columns``).
+            copy_columns(buffers, list(arrays))
             return StagedTree(tuple(zip(files, buffers, strict=True)), plan.metadata_for(item), (),
                               plan.nbytes, plan.splits(item))
         # 1. Start every device-to-host transfer before waiting on any.
