@@ -98,21 +98,23 @@ def structure() -> None:
 
 def durable_breakdown() -> None:
     """Where the durable time goes, before and after asyncckpt wrote OCDBT itself (issue 37),
-    and now (the bench's managers delete old steps in the background, small staging
-    buffers are packed side by side).
+    then (the bench's managers delete old steps in the background, small staging
+    buffers are packed side by side), and now (CPU shards viewed only as copied,
+    the OCDBT writer's values plain tuples: fewer garbage collections).
 
-    Drawn by ``asyncckpt bench``'s own plot from the three runs' stored results
-    (``benchmarks/results/cpu-durable-breakdown-{before,after,packed}.json``).
+    Drawn by ``asyncckpt bench``'s own plot from the four runs' stored results
+    (``benchmarks/results/cpu-durable-breakdown-{before,after,packed}.json``,
+    ``cpu-durable-abba-2026-12-08-b1.json``).
     """
     sys.path.insert(0, os.path.dirname(HERE))  # the checkout: benchmarks
     from benchmarks.suite import report
 
     runs = {}
-    for label, name in (("before: TensorStore writes OCDBT", "before"),
-                        ("after: asyncckpt writes it", "after"),
-                        ("now: old steps deleted in the background, small buffers packed",
-                         "packed")):
-        with open(os.path.join(RESULTS, f"cpu-durable-breakdown-{name}.json")) as f:
+    for label, name in (("before: TensorStore writes OCDBT", "breakdown-before"),
+                        ("after: asyncckpt writes it", "breakdown-after"),
+                        ("then: background delete,\npacked buffers", "breakdown-packed"),
+                        ("now: fewer collections\n(no 256 MiB run)", "abba-2026-12-08-b1")):
+        with open(os.path.join(RESULTS, f"cpu-durable-{name}.json")) as f:
             runs[label] = json.load(f)
     report.plot_breakdown(None, os.path.join(HERE, "img", "cpu-durable-breakdown.png"),
                           "Durable time per save by phase, 2-core VM (floors stacked: memcpy, "
