@@ -290,6 +290,47 @@ def test_a_failed_background_copy_is_raised_and_releases_the_reads(ckpt_dir, gat
     np.testing.assert_array_equal(_contents(path)["v/.ATTRIBUTES/VARIABLE_VALUE"], v.numpy())
 
 
+def test_the_bundle_is_written_while_the_background_copy_still_runs(ckpt_dir, monkeypatch):
+    """Each range of the data file is written once the copy has reached it.
+
+    4 variables of 4 MiB: two copy groups of 8 MiB. The real copy of the
+    second group waits until a range of the data file has been written (the
+    real write, recorded); a writer that waited for the whole copy first
+    never writes one then, and the checks below fail after 20 s.
+    """
+    from asyncckpt._engine import datafile
+
+    real_copy, real_range = _copy._copy_group, datafile._run_range
+    copied: list[int] = []  # each group copied, by its tensor count
+    written_between = threading.Event()
+
+    def copy_group(group):
+        if copied:  # the second group: after a range of the first is written
+            written_between.wait(20)
+        real_copy(group)
+        copied.append(len(group))
+
+    def run_range(fd, r, *args):
+        if len(copied) == 1:
+            written_between.set()
+        return real_range(fd, r, *args)
+
+    monkeypatch.setattr(_copy, "_copy_group", copy_group)
+    monkeypatch.setattr(datafile, "_run_range", run_range)
+    objects = {f"v{i}": tf.Variable(np.full(1 << 20, i, np.float32)) for i in range(4)}
+    for v in objects.values():
+        v.assign_add(tf.ones_like(v))  # each variable owns its buffer
+    expected = _reference(ckpt_dir, objects)
+    with at.Checkpoint(async_options=BACKGROUND, **objects) as ckpt:
+        path = ckpt.write(str(ckpt_dir / "overlapped"))
+        for v in objects.values():  # after the save call: not in the checkpoint
+            v.assign_add(tf.ones_like(v))
+        ckpt.sync()
+    assert written_between.is_set()
+    assert copied == [2, 2]
+    _assert_same(expected, _contents(path))
+
+
 class _RecordedCopy(_copy.DeferredCopy):
     """The real deferred copy, remembered by the test."""
 

@@ -360,11 +360,13 @@ _SFR: list = []
 
 
 def _run_ranges(fd: int, ranges: list[_Range], needs_crc: Sequence[bool], writeback,
-                direct_fd: int = -1, pause: Callable[[], None] | None = None) -> list:
+                direct_fd: int = -1, pause: Callable[[], None] | None = None,
+                ready: Callable[[list[int]], None] | None = None) -> list:
     """Runs the ranges on this thread and ``_THREADS - 1`` helpers; results in range order.
 
     Each thread calls ``pause`` (the engine's ``SaveGate.wait``) before each
-    range, so the write yields to a save's copy between ranges.
+    range, so the write yields to a save's copy between ranges, then
+    ``ready`` with the range's owners (``write``).
 
     Plain threads rather than an executor: executors refuse new work once the
     interpreter has begun to shut down, which is when the exit flush of
@@ -384,6 +386,8 @@ def _run_ranges(fd: int, ranges: list[_Range], needs_crc: Sequence[bool], writeb
             try:
                 if pause is not None:
                     pause()
+                if ready is not None:
+                    ready(ranges[i].owners)
                 results[i] = _run_range(fd, ranges[i], needs_crc, writeback, direct_fd)
             except BaseException as e:  # re-raised below, on the writer thread
                 errors.append(e)
@@ -402,7 +406,8 @@ def _run_ranges(fd: int, ranges: list[_Range], needs_crc: Sequence[bool], writeb
 
 def write(path: str, parts: Sequence[tuple[int, object]], needs_crc: Sequence[bool], *,
           pause: Callable[[], None] | None = None, phases: Phases | None = None,
-          kind: str = "data", mode: int | None = None) -> Written:
+          kind: str = "data", mode: int | None = None,
+          ready: Callable[[list[int]], None] | None = None) -> Written:
     """Writes ``parts`` as the file ``path``, in order; returns its size and CRC32C.
 
     Args:
@@ -416,6 +421,10 @@ def write(path: str, parts: Sequence[tuple[int, object]], needs_crc: Sequence[bo
             checksums (``CHECKSUM_BESIDE``: their seconds on every thread).
         kind: Names the write's phase.
         mode: The file's permission bits (less the execute bits); None: the umask's.
+        ready: Called before a range's bytes are read, with the owners of its
+            parts (repeated per part): returns once their buffers hold what
+            is to be written (a TensorFlow save's background copy still
+            running, ``tf/_copy.py``). Its time counts in the write's.
 
     Requires ``available()``.
     """
@@ -429,7 +438,7 @@ def write(path: str, parts: Sequence[tuple[int, object]], needs_crc: Sequence[bo
             os.fchmod(fd, mode & 0o666)
         if sum(r.nbytes for r in ranges) >= DIRECT_MIN:
             direct_fd = _open_direct_for_write(path)
-        results = _run_ranges(fd, ranges, needs_crc, writeback, direct_fd, pause)
+        results = _run_ranges(fd, ranges, needs_crc, writeback, direct_fd, pause, ready)
     finally:
         if direct_fd >= 0:
             os.close(direct_fd)

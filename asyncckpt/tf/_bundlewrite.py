@@ -193,16 +193,17 @@ def _plan(state) -> _Plan | str:
 
 
 def _write_data(path: str, plan: _Plan, pause: Callable[[], None] | None = None,
-                phases: Phases | None = None) -> tuple[int, int, str]:
+                phases: Phases | None = None,
+                ready: Callable[[list[int]], None] | None = None) -> tuple[int, int, str]:
     """Writes the data file; fills each entry's CRC32C; returns ``(size, crc32c, "crc32c")``.
 
     The engine's data-file writer (``datafile.write``): ranges checksummed
     and written by two threads, ``O_DIRECT`` where it pays; each tensor's
-    CRC32C combined from its views'.
+    CRC32C combined from its views'. ``ready``: see ``write_bundle``.
     """
     parts = [(i, piece) for i, t in enumerate(plan.tensors) for piece in t.pieces]
     written = datafile.write(path, parts, [t.crc is None for t in plan.tensors], pause=pause,
-                             phases=phases, kind="bundle data")
+                             phases=phases, kind="bundle data", ready=ready)
     for t, crc in zip(plan.tensors, written.owner_crcs, strict=True):
         t.entry.crc32c = fastcrc.mask(t.crc if t.crc is not None else (crc or 0))
     return written.sums
@@ -219,13 +220,17 @@ def _header() -> bytes:
 
 
 def write_bundle(prefix: str, state, *, pause: Callable[[], None] | None = None,
-                 phases: Phases | None = None) -> FileSums | None:
+                 phases: Phases | None = None,
+                 ready: Callable[[list], None] | None = None) -> FileSums | None:
     """Writes ``state`` as ``prefix.index`` + ``prefix.data-00000-of-00001``.
 
     Returns each file's size and CRC32C (for the manifest), or None,
     having written nothing, when the state needs TensorFlow's ``SaveV2``.
     ``pause`` is called before each range of the data file (see ``_run_jobs``);
-    ``phases`` records where the time goes.
+    ``phases`` records where the time goes. ``ready``, before a range of
+    the data file is read, with the staged buffers (``state.tensors[i].host``)
+    it reads: returns once they hold their values (the background copy,
+    ``DeferredCopy.wait_for``), so the write starts before the copy ends.
     """
     if not fastcrc.available():
         logger.debug("no native CRC32C; the bundle is written by SaveV2")
@@ -235,7 +240,16 @@ def write_bundle(prefix: str, state, *, pause: Callable[[], None] | None = None,
         logger.debug("bundle written by SaveV2: %s", plan)
         return None
     data_path = f"{prefix}.data-00000-of-00001"
-    sums: FileSums = {os.path.basename(data_path): _write_data(data_path, plan, pause, phases)}
+    owners_ready = None
+    if ready is not None:
+        # The plan's tensors are the state's, in order, then the object graph's.
+        hosts = [t.host for t in state.tensors]
+
+        def owners_ready(owners: list[int]) -> None:
+            ready([hosts[i] for i in set(owners) if i < len(hosts)])
+
+    sums: FileSums = {os.path.basename(data_path): _write_data(data_path, plan, pause, phases,
+                                                               owners_ready)}
     t0 = time.perf_counter()
     items = [(b"", _header())]
     items += [(k, plan.entries[k].SerializeToString()) for k in sorted(plan.entries)]

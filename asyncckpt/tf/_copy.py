@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -82,6 +82,11 @@ class DeferredCopy:
         self.nbytes = sum(d.nbytes for d, _ in pairs)
         self._future: Future[None] = Future()
         self._lock = threading.Lock()
+        self._copied = threading.Condition(self._lock)
+        self._done = 0  # groups copied so far, in order
+        # Which group copies into each slot buffer (by identity: the buffers
+        # outlive the save; only their ids are kept).
+        self._group_of = {id(d): g for g, group in enumerate(self._groups) for d, _ in group}
         self._started = False
 
     @property
@@ -118,6 +123,8 @@ class DeferredCopy:
                 with self._lock:
                     if self._groups:
                         del self._groups[0]
+                    self._done += 1
+                    self._copied.notify_all()
         except BaseException as e:
             self.release()
             # The frames of the failed copy hold views of the tensors: a stored
@@ -126,11 +133,35 @@ class DeferredCopy:
             self._future.set_exception(e)
         else:
             self._future.set_result(None)
+        finally:
+            with self._lock:
+                self._copied.notify_all()
 
     def release(self) -> None:
         """Drops every read tensor still held (after a failure or a cancel)."""
         with self._lock:
             self._groups = []
+
+    def wait_for(self, buffers: Iterable[np.ndarray]) -> None:
+        """Returns once each of ``buffers`` (slot buffers) holds its copy.
+
+        The bundle writer calls this before each range of the data file, so
+        it writes what is copied while the rest is still being copied (the
+        copies run in file order). A buffer this save does not copy in the
+        background is ready already. Raises what the copy raised, and
+        ``CancelledError`` once it is cancelled, if a buffer is not copied.
+        """
+        need = max((self._group_of.get(id(b), -1) for b in buffers), default=-1)
+        if need < 0:
+            return
+        self.start()
+        with self._lock:
+            while self._done <= need and not self._future.done():
+                self._copied.wait()
+            if self._done > need:
+                return
+        self._future.result()  # failed or cancelled before this buffer was copied
+        raise RuntimeError("background copy ended before every buffer was copied")
 
     def wait(self) -> None:
         """Returns once every value is in the slot; raises what the copy raised.
@@ -148,6 +179,8 @@ class DeferredCopy:
         """
         if self._future.cancel():
             self.release()
+            with self._lock:
+                self._copied.notify_all()  # a waiting writer sees the cancel
             return
         try:
             self._future.result()

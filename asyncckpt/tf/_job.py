@@ -97,10 +97,20 @@ def write_bundle(prefix: str, state: StagedState, *, pause: Callable[[], None] |
     checksum is already known (none after ``SaveV2``). ``pause`` is called
     between the data file's ranges (``SaveV2`` writes in one call: no pauses);
     ``phases`` records where the time goes.
+
+    With a background copy into the slot still running (``state.copy``),
+    each range of the data file is written once the copy has reached it:
+    the write and the copy overlap, where the write used to wait for the
+    whole copy (16 MiB: 3 ms of 22; 64 MiB: 10 of 65). ``SaveV2`` waits for
+    all of it. The caller still waits for the copy to end (``TFSaveJob.write``).
     """
-    sums = _bundlewrite.write_bundle(prefix, state, pause=pause, phases=phases)
+    copy = state.copy
+    sums = _bundlewrite.write_bundle(prefix, state, pause=pause, phases=phases,
+                                     ready=None if copy is None else copy.wait_for)
     if sums is not None:
         return sums
+    if copy is not None:
+        copy.wait()
     t0 = time.perf_counter()
     save_v2_bundle(prefix, state)
     if phases is not None:
@@ -174,16 +184,19 @@ class TFSaveJob(SaveJob):
 
     def write(self) -> None:
         phases = self.transaction.phases
+        state = self._state
+        copy = state.copy  # the background copy into the slot, if any: the write overlaps it
         try:
-            if self._state.copy is not None:
-                with phases.timed(COPY):
-                    self._state.copy.wait()  # the background copy into the slot
             workdir = self.transaction.begin()
-            self._sums = self.write_bundle(os.path.join(workdir, self.label),
-                                           self._state) or {}
-            self.nbytes = self._state.nbytes  # with the variants (iterator state) encoded
+            self._sums = self.write_bundle(os.path.join(workdir, self.label), state) or {}
+            if copy is not None:
+                with phases.timed(COPY):
+                    copy.wait()  # done by now, unless a subclass wrote otherwise; raises its error
+            self.nbytes = state.nbytes  # with the variants (iterator state) encoded
         finally:
             self._state = None  # the slot is reused once this returns
+            if copy is not None:
+                copy.cancel()  # on an error: the copy thread is off the slot before it is
 
     def write_bundle(self, prefix: str, state: StagedState) -> dict[str, tuple[int, int, str]]:
         """Writes the bundle's files at ``prefix`` (in the transaction's directory).
