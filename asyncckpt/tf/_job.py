@@ -101,7 +101,8 @@ def write_bundle(prefix: str, state: StagedState, *, pause: Callable[[], None] |
     With a background copy into the slot still running (``state.copy``),
     each range of the data file is written once the copy has reached it:
     the write and the copy overlap, where the write used to wait for the
-    whole copy (16 MiB: 3 ms of 22; 64 MiB: 10 of 65). ``SaveV2`` waits for
+    whole copy (at 16 MiB the copy was 3 ms of a 22 ms durable time; the
+    overlap took 1-4 ms off it, docs/architecture.md). ``SaveV2`` waits for
     all of it. The caller still waits for the copy to end (``TFSaveJob.write``).
     """
     copy = state.copy
